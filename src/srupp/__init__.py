@@ -1,0 +1,7 @@
+"""srupp: fast SRU and SRU++ recurrent layers for PyTorch."""
+
+__version__ = "0.1.0"
+
+from . import nn, ops  # noqa: E402
+
+__all__ = ["nn", "ops", "__version__"]

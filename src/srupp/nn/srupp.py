@@ -1,0 +1,358 @@
+"""SRU++ (Lei, 2021): an SRU whose U comes from a small self-attention."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
+
+from ._inputs import (check_c0, check_input, merge_masks, normalize_mask_pad, pack_output,
+                      unpack_input)
+from .attention import AttentionMask, SRUppAttention, SRUppProjectedLinear, build_attention_mask
+from .base import RecurrentLayerBase
+from .state import SRUppState
+
+StateLike = Union[SRUppState, Tensor, None]
+
+
+class SRUppCell(RecurrentLayerBase):
+    """One SRU++ *layer*: it runs a whole sequence, not a single step.
+
+    As in the reference, a "cell" is a full layer. Stepping token by token is
+    done by feeding one-token inputs with the :class:`SRUppState` the last call
+    returned.
+
+    Args:
+        input_size: n_in.  hidden_size: d per direction.  proj_size: d′, the attention width.
+        dropout: dropout before W3, and the variational highway dropout
+            (unless ``highway_dropout`` overrides it; the stack sets that to 0
+            in its last layer).
+        attn_dropout: dropout on attention weights.
+        num_heads: attention heads; must divide proj_size.
+        bidirectional, layer_norm, normalize_after, highway_bias, rescale,
+        weight_c_init: as in :class:`~srupp.nn.SRU`.
+        attn_layer_norm: LayerNorm(d′) inside the attention sub-layer.
+        use_attention: False gives the projected linear sub-layer (no attention).
+        causal: each position attends only to itself, the past and memory.
+        mem_len: past inputs kept in the returned state's memory; None keeps
+            all of them, 0 none.
+        batch_first, device, dtype: as ``nn.LSTM``.
+
+    Defaults follow the reference's ``SRUpp`` (the reference's SRUppCell
+    inherits SRUCell's defaults but is never built on its own).
+    """
+
+    def __init__(self, input_size: int, hidden_size: int, proj_size: int, *,
+                 dropout: float = 0.0, attn_dropout: float = 0.0, num_heads: int = 1,
+                 bidirectional: bool = False, layer_norm: bool = False,
+                 normalize_after: bool = False, attn_layer_norm: bool = True,
+                 highway_bias: float = -2.0, rescale: bool = False,
+                 weight_c_init: float = 1.0, use_attention: bool = True,
+                 highway_dropout: Optional[float] = None, causal: bool = False,
+                 mem_len: Optional[int] = None, batch_first: bool = False,
+                 device=None, dtype=None):
+        super().__init__(input_size, hidden_size,
+                         highway_dropout=dropout if highway_dropout is None else highway_dropout,
+                         bidirectional=bidirectional, highway_bias=highway_bias,
+                         layer_norm=layer_norm, normalize_after=normalize_after,
+                         rescale=rescale, has_skip_term=True, weight_c_init=weight_c_init,
+                         device=device, dtype=dtype)
+        _check_stack_options(proj_size, dropout, attn_dropout, num_heads, bidirectional,
+                             causal, mem_len)
+        factory = {"device": device, "dtype": dtype}
+        self.proj_size = proj_size
+        self.use_attention = use_attention
+        self.causal = causal
+        self.mem_len = mem_len
+        self.batch_first = batch_first
+        out = self.output_size * self.num_matrices
+        if use_attention:
+            self.transform = SRUppAttention(
+                input_size, out, proj_size, num_heads=num_heads, dropout=dropout,
+                attn_dropout=attn_dropout, layer_norm=attn_layer_norm, **factory)
+        else:
+            self.transform = SRUppProjectedLinear(
+                input_size, out, proj_size, dropout=dropout, layer_norm=attn_layer_norm,
+                **factory)
+        self.reset_gate_parameters()
+
+    def reset_parameters(self):
+        self.reset_gate_parameters()
+        self.transform.reset_parameters()
+
+    def layer_forward(self, x: Tensor, c0: Tensor, mask_pad: Optional[Tensor],
+                      memory: Optional[Tensor],
+                      attn: AttentionMask) -> Tuple[Tensor, Tensor, Tensor]:
+        """Batch-first core.
+
+        Args:
+            x: (B, L, n_in).  c0: (B, D).  mask_pad: (B, L) bool or None.
+            memory: (B, M, n_in) past (pre-normed) inputs, or None.
+            attn: the stack's mask for keys [memory; x].
+        Returns:
+            h (B, L, D), c (B, D), and the (pre-normed) input (B, L, n_in),
+            which is what memory holds for the next call.
+        """
+        xin = self.pre_norm(x).to(x.dtype)
+        U = self.transform(xin, memory if self.use_attention else None, attn)
+        h, c = self.recur(U, x, c0, mask_pad)
+        return h, c, xin
+
+    def forward(self, input: Union[Tensor, PackedSequence], state: StateLike = None, *,
+                mask_pad: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None):
+        """Run the layer. Same contract as :meth:`SRUpp.forward`, with one layer."""
+        return _run_stack(self, [self], None, input, state, mask_pad, attn_mask)
+
+    def extra_repr(self) -> str:
+        s = self._gate_repr() + f", proj_size={self.proj_size}"
+        if not self.use_attention:
+            s += ", use_attention=False"
+        if self.causal:
+            s += ", causal=True"
+        if self.mem_len is not None:
+            s += f", mem_len={self.mem_len}"
+        if self.batch_first:
+            s += ", batch_first=True"
+        return s
+
+
+class SRUpp(nn.Module):
+    """A stack of SRU++ layers with the reference's arguments, plus state and causality.
+
+    Args:
+        input_size, hidden_size, proj_size, num_layers: n_in, d per direction, d′, depth.
+        dropout: dropout inside each attention sub-layer, and the variational
+            highway dropout of every layer but the last.
+        attn_dropout, num_heads, bidirectional, layer_norm, normalize_after,
+        attn_layer_norm, highway_bias, rescale, weight_c_init: see :class:`SRUppCell`.
+        attention_every_n_layers: layer i has attention when (i + 1) % n == 0.
+        attention_last_n_layers: only the last n layers have attention (-1: off).
+        proj_input_to_hidden_first: a bias-free linear n_in → D before layer 0.
+        nn_rnn_compatible_return: accepted for the reference's signature; the
+            state is an :class:`SRUppState`, so only False is supported.
+        causal: build the causal mask (over memory too). Not with bidirectional.
+        mem_len: past inputs each layer keeps in the returned state (None: all).
+        batch_first, device, dtype: as ``nn.LSTM``.
+
+    Memory deviation from the reference: with ``layer_norm=True`` and
+    ``normalize_after=False`` the reference keeps *raw* inputs as memory but
+    attends from normalised ones; srupp keeps the normalised inputs, so that
+    every chunking of a sequence gives the same result.
+    """
+
+    def __init__(self, input_size: int, hidden_size: int, proj_size: int,
+                 num_layers: int = 2, *, dropout: float = 0.0, attn_dropout: float = 0.0,
+                 num_heads: int = 1, bidirectional: bool = False, layer_norm: bool = False,
+                 normalize_after: bool = False, attn_layer_norm: bool = True,
+                 highway_bias: float = -2.0, attention_every_n_layers: int = 1,
+                 attention_last_n_layers: int = -1, rescale: bool = False,
+                 nn_rnn_compatible_return: bool = False,
+                 proj_input_to_hidden_first: bool = False, weight_c_init: float = 1.0,
+                 causal: bool = False, mem_len: Optional[int] = None,
+                 batch_first: bool = False, device=None, dtype=None):
+        super().__init__()
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        if attention_every_n_layers != 1 and attention_last_n_layers != -1:
+            raise ValueError("set attention_every_n_layers or attention_last_n_layers, not both")
+        if attention_every_n_layers < 1:
+            raise ValueError(
+                f"attention_every_n_layers must be >= 1, got {attention_every_n_layers}")
+        if nn_rnn_compatible_return:
+            raise ValueError("nn_rnn_compatible_return=True is not supported by SRUpp: it returns "
+                             "an SRUppState; reshape state.c yourself if you need nn.LSTM's layout")
+        _check_stack_options(proj_size, dropout, attn_dropout, num_heads, bidirectional,
+                             causal, mem_len)
+        factory = {"device": device, "dtype": dtype}
+        self.input_size = input_size
+        self.hidden_size = hidden_size
+        self.proj_size = proj_size
+        self.num_layers = num_layers
+        self.num_directions = 2 if bidirectional else 1
+        self.output_size = hidden_size * self.num_directions
+        self.bidirectional = bidirectional
+        self.causal = causal
+        self.mem_len = mem_len
+        self.batch_first = batch_first
+        self.input_to_hidden: Optional[nn.Linear] = None
+        first_in = input_size
+        if proj_input_to_hidden_first and input_size != self.output_size:
+            self.input_to_hidden = nn.Linear(input_size, self.output_size, bias=False, **factory)
+            nn.init.xavier_uniform_(self.input_to_hidden.weight)
+            first_in = self.output_size
+
+        def has_attention(i: int) -> bool:
+            if attention_last_n_layers != -1:
+                return num_layers - i <= attention_last_n_layers
+            return (i + 1) % attention_every_n_layers == 0
+
+        self.layers = nn.ModuleList(
+            SRUppCell(first_in if i == 0 else self.output_size, hidden_size, proj_size,
+                      dropout=dropout, attn_dropout=attn_dropout, num_heads=num_heads,
+                      bidirectional=bidirectional, layer_norm=layer_norm,
+                      normalize_after=normalize_after, attn_layer_norm=attn_layer_norm,
+                      highway_bias=highway_bias, rescale=rescale, weight_c_init=weight_c_init,
+                      use_attention=has_attention(i),
+                      highway_dropout=dropout if i + 1 < num_layers else 0.0,
+                      batch_first=True, **factory)
+            for i in range(num_layers))
+
+    def __getitem__(self, i: int) -> SRUppCell:
+        return self.layers[i]
+
+    def reset_parameters(self):
+        for layer in self.layers:
+            layer.reset_parameters()
+        if self.input_to_hidden is not None:
+            nn.init.xavier_uniform_(self.input_to_hidden.weight)
+
+    def initial_state(self, batch_size: int, *, device=None,
+                      mem_len: Optional[int] = None) -> SRUppState:
+        """A zero state with empty memory for ``batch_size`` sequences."""
+        p = self.layers[0].weight_c
+        c = torch.zeros(self.num_layers, batch_size, self.output_size,
+                        dtype=self.layers[0].state_dtype, device=device or p.device)
+        return SRUppState(c=c, mem_len=mem_len)
+
+    def forward(self, input: Union[Tensor, PackedSequence], state: StateLike = None, *,
+                mask_pad: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None
+                ) -> Tuple[Union[Tensor, PackedSequence], SRUppState]:
+        """Run the stack over a sequence, continuing from ``state``.
+
+        Args:
+            input: (L, B, n_in), or (B, L, n_in) with ``batch_first``, or a PackedSequence.
+            state: an :class:`SRUppState` from a previous call, a bare c0
+                (num_layers, B, D), or None for zeros and no memory.
+            mask_pad: bool (L, B) (or (B, L)); True marks padding: those steps
+                hold the state, output 0, and are never attended to.
+            attn_mask: additive float (L, M + L) over keys [memory; input],
+                added to the causal mask when ``causal=True``.
+
+        Returns:
+            output: (L, B, D) (or (B, L, D)), in the autocast dtype under autocast.
+            state: the new :class:`SRUppState`: c after the last step, memory
+                holding the last ``mem_len`` (pre-normed) inputs of each
+                attention layer, and their padding mask.
+        """
+        return _run_stack(self, list(self.layers), self.input_to_hidden, input, state,
+                          mask_pad, attn_mask)
+
+    def extra_repr(self) -> str:
+        s = f"{self.input_size}, {self.hidden_size}, {self.proj_size}, num_layers={self.num_layers}"
+        if self.causal:
+            s += ", causal=True"
+        if self.mem_len is not None:
+            s += f", mem_len={self.mem_len}"
+        if self.batch_first:
+            s += ", batch_first=True"
+        return s
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _check_stack_options(proj_size, dropout, attn_dropout, num_heads, bidirectional, causal,
+                         mem_len):
+    if proj_size <= 0:
+        raise ValueError(f"proj_size must be positive, got {proj_size}")
+    if num_heads < 1 or proj_size % num_heads != 0:
+        raise ValueError(f"num_heads ({num_heads}) must be >= 1 and divide proj_size ({proj_size})")
+    for name, p in (("dropout", dropout), ("attn_dropout", attn_dropout)):
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {p}")
+    if causal and bidirectional:
+        raise ValueError("causal=True cannot be combined with bidirectional=True: the backward "
+                         "direction reads the future")
+    if mem_len is not None and mem_len < 0:
+        raise ValueError(f"mem_len must be >= 0 or None, got {mem_len}")
+
+
+def _keep_last(t: Optional[Tensor], n: Optional[int]) -> Optional[Tensor]:
+    """The last n steps of a batch-first (B, T, ...) tensor; all when n is None."""
+    if t is None or n is None or t.shape[1] <= n:
+        return t
+    return t[:, t.shape[1] - n:]
+
+
+def _run_stack(owner, layers: List[SRUppCell], input_to_hidden: Optional[nn.Linear],
+               input, state: StateLike, mask_pad: Optional[Tensor],
+               attn_mask: Optional[Tensor]):
+    """The forward pass shared by SRUpp (many layers) and SRUppCell (one)."""
+    first = layers[0]
+    x, packed_mask, lengths = unpack_input(input, owner.batch_first)
+    check_input(x, owner.input_size, first.weight_c.dtype)
+    B, L, _ = x.shape
+    nL, D = len(layers), first.output_size
+    bf = owner.batch_first or lengths is not None
+    mask = merge_masks(packed_mask, normalize_mask_pad(mask_pad, B, L, bf, x.device))
+
+    # ---- the incoming state
+    sdt = first.state_dtype
+    if state is None:
+        state = SRUppState(c=x.new_zeros(nL, B, D, dtype=sdt))
+    elif isinstance(state, Tensor):
+        state = SRUppState(c=check_c0(state, nL, B, D, sdt, x.device.type))
+    elif isinstance(state, SRUppState):
+        if state.num_layers != nL:
+            raise ValueError(f"state has {state.num_layers} layers, this module has {nL}")
+        check_c0(state.c, nL, B, D, sdt, x.device.type)
+        for i, (m, layer) in enumerate(zip(state.memory, layers)):
+            if m is not None and m.shape[-1] != layer.input_size:
+                raise ValueError(f"state.memory[{i}] has {m.shape[-1]} features, layer {i} "
+                                 f"expects input_size={layer.input_size}")
+    else:
+        raise ValueError(f"state must be an SRUppState, a c0 tensor or None, "
+                         f"got {type(state).__name__}")
+    c0 = state.c.to(sdt)
+    M = state.memory_length
+    mem_len = state.mem_len if state.mem_len is not None else owner.mem_len
+    any_attention = any(layer.use_attention for layer in layers)
+    if any_attention and M > 0 and any(m is None for m, layer in zip(state.memory, layers)
+                                       if layer.use_attention):
+        raise ValueError("state.memory must hold an entry for every attention layer")
+
+    # ---- the attention mask, shared by all layers
+    key_padding = None
+    if mask is not None or state.memory_mask_pad is not None:
+        mem_mask = state.memory_mask_pad
+        if mem_mask is None:
+            mem_mask = torch.zeros(B, M, dtype=torch.bool, device=x.device)
+        cur = mask if mask is not None else torch.zeros(B, L, dtype=torch.bool, device=x.device)
+        key_padding = torch.cat([mem_mask.to(x.device), cur], dim=1)  # (B, M + L)
+    if attn_mask is not None:
+        if not isinstance(attn_mask, Tensor) or not attn_mask.is_floating_point() or \
+                tuple(attn_mask.shape) != (L, M + L):
+            got = (f"{attn_mask.dtype} {tuple(attn_mask.shape)}" if isinstance(attn_mask, Tensor)
+                   else type(attn_mask).__name__)
+            raise ValueError(f"attn_mask must be an additive float tensor (L, M + L) = "
+                             f"({L}, {M + L}), got {got}")
+    attn = (build_attention_mask(L, M, causal=owner.causal, attn_mask=attn_mask,
+                                 key_padding=key_padding, device=x.device)
+            if any_attention else AttentionMask())
+
+    # ---- the layers
+    if input_to_hidden is not None:
+        x = input_to_hidden(x)
+    cs, memory = [], []
+    keep_memory = any_attention and mem_len != 0
+    for i, layer in enumerate(layers):
+        mem_i = state.memory[i] if layer.use_attention else None
+        x_i = x
+        x, c, xin = layer.layer_forward(x_i, c0[i], mask, mem_i, attn)
+        cs.append(c)
+        if keep_memory and layer.use_attention:
+            new_mem = xin.to(x_i.dtype) if mem_i is None else torch.cat(
+                [mem_i.to(x_i.dtype), xin.to(x_i.dtype)], dim=1)
+            memory.append(_keep_last(new_mem, mem_len))
+        else:
+            memory.append(None)
+    new_mask = None
+    if keep_memory and key_padding is not None:
+        new_mask = _keep_last(key_padding, mem_len)
+    new_state = SRUppState(c=torch.stack(cs), memory=memory, memory_mask_pad=new_mask,
+                           mem_len=state.mem_len)
+
+    if lengths is not None:
+        return pack_output(x, lengths), new_state
+    return (x if owner.batch_first else x.transpose(0, 1)), new_state

@@ -1,0 +1,159 @@
+"""The state an SRU++ stack carries between calls.
+
+One object serves both Transformer-XL-style segment training (carry the state
+across segments, ``detach()`` it between optimiser steps) and token-by-token
+decoding (feed one token at a time, ``index_select`` it for beam search).
+
+Layouts are fixed, whatever the layer's ``batch_first`` (as for the hidden
+state of ``nn.LSTM``):
+
+    c                (num_layers, B, D)  recurrent state, fp32 (fp64 for fp64 models)
+    memory[i]        (B, M, n_in_i)      layer i's past inputs (after its pre-norm,
+                                         if any), or None for layers without
+                                         attention; dtype of the layer input
+    memory_mask_pad  (B, M) bool         True marks padding in memory, or None
+                                         when memory holds no padding
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class SRUppState:
+    """Recurrent state and attention memory of an :class:`~srupp.nn.SRUpp` stack.
+
+    Args:
+        c: (num_layers, B, D) recurrent state of every layer.
+        memory: one entry per layer, (B, M, n_in_i) or None. All entries that
+            are not None share the same M.
+        memory_mask_pad: (B, M) bool, True at padded memory positions; None
+            means no memory position is padding.
+        mem_len: how many past positions each layer keeps after the next call.
+            None defers to the layer's ``mem_len``.
+    """
+
+    c: Tensor
+    memory: List[Optional[Tensor]] = field(default_factory=list)
+    memory_mask_pad: Optional[Tensor] = None
+    mem_len: Optional[int] = None
+
+    def __post_init__(self):
+        if not isinstance(self.c, Tensor) or self.c.dim() != 3:
+            shape = tuple(self.c.shape) if isinstance(self.c, Tensor) else type(self.c).__name__
+            raise ValueError(f"SRUppState.c must be a (num_layers, B, D) tensor, got {shape}")
+        if not self.memory:
+            self.memory = [None] * self.c.shape[0]
+        self.memory = list(self.memory)
+        if len(self.memory) != self.c.shape[0]:
+            raise ValueError(
+                f"SRUppState.memory has {len(self.memory)} entries but c has "
+                f"{self.c.shape[0]} layers; give one entry (or None) per layer")
+        B = self.c.shape[1]
+        lengths = set()
+        for i, m in enumerate(self.memory):
+            if m is None:
+                continue
+            if m.dim() != 3 or m.shape[0] != B:
+                raise ValueError(
+                    f"SRUppState.memory[{i}] must be (B={B}, M, n_in), got {tuple(m.shape)}")
+            lengths.add(m.shape[1])
+        if len(lengths) > 1:
+            raise ValueError(f"SRUppState.memory entries disagree on length M: {sorted(lengths)}")
+        mp = self.memory_mask_pad
+        if mp is not None:
+            M = lengths.pop() if lengths else None
+            if mp.dtype != torch.bool or mp.dim() != 2 or mp.shape[0] != B or (
+                    M is not None and mp.shape[1] != M):
+                raise ValueError(
+                    f"SRUppState.memory_mask_pad must be bool (B={B}, M={M}), "
+                    f"got {mp.dtype} {tuple(mp.shape)}")
+        if self.mem_len is not None and self.mem_len < 0:
+            raise ValueError(f"SRUppState.mem_len must be >= 0 or None, got {self.mem_len}")
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_layers(self) -> int:
+        return self.c.shape[0]
+
+    @property
+    def batch_size(self) -> int:
+        return self.c.shape[1]
+
+    @property
+    def memory_length(self) -> int:
+        """M, the number of past positions held in memory (0 when none)."""
+        for m in self.memory:
+            if m is not None:
+                return m.shape[1]
+        return 0
+
+    def nbytes(self) -> int:
+        """Bytes held by all tensors of the state."""
+        tensors = [self.c, self.memory_mask_pad, *self.memory]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    # ------------------------------------------------------------ transforms
+    def _map(self, fn) -> "SRUppState":
+        return replace(
+            self,
+            c=fn(self.c),
+            memory=[None if m is None else fn(m) for m in self.memory],
+            memory_mask_pad=None if self.memory_mask_pad is None else fn(self.memory_mask_pad),
+        )
+
+    def detach(self) -> "SRUppState":
+        """A copy cut from the autograd graph, for truncated backpropagation."""
+        return self._map(Tensor.detach)
+
+    def index_select(self, batch_indices: Tensor) -> "SRUppState":
+        """Reorder or repeat batch entries, e.g. to follow beams.
+
+        Args:
+            batch_indices: (B',) long indices into the batch.
+        """
+        idx = torch.as_tensor(batch_indices, dtype=torch.long, device=self.c.device)
+        return replace(
+            self,
+            c=self.c.index_select(1, idx),
+            memory=[None if m is None else m.index_select(0, idx) for m in self.memory],
+            memory_mask_pad=(None if self.memory_mask_pad is None
+                             else self.memory_mask_pad.index_select(0, idx)),
+        )
+
+    def to(self, *args, **kwargs) -> "SRUppState":
+        """Move to a device. Dtypes are kept (c stays fp32), so pass a device only."""
+        return self._map(lambda t: t.to(*args, **kwargs))
+
+    # ------------------------------------------------------------ checkpoint
+    def to_dict(self) -> Dict[str, Tensor]:
+        """A flat ``{name: tensor}`` dict, ready for safetensors or ``torch.save``."""
+        out: Dict[str, Tensor] = {"c": self.c}
+        for i, m in enumerate(self.memory):
+            if m is not None:
+                out[f"memory.{i}"] = m
+        if self.memory_mask_pad is not None:
+            out["memory_mask_pad"] = self.memory_mask_pad
+        if self.mem_len is not None:
+            out["mem_len"] = torch.tensor(self.mem_len, dtype=torch.long)
+        return out
+
+    @classmethod
+    def from_dict(cls, tensors: Dict[str, Tensor]) -> "SRUppState":
+        """Inverse of :meth:`to_dict`."""
+        if "c" not in tensors:
+            raise ValueError("SRUppState.from_dict: missing key 'c'")
+        known = {"c", "memory_mask_pad", "mem_len"}
+        unknown = [k for k in tensors if k not in known and not k.startswith("memory.")]
+        if unknown:
+            raise ValueError(f"SRUppState.from_dict: unknown keys {unknown}")
+        c = tensors["c"]
+        memory = [tensors.get(f"memory.{i}") for i in range(c.shape[0])]
+        mem_len = tensors.get("mem_len")
+        return cls(c=c, memory=memory, memory_mask_pad=tensors.get("memory_mask_pad"),
+                   mem_len=None if mem_len is None else int(mem_len))
