@@ -1,0 +1,348 @@
+"""SRU++ stack: gradients, execution modes that must agree, autocast, bad input."""
+
+import pytest
+import torch
+from torch.autograd import gradcheck
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from srupp.nn import SRUpp, SRUppCell, SRUppState
+
+close = torch.testing.assert_close  # fp32 defaults overridden per call: rtol=1e-5, atol=1e-6
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def randomize(module, seed=0):
+    """Move every parameter off its initial value, α included, so attention matters."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+    return module
+
+
+def make(**kw):
+    torch.manual_seed(0)
+    cfg = dict(input_size=6, hidden_size=4, proj_size=4, num_layers=2)
+    cfg.update(kw)
+    return randomize(SRUpp(**cfg).eval())
+
+
+# ------------------------------------------------------------------ gradcheck
+
+GRAD_CASES = {
+    "plain": {},
+    "bidirectional": dict(bidirectional=True),
+    "k4": dict(input_size=5),
+    "rescale": dict(rescale=True, input_size=4),
+    "heads": dict(num_heads=2),
+    "layer_norm_pre": dict(layer_norm=True),
+    "layer_norm_post": dict(layer_norm=True, normalize_after=True),
+    "attention_every_2": dict(attention_every_n_layers=2),
+    "causal": dict(causal=True),
+}
+
+
+@pytest.mark.parametrize("case", list(GRAD_CASES))
+@pytest.mark.parametrize("with_pad", [False, True])
+def test_gradcheck_stack(case, with_pad):
+    m = make(**GRAD_CASES[case]).double()
+    L, B = 4, 2
+    x = torch.randn(L, B, m.input_size, dtype=torch.float64, requires_grad=True)
+    c0 = torch.randn(m.num_layers, B, m.output_size, dtype=torch.float64, requires_grad=True)
+    mask = None
+    if with_pad:
+        mask = torch.zeros(L, B, dtype=torch.bool)
+        mask[-1, 1] = True
+    params = list(m.parameters())
+
+    def fn(x, c0, *ps):
+        # the parameters are read by m in place; gradcheck perturbs them through ps
+        out, state = m(x, c0, mask_pad=mask)
+        return out, state.c
+
+    assert gradcheck(fn, (x, c0, *params), eps=1e-6, atol=1e-5)
+
+
+def test_gradcheck_with_memory():
+    m = make(causal=True, num_heads=2).double()
+    B = 2
+    x = torch.randn(3, B, m.input_size, dtype=torch.float64, requires_grad=True)
+    mem = [torch.randn(B, 2, m.input_size if i == 0 else m.output_size, dtype=torch.float64,
+                       requires_grad=True) for i in range(m.num_layers)]
+    c0 = torch.randn(m.num_layers, B, m.output_size, dtype=torch.float64, requires_grad=True)
+    mmask = torch.tensor([[True, False], [False, False]])
+
+    def fn(x, c0, m0, m1, *ps):
+        out, st = m(x, SRUppState(c=c0, memory=[m0, m1], memory_mask_pad=mmask))
+        return out, st.c
+
+    assert gradcheck(fn, (x, c0, *mem, *m.parameters()), eps=1e-6, atol=1e-5)
+
+
+# ---------------------------------------------------------- chunked and stepwise
+
+def run_chunks(m, x, sizes, state=None):
+    outs, t = [], 0
+    i = 0
+    while t < x.shape[0]:
+        n = sizes[i % len(sizes)]
+        o, state = m(x[t:t + n], state)
+        outs.append(o)
+        t += n
+        i += 1
+    return torch.cat(outs), state
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 12])
+@pytest.mark.parametrize("mem_len", [None, 12, 20])
+def test_chunks_match_one_pass(chunk, mem_len):
+    m = make(causal=True, num_layers=3, num_heads=2, mem_len=mem_len, layer_norm=True)
+    x = torch.randn(12, 2, 6)
+    full, full_state = m(x)
+    out, state = run_chunks(m, x, [chunk])
+    close(out, full, **TOL)
+    close(state.c, full_state.c, **TOL)
+
+
+def test_irregular_chunks_match_one_pass():
+    m = make(causal=True, num_layers=2, attention_last_n_layers=1)
+    x = torch.randn(15, 3, 6)
+    full, _ = m(x)
+    out, _ = run_chunks(m, x, [1, 4, 2, 7])
+    close(out, full, **TOL)
+
+
+def window_mask(L, allowed_from):
+    """Additive (L, L) mask: query p sees keys allowed_from[p] .. p."""
+    mask = torch.full((L, L), float("-inf"))
+    for p in range(L):
+        mask[p, allowed_from[p]:p + 1] = 0.0
+    return mask
+
+
+@pytest.mark.parametrize("mem_len", [0, 2, 5])
+def test_token_by_token_is_a_sliding_window(mem_len):
+    m = make(causal=True, num_heads=2, mem_len=mem_len)
+    L = 10
+    x = torch.randn(L, 2, 6)
+    stepped, _ = run_chunks(m, x, [1])
+    ref = make(num_heads=2)  # same weights, not causal: the window mask does it all
+    expected, _ = ref(x, attn_mask=window_mask(L, [max(0, p - mem_len) for p in range(L)]))
+    close(stepped, expected, **TOL)
+
+
+@pytest.mark.parametrize("chunk,mem_len", [(3, 2), (4, 4), (5, 3)])
+def test_chunks_follow_transformer_xl(chunk, mem_len):
+    """A chunk sees at most mem_len earlier tokens plus its own causal prefix."""
+    m = make(causal=True, mem_len=mem_len)
+    L = 11
+    x = torch.randn(L, 2, 6)
+    out, _ = run_chunks(m, x, [chunk])
+    starts = [(p // chunk) * chunk for p in range(L)]
+    expected, _ = make()(x, attn_mask=window_mask(L, [max(0, s - mem_len) for s in starts]))
+    close(out, expected, **TOL)
+
+
+def test_user_attn_mask_is_added_to_causal():
+    m = make(causal=True)
+    x = torch.randn(5, 2, 6)
+    extra = torch.zeros(5, 5)
+    extra[:, 0] = float("-inf")  # nobody may look at position 0, except... nobody
+    out, _ = m(x, attn_mask=extra)
+    causal = torch.triu(torch.full((5, 5), float("-inf")), diagonal=1)
+    expected, _ = make()(x, attn_mask=causal + extra)
+    # row 0 is fully masked: its attention output is zeros, not NaN, in both paths
+    assert torch.isfinite(out).all()
+    close(out, expected, **TOL)
+
+
+# ------------------------------------------------------------------ padding
+
+@pytest.mark.parametrize("cfg", [dict(), dict(bidirectional=True), dict(causal=True),
+                                 dict(input_size=5, num_heads=2, layer_norm=True)])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padded_batch_matches_single_runs(cfg, side):
+    m = make(**cfg)
+    lengths = [5, 3, 1]
+    L = max(lengths)
+    seqs = [torch.randn(n, 1, m.input_size) for n in lengths]
+    x = torch.zeros(L, len(lengths), m.input_size)
+    mask = torch.ones(L, len(lengths), dtype=torch.bool)
+    spans = []
+    for b, (s, n) in enumerate(zip(seqs, lengths)):
+        span = slice(0, n) if side == "right" else slice(L - n, L)
+        x[span, b] = s[:, 0]
+        mask[span, b] = False
+        spans.append(span)
+    out, state = m(x, mask_pad=mask)
+    for b, (s, span) in enumerate(zip(seqs, spans)):
+        alone, alone_state = m(s)
+        close(out[span, b], alone[:, 0], **TOL)
+        close(state.c[:, b], alone_state.c[:, 0], **TOL)
+        pad = mask[:, b]
+        assert torch.all(out[pad, b] == 0)
+
+
+def test_packed_sequence_matches_padded():
+    m = make(bidirectional=True)
+    lengths = torch.tensor([2, 4, 3])
+    x = torch.randn(4, 3, 6)
+    mask = torch.arange(4).unsqueeze(1) >= lengths.unsqueeze(0)
+    padded, st = m(x, mask_pad=mask)
+    packed, pst = m(pack_padded_sequence(x, lengths, enforce_sorted=False))
+    unpacked, _ = pad_packed_sequence(packed)
+    close(unpacked, padded, **TOL)
+    close(pst.c, st.c, **TOL)
+
+
+def test_fully_padded_sequence_gives_zeros_not_nan():
+    m = make(causal=True)
+    x = torch.randn(3, 2, 6)
+    mask = torch.zeros(3, 2, dtype=torch.bool)
+    mask[:, 1] = True
+    out, state = m(x, mask_pad=mask)
+    assert torch.isfinite(out).all() and torch.all(out[:, 1] == 0)
+    out.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+
+
+# ------------------------------------------------------------- layouts, state
+
+def test_batch_first_matches_time_major():
+    m = make(num_heads=2)
+    mb = make(num_heads=2, batch_first=True)
+    x = torch.randn(5, 3, 6)
+    mask = torch.zeros(5, 3, dtype=torch.bool)
+    mask[4, 0] = True
+    out, st = m(x, mask_pad=mask)
+    outb, stb = mb(x.transpose(0, 1), mask_pad=mask.T)
+    close(outb.transpose(0, 1), out, **TOL)
+    close(stb.c, st.c, **TOL)
+
+
+def test_cell_is_a_one_layer_stack():
+    torch.manual_seed(1)
+    cell = randomize(SRUppCell(6, 4, 4, causal=True, num_heads=2))
+    stack = SRUpp(6, 4, 4, num_layers=1, causal=True, num_heads=2)
+    stack.layers[0].load_state_dict(cell.state_dict())
+    x = torch.randn(5, 2, 6)
+    a, sa = cell(x)
+    b, sb = stack(x)
+    close(a, b, **TOL)
+    c, _ = cell(x[3:], cell(x[:3])[1])
+    close(c, a[3:], **TOL)
+
+
+def test_state_round_trip_detach_and_size():
+    m = make(causal=True, mem_len=4)
+    x = torch.randn(6, 2, 6, requires_grad=True)
+    mask = torch.zeros(6, 2, dtype=torch.bool)
+    mask[0, 1] = True
+    _, st = m(x, mask_pad=mask)
+    assert st.memory_length == 4 and st.memory_mask_pad.shape == (2, 4)
+    d = st.to_dict()
+    back = SRUppState.from_dict(d)
+    for k, v in back.to_dict().items():
+        assert torch.equal(v, d[k])
+    det = st.detach()
+    assert not det.c.requires_grad and all(not t.requires_grad for t in det.memory if t is not None)
+    expected = sum(t.numel() * t.element_size() for t in d.values())
+    assert st.nbytes() == expected
+    y1, _ = m(torch.randn(2, 2, 6), back)  # usable as a state
+    assert y1.shape == (2, 2, 4)
+
+
+def test_index_select_follows_sequences():
+    m = make(causal=True)
+    x = torch.randn(7, 3, 6)
+    _, st = m(x[:4])
+    idx = torch.tensor([2, 0, 0])
+    out, _ = m(x[4:, idx], st.index_select(idx))
+    full, _ = m(x[:, idx])
+    close(out, full[4:], **TOL)
+
+
+def test_state_mem_len_overrides_layer():
+    m = make(causal=True, mem_len=2)
+    st = m.initial_state(2, mem_len=5)
+    _, st = m(torch.randn(6, 2, 6), st)
+    assert st.memory_length == 5 and st.mem_len == 5
+
+
+def test_bare_c0_tensor_is_accepted():
+    m = make()
+    c0 = torch.randn(2, 3, 4)
+    a, _ = m(torch.randn(4, 3, 6), c0)
+    b, st = m(torch.randn(4, 3, 6), SRUppState(c=c0))
+    assert a.shape == b.shape
+
+
+# ----------------------------------------------------------------- autocast
+
+def test_bf16_autocast_dtypes():
+    m = make(causal=True, layer_norm=True, normalize_after=True, num_layers=3)
+    x = torch.randn(5, 2, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, st = m(x)
+        out2, st2 = m(x, st)
+    assert out.dtype == torch.bfloat16 and out2.dtype == torch.bfloat16
+    assert st.c.dtype == torch.float32
+    assert st.memory[0].dtype == torch.float32          # layer 0's input is the fp32 x
+    assert st.memory[1].dtype == torch.bfloat16         # later layers get bf16 h
+    ref, _ = m(x)
+    close(out.float(), ref, rtol=0.05, atol=0.05)  # bf16 has 8 bits of mantissa
+
+
+# ---------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("call,match", [
+    (lambda m: m(torch.randn(5, 6)), "3-D"),
+    (lambda m: m(torch.randn(5, 2, 7)), "input_size=6"),
+    (lambda m: m(torch.randn(5, 2, 6).double()), "dtype"),
+    (lambda m: m(torch.randn(5, 2, 6), torch.zeros(2, 3, 4)), r"\(2, 2, 4\)"),
+    (lambda m: m(torch.randn(5, 2, 6), torch.zeros(2, 2, 4, dtype=torch.float64)), "dtype"),
+    (lambda m: m(torch.randn(5, 2, 6), SRUppState(c=torch.zeros(3, 2, 4))), "3 layers"),
+    (lambda m: m(torch.randn(5, 2, 6), mask_pad=torch.zeros(2, 5, dtype=torch.bool)), r"\(5, 2\)"),
+    (lambda m: m(torch.randn(5, 2, 6), mask_pad=torch.zeros(5, 2)), "bool"),
+    (lambda m: m(torch.randn(5, 2, 6), attn_mask=torch.zeros(5, 6)), r"\(5, 5\)"),
+    (lambda m: m(torch.randn(5, 2, 6), "state"), "SRUppState"),
+])
+def test_bad_input_is_a_clear_value_error(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(make())
+
+
+def test_state_from_another_batch_or_config():
+    m = make(causal=True)
+    _, st = m(torch.randn(3, 2, 6))
+    with pytest.raises(ValueError, match="B, D"):
+        m(torch.randn(3, 4, 6), st)
+    other = make(causal=True, input_size=5)
+    with pytest.raises(ValueError, match="input_size"):
+        other(torch.randn(3, 2, 5), st)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(causal=True, bidirectional=True), "causal"),
+    (dict(num_heads=3), "num_heads"),
+    (dict(attention_every_n_layers=2, attention_last_n_layers=1), "not both"),
+    (dict(mem_len=-1), "mem_len"),
+    (dict(dropout=1.0), "dropout"),
+])
+def test_bad_config(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SRUpp(6, 4, 4, **kw)
+
+
+def test_attention_layout():
+    m = SRUpp(4, 4, 4, num_layers=4, attention_every_n_layers=2)
+    assert [layer.use_attention for layer in m.layers] == [False, True, False, True]
+    m = SRUpp(4, 4, 4, num_layers=4, attention_last_n_layers=1)
+    assert [layer.use_attention for layer in m.layers] == [False, False, False, True]
+
+
+def test_device_dtype_factory_kwargs():
+    m = SRUpp(6, 4, 4, dtype=torch.float64, device="cpu")
+    assert all(p.dtype == torch.float64 for p in m.parameters())
+    out, st = m(torch.randn(3, 2, 6, dtype=torch.float64))
+    assert out.dtype == torch.float64 and st.c.dtype == torch.float64
