@@ -346,3 +346,24 @@ def test_device_dtype_factory_kwargs():
     assert all(p.dtype == torch.float64 for p in m.parameters())
     out, st = m(torch.randn(3, 2, 6, dtype=torch.float64))
     assert out.dtype == torch.float64 and st.c.dtype == torch.float64
+
+
+# ------------------------------------------------------------- the K/V cache
+
+def test_kv_cache_gives_the_same_decoding_and_tracks_weights():
+    m = make(causal=True, num_heads=2, mem_len=4)
+    x = torch.randn(9, 2, 6)
+    with torch.no_grad():
+        cached, st = run_chunks(m, x, [1])
+        assert any(kv is not None for kv in st.kv_cache)
+        with torch.enable_grad():
+            uncached, st2 = run_chunks(m, x, [1])  # grad mode: no cache is kept
+        assert all(kv is None for kv in st2.kv_cache)
+        close(cached, uncached.detach(), **TOL)
+        # an in-place weight update invalidates the cache
+        nxt = torch.randn(1, 2, 6)
+        m.layers[0].transform.linear2.weight.mul_(1.5)
+        a, _ = m(nxt, st)
+        st.kv_cache = [None] * len(st.kv_cache)
+        b, _ = m(nxt, st)
+        close(a, b, **TOL)

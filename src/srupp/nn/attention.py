@@ -14,7 +14,7 @@ Without (``SRUppProjectedLinear``): U = W2 dropout(LN(W1 x)).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -110,14 +110,36 @@ class SRUppAttention(nn.Module):
         if self.layer_norm is not None:
             self.layer_norm.reset_parameters()
 
-    def forward(self, x: Tensor, memory: Optional[Tensor], mask: AttentionMask) -> Tensor:
-        """x (B, L, n_in), memory (B, M, n_in) or None -> U (B, L, k·D)."""
+    def cache_key(self) -> tuple:
+        """Identifies the weights K and V were computed with (in-place updates bump _version)."""
+        w1, w2 = self.linear1.weight, self.linear2.weight
+        return (w1.data_ptr(), w1._version, w2.data_ptr(), w2._version)
+
+    def forward(self, x: Tensor, memory: Optional[Tensor], mask: AttentionMask,
+                kv_memory: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """Compute U.
+
+        Args:
+            x: (B, L, n_in).
+            memory: (B, M, n_in) past inputs, or None.
+            mask: the stack's attention mask over keys [memory; x].
+            kv_memory: (B, M, 2·d′) keys and values already computed from
+                ``memory`` with the current weights; saves recomputing them
+                when decoding. ``memory`` is then not read.
+        Returns:
+            U (B, L, k·D), and [K | V] (B, M+L, 2·d′) for the caller to cache.
+        """
         B, L, _ = x.shape
-        M = 0 if memory is None else memory.shape[1]
-        x_all = x if memory is None else torch.cat([memory.to(x.dtype), x], dim=1)
-        z = self.linear1(x_all)                       # (B, S, d′)
-        q = z[:, M:]                                  # (B, L, d′)
-        k, v = self.linear2(z).chunk(2, dim=-1)       # (B, S, d′) each
+        if kv_memory is not None:
+            q = self.linear1(x)                                          # (B, L, d′)
+            kv = torch.cat([kv_memory.to(q.dtype), self.linear2(q)], dim=1)
+        else:
+            M = 0 if memory is None else memory.shape[1]
+            x_all = x if memory is None else torch.cat([memory.to(x.dtype), x], dim=1)
+            z = self.linear1(x_all)                                      # (B, S, d′)
+            q = z[:, M:]                                                 # (B, L, d′)
+            kv = self.linear2(z)                                         # (B, S, 2·d′)
+        k, v = kv.chunk(2, dim=-1)                                       # (B, S, d′) each
         H = self.num_heads
         hd = q.shape[-1] // H
         # (B, S, d′) -> (B, H, S, hd), as views
@@ -127,14 +149,14 @@ class SRUppAttention(nn.Module):
             attn = attn.to(qh.dtype)
         o = F.scaled_dot_product_attention(
             qh, kh, vh, attn_mask=attn, is_causal=mask.is_causal,
-            dropout_p=self.attn_dropout if self.training else 0.0)  # (B, H, L, hd)
+            dropout_p=self.attn_dropout if self.training else 0.0)      # (B, H, L, hd)
         if mask.dead_rows is not None:
             o = o.masked_fill(mask.dead_rows, 0.0)
-        o = o.transpose(1, 2).reshape(B, L, H * hd)  # (B, L, d′)
+        o = o.transpose(1, 2).reshape(B, L, H * hd)                      # (B, L, d′)
         y = q + self.alpha * o
         if self.layer_norm is not None:
             y = self.layer_norm(y)
-        return self.linear3(self.dropout(y))
+        return self.linear3(self.dropout(y)), kv
 
 
 class SRUppProjectedLinear(nn.Module):
@@ -160,9 +182,10 @@ class SRUppProjectedLinear(nn.Module):
             self.layer_norm.reset_parameters()
 
     def forward(self, x: Tensor, memory: Optional[Tensor] = None,
-                mask: Optional[AttentionMask] = None) -> Tensor:
-        """x (B, L, n_in) -> U (B, L, k·D); memory and mask are ignored."""
+                mask: Optional[AttentionMask] = None,
+                kv_memory: Optional[Tensor] = None) -> Tuple[Tensor, None]:
+        """x (B, L, n_in) -> (U (B, L, k·D), None); memory and mask are ignored."""
         z = self.linear1(x)
         if self.layer_norm is not None:
             z = self.layer_norm(z)
-        return self.linear2(self.dropout(z))
+        return self.linear2(self.dropout(z)), None

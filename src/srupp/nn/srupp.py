@@ -83,22 +83,25 @@ class SRUppCell(RecurrentLayerBase):
         self.transform.reset_parameters()
 
     def layer_forward(self, x: Tensor, c0: Tensor, mask_pad: Optional[Tensor],
-                      memory: Optional[Tensor],
-                      attn: AttentionMask) -> Tuple[Tensor, Tensor, Tensor]:
+                      memory: Optional[Tensor], attn: AttentionMask,
+                      kv_memory: Optional[Tensor] = None
+                      ) -> Tuple[Tensor, Tensor, Tensor, Optional[Tensor]]:
         """Batch-first core.
 
         Args:
             x: (B, L, n_in).  c0: (B, D).  mask_pad: (B, L) bool or None.
             memory: (B, M, n_in) past (pre-normed) inputs, or None.
             attn: the stack's mask for keys [memory; x].
+            kv_memory: (B, M, 2·d′) cached keys and values of ``memory``, or None.
         Returns:
-            h (B, L, D), c (B, D), and the (pre-normed) input (B, L, n_in),
-            which is what memory holds for the next call.
+            h (B, L, D); c (B, D); the (pre-normed) input (B, L, n_in), which
+            is what memory holds for the next call; and [K | V] (B, M+L, 2·d′)
+            (None without attention).
         """
         xin = self.pre_norm(x).to(x.dtype)
-        U = self.transform(xin, memory if self.use_attention else None, attn)
+        U, kv = self.transform(xin, memory if self.use_attention else None, attn, kv_memory)
         h, c = self.recur(U, x, c0, mask_pad)
-        return h, c, xin
+        return h, c, xin, kv
 
     def forward(self, input: Union[Tensor, PackedSequence], state: StateLike = None, *,
                 mask_pad: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None):
@@ -334,12 +337,21 @@ def _run_stack(owner, layers: List[SRUppCell], input_to_hidden: Optional[nn.Line
     # ---- the layers
     if input_to_hidden is not None:
         x = input_to_hidden(x)
-    cs, memory = [], []
     keep_memory = any_attention and mem_len != 0
+    # Under no_grad (decoding, evaluation) keep K and V of the memory too, so the
+    # next call does not recompute them; they are only reused with the same weights.
+    use_kv_cache = keep_memory and not torch.is_grad_enabled()
+    cs, memory, kv_cache = [], [], []
     for i, layer in enumerate(layers):
         mem_i = state.memory[i] if layer.use_attention else None
+        kv_mem = None
+        cached = state.kv_cache[i]
+        if (use_kv_cache and cached is not None and mem_i is not None
+                and cached[1] == layer.transform.cache_key()
+                and cached[0].shape[1] == M):
+            kv_mem = cached[0]
         x_i = x
-        x, c, xin = layer.layer_forward(x_i, c0[i], mask, mem_i, attn)
+        x, c, xin, kv = layer.layer_forward(x_i, c0[i], mask, mem_i, attn, kv_mem)
         cs.append(c)
         if keep_memory and layer.use_attention:
             new_mem = xin.to(x_i.dtype) if mem_i is None else torch.cat(
@@ -347,11 +359,13 @@ def _run_stack(owner, layers: List[SRUppCell], input_to_hidden: Optional[nn.Line
             memory.append(_keep_last(new_mem, mem_len))
         else:
             memory.append(None)
+        kv_cache.append((_keep_last(kv, mem_len), layer.transform.cache_key())
+                        if use_kv_cache and kv is not None else None)
     new_mask = None
     if keep_memory and key_padding is not None:
         new_mask = _keep_last(key_padding, mem_len)
     new_state = SRUppState(c=torch.stack(cs), memory=memory, memory_mask_pad=new_mask,
-                           mem_len=state.mem_len)
+                           mem_len=state.mem_len, kv_cache=kv_cache)
 
     if lengths is not None:
         return pack_output(x, lengths), new_state

@@ -13,12 +13,16 @@ state of ``nn.LSTM``):
                                          attention; dtype of the layer input
     memory_mask_pad  (B, M) bool         True marks padding in memory, or None
                                          when memory holds no padding
+    kv_cache[i]      (B, M, 2·d′)        optional: keys and values computed from
+                                         memory[i], kept only under no_grad, and
+                                         used only while the weights that made
+                                         them are unchanged
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -36,12 +40,15 @@ class SRUppState:
             means no memory position is padding.
         mem_len: how many past positions each layer keeps after the next call.
             None defers to the layer's ``mem_len``.
+        kv_cache: filled in by the layers during inference (a decoding speed-up
+            that gives the same results); derived data, so not checkpointed.
     """
 
     c: Tensor
     memory: List[Optional[Tensor]] = field(default_factory=list)
     memory_mask_pad: Optional[Tensor] = None
     mem_len: Optional[int] = None
+    kv_cache: List[Optional[Tuple[Tensor, tuple]]] = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         if not isinstance(self.c, Tensor) or self.c.dim() != 3:
@@ -50,6 +57,8 @@ class SRUppState:
         if not self.memory:
             self.memory = [None] * self.c.shape[0]
         self.memory = list(self.memory)
+        if len(self.kv_cache) != len(self.memory):
+            self.kv_cache = [None] * len(self.memory)
         if len(self.memory) != self.c.shape[0]:
             raise ValueError(
                 f"SRUppState.memory has {len(self.memory)} entries but c has "
@@ -95,16 +104,21 @@ class SRUppState:
 
     def nbytes(self) -> int:
         """Bytes held by all tensors of the state."""
-        tensors = [self.c, self.memory_mask_pad, *self.memory]
+        tensors = [self.c, self.memory_mask_pad, *self.memory,
+                   *(kv[0] for kv in self.kv_cache if kv is not None)]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     # ------------------------------------------------------------ transforms
-    def _map(self, fn) -> "SRUppState":
+    def _map(self, fn, batch_fn=None) -> "SRUppState":
+        """Apply fn to every tensor; batch_fn(t, batch_dim) instead, if given."""
+        f = (lambda t, dim: fn(t)) if batch_fn is None else batch_fn
+        opt = lambda t, dim: None if t is None else f(t, dim)  # noqa: E731
         return replace(
             self,
-            c=fn(self.c),
-            memory=[None if m is None else fn(m) for m in self.memory],
-            memory_mask_pad=None if self.memory_mask_pad is None else fn(self.memory_mask_pad),
+            c=f(self.c, 1),
+            memory=[opt(m, 0) for m in self.memory],
+            memory_mask_pad=opt(self.memory_mask_pad, 0),
+            kv_cache=[None if kv is None else (f(kv[0], 0), kv[1]) for kv in self.kv_cache],
         )
 
     def detach(self) -> "SRUppState":
@@ -118,13 +132,7 @@ class SRUppState:
             batch_indices: (B',) long indices into the batch.
         """
         idx = torch.as_tensor(batch_indices, dtype=torch.long, device=self.c.device)
-        return replace(
-            self,
-            c=self.c.index_select(1, idx),
-            memory=[None if m is None else m.index_select(0, idx) for m in self.memory],
-            memory_mask_pad=(None if self.memory_mask_pad is None
-                             else self.memory_mask_pad.index_select(0, idx)),
-        )
+        return self._map(None, batch_fn=lambda t, dim: t.index_select(dim, idx))
 
     def to(self, *args, **kwargs) -> "SRUppState":
         """Move to a device. Dtypes are kept (c stays fp32), so pass a device only."""
