@@ -1,0 +1,131 @@
+"""The SRU++ language model: loss, carried state, generation, saving."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from srupp.errors import UserError
+from srupp.models import LanguageModel, LMConfig, sample
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def make(**kw):
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=11, d_model=8, proj_size=4, num_layers=2, dropout=0.0, mem_len=64)
+    cfg.update(kw)
+    m = LanguageModel(LMConfig(**cfg)).eval()
+    with torch.no_grad():  # give attention a say (α starts at 0)
+        for layer in m.rnn.layers:
+            layer.transform.alpha.fill_(0.7)
+    return m
+
+
+def test_loss_is_cross_entropy_and_counts_every_parameter():
+    m = make()
+    t = torch.randint(0, 11, (3, 6))
+    y = torch.randint(0, 11, (3, 6))
+    y[0, 0] = -100
+    out = m(t, targets=y)
+    assert out.logits.shape == (3, 6, 11)
+    expected = F.cross_entropy(out.logits.reshape(-1, 11), y.reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(out.loss, expected)
+    assert m.num_parameters() == sum(p.numel() for p in m.parameters())
+    tied = make(tie_embeddings=True)
+    assert tied.output.weight is tied.embedding.weight
+    assert tied.num_parameters() == m.num_parameters() - 11 * 8
+
+
+def test_segments_with_state_match_one_pass():
+    m = make()
+    t = torch.randint(0, 11, (2, 12))
+    full = m(t).logits
+    a = m(t[:, :5])
+    b = m(t[:, 5:], a.state.detach())
+    torch.testing.assert_close(torch.cat([a.logits, b.logits], 1), full, **TOL)
+
+
+def greedy_by_recomputing(m, prompt, n):
+    """The slow way: rerun the whole sequence for every new token."""
+    seq = list(prompt)
+    for _ in range(n):
+        logits = m(torch.tensor([seq])).logits[0, -1]
+        seq.append(int(logits.argmax()))
+    return seq[len(prompt):]
+
+
+def test_greedy_generation_matches_recomputation():
+    m = make()
+    prompt = [1, 5, 2, 7]
+    got = m.generate([prompt], 8, temperature=0)[0]
+    assert got == greedy_by_recomputing(m, prompt, 8)
+
+
+def test_batched_left_padded_generation_matches_single():
+    m = make()
+    prompts = [[3, 1, 4, 1, 5], [9], [2, 6]]
+    batched = m.generate(prompts, 6, temperature=0)
+    for p, got in zip(prompts, batched):
+        assert got == m.generate([p], 6, temperature=0)[0]
+
+
+def test_seeded_sampling_repeats():
+    m = make()
+    a = m.generate([[1, 2]], 10, generator=torch.Generator().manual_seed(3), top_k=5, top_p=0.9)
+    b = m.generate([[1, 2]], 10, generator=torch.Generator().manual_seed(3), top_k=5, top_p=0.9)
+    c = m.generate([[1, 2]], 10, generator=torch.Generator().manual_seed(4), top_k=5, top_p=0.9)
+    assert a == b and a != c
+
+
+def test_eos_and_stop_strings():
+    m = make()
+    free = m.generate([[1, 2]], 8, temperature=0)[0]
+    eos = free[2]
+    first = free.index(eos)
+    assert m.generate([[1, 2]], 8, temperature=0, eos_id=eos)[0] == free[:first + 1]
+    decode = lambda ids: "".join(chr(97 + i) for i in ids)  # noqa: E731
+    stop = decode(free[3:5])
+    cut = m.generate([[1, 2]], 8, temperature=0, stop_strings=[stop], decode=decode)[0]
+    text = decode(free)
+    assert decode(cut) == text[:text.index(stop)]
+
+
+def test_sampling_filters():
+    logits = torch.tensor([[0.1, 3.0, 0.5, 2.9]])
+    g = torch.Generator().manual_seed(0)
+    assert sample(logits, top_k=1, generator=g).item() == 1
+    assert sample(logits, top_p=1e-3, generator=g).item() == 1
+    draws = {sample(logits, top_k=2, generator=g).item() for _ in range(50)}
+    assert draws == {1, 3}
+    assert sample(logits, temperature=0).item() == 1
+
+
+def test_save_and_load(tmp_path):
+    m = make(tie_embeddings=True)
+    m.save_pretrained(tmp_path / "m")
+    back = LanguageModel.from_pretrained(tmp_path / "m")
+    assert not back.training and back.config == m.config
+    assert back.output.weight is back.embedding.weight
+    t = torch.randint(0, 11, (2, 5))
+    torch.testing.assert_close(back(t).logits, m(t).logits, rtol=0, atol=0)
+
+
+def test_corrupt_or_missing_checkpoint_is_a_user_error(tmp_path):
+    m = make()
+    m.save_pretrained(tmp_path)
+    blob = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(UserError, match="truncated or corrupt"):
+        LanguageModel.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(UserError, match="corrupt"):
+        LanguageModel.from_pretrained(tmp_path)
+    with pytest.raises(UserError, match="no config.json"):
+        LanguageModel.from_pretrained(tmp_path / "nowhere")
+
+
+def test_bad_config_is_a_user_error():
+    with pytest.raises(UserError, match="num_heads"):
+        LMConfig(proj_size=6, num_heads=4)
+    with pytest.raises(UserError, match="unknown model config keys"):
+        LMConfig.from_dict({"d_modle": 3})
