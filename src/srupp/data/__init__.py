@@ -1,0 +1,42 @@
+"""Data for character/byte-level language modelling: tokenizers, corpora, batching."""
+
+from .batching import Batch, StreamBatcher
+from .corpora import (
+    CORPORA,
+    SHAKESPEARE_TEST_POSITIONS,
+    SHAKESPEARE_VALID_POSITIONS,
+    Corpus,
+    load_corpus,
+    load_shakespeare,
+    register_corpus,
+    shakespeare_split,
+)
+from .tokenizers import (
+    TOKENIZERS,
+    ByteTokenizer,
+    CharTokenizer,
+    Tokenizer,
+    build_tokenizer,
+    register_tokenizer,
+    tokenizer_from_dict,
+)
+
+__all__ = [
+    "Batch",
+    "StreamBatcher",
+    "CORPORA",
+    "SHAKESPEARE_TEST_POSITIONS",
+    "SHAKESPEARE_VALID_POSITIONS",
+    "Corpus",
+    "load_corpus",
+    "load_shakespeare",
+    "register_corpus",
+    "shakespeare_split",
+    "TOKENIZERS",
+    "ByteTokenizer",
+    "CharTokenizer",
+    "Tokenizer",
+    "build_tokenizer",
+    "register_tokenizer",
+    "tokenizer_from_dict",
+]

@@ -1,0 +1,208 @@
+"""Stream batching for recurrent language models (Transformer-XL style).
+
+The token stream is cut into ``batch_size * world_size`` equal contiguous
+streams (the remainder at the end is dropped). Rank ``r`` owns streams
+``r*B .. (r+1)*B - 1``, so ranks never share a token. Batch ``i`` of an epoch
+holds, for each of the rank's streams, the tokens at positions
+``i*L .. i*L + L - 1`` as inputs and the tokens one further on as targets.
+Consecutive batches therefore continue every stream, and a recurrent state
+carried from one batch to the next is meaningful.
+
+A stream of ``S`` tokens gives ``S - 1`` (input, target) pairs, so an epoch
+has ``ceil((S - 1) / L)`` batches; the last one is shorter than ``L`` when
+``L`` does not divide ``S - 1``. It is kept, so every target is trained on
+(and evaluated) once per epoch.
+
+Steps are global batch indices counted across epochs: step ``s`` is batch
+``s % len(batcher)`` of epoch ``s // len(batcher)``. Every epoch has the same
+layout, so the first batch of an epoch starts the streams again from their
+beginning: reset the carried state there (``Batch.epoch_start`` /
+:meth:`StreamBatcher.is_epoch_start`).
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Iterator, NamedTuple
+
+import numpy as np
+import torch
+
+from srupp.errors import UserError
+
+__all__ = ["Batch", "StreamBatcher"]
+
+
+class Batch(NamedTuple):
+    """One training batch from :meth:`StreamBatcher.iter_from`."""
+
+    inputs: torch.Tensor   #: (B, l) int64, l <= unroll
+    targets: torch.Tensor  #: (B, l) int64, inputs shifted by one along each stream
+    step: int              #: global step (counting across epochs)
+    epoch: int             #: step // len(batcher)
+    epoch_start: bool      #: first batch of an epoch: reset the carried state before it
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise UserError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+class StreamBatcher:
+    """Batches ``(inputs, targets)`` of shape ``(batch_size, <=unroll)`` from a
+    1-D token stream, continuing each of ``batch_size`` streams from batch to
+    batch (see the module doc).
+
+    * ``iter(batcher)`` / ``for x, y in batcher``: one epoch from its start,
+      as ``(inputs, targets)`` tuples (for evaluation; ``position`` untouched).
+    * :meth:`iter_from`: endless training iterator of :class:`Batch`, wrapping
+      into the next epoch; advances :attr:`position`.
+    * :meth:`state_dict` / :meth:`load_state_dict`: save and restore
+      :attr:`position` for an exact resume (checked against the data and layout).
+    """
+
+    def __init__(self, ids: torch.Tensor, batch_size: int, unroll: int, *,
+                 rank: int = 0, world_size: int = 1):
+        self.batch_size = _positive_int("batch_size", batch_size)
+        self.unroll = _positive_int("unroll", unroll)
+        self.world_size = _positive_int("world_size", world_size)
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) \
+                or not 0 <= rank < self.world_size:
+            raise UserError(f"rank must be an integer in 0..{self.world_size - 1} "
+                            f"(world_size={self.world_size}), got {rank!r}")
+        self.rank = int(rank)
+
+        if not isinstance(ids, torch.Tensor):
+            arr = np.asarray(ids)
+            ids = torch.as_tensor(arr.astype(np.int64) if arr.size == 0 else arr)
+        if ids.dim() != 1:
+            raise UserError(f"the token ids must be a 1-D tensor, got shape {tuple(ids.shape)}")
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise UserError(f"the token ids must be integers, got dtype {ids.dtype}")
+        self.ids = ids.to(torch.int64)
+        self.num_tokens = int(ids.numel())
+
+        num_streams = self.batch_size * self.world_size
+        self.stream_len = self.num_tokens // num_streams
+        need = num_streams * (self.unroll + 1)
+        if self.stream_len < self.unroll + 1:
+            raise UserError(
+                f"too little data: {self.num_tokens} tokens, but batch_size={self.batch_size} x "
+                f"world_size={self.world_size} streams x (unroll={self.unroll} + 1) needs at "
+                f"least {need} tokens for one batch; use a smaller batch_size or unroll, "
+                "or more data")
+        self.dropped_tokens = self.num_tokens - num_streams * self.stream_len
+        streams = self.ids[: num_streams * self.stream_len].view(num_streams, self.stream_len)
+        #: This rank's streams, (batch_size, stream_len).
+        self.streams = streams[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+        self._num_batches = -(-(self.stream_len - 1) // self.unroll)
+        self._crc: int | None = None
+        #: Global step of the next batch :meth:`iter_from` hands out
+        #: (= batches handed out so far, counting across epochs).
+        self.position = 0
+
+    # ------------------------------------------------------------------ layout
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        return self._num_batches
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next batch (``position // len(self)``)."""
+        return self.position // self._num_batches
+
+    @property
+    def tokens_per_epoch(self) -> int:
+        """Target tokens this rank sees in one epoch: ``batch_size * (stream_len - 1)``."""
+        return self.batch_size * (self.stream_len - 1)
+
+    def is_epoch_start(self, step: int) -> bool:
+        """Whether ``step`` is the first batch of an epoch (reset the carried state)."""
+        return step % self._num_batches == 0
+
+    def get_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(inputs, targets)`` for global ``step`` (any non-negative int; wraps by epoch)."""
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise UserError(f"step must be a non-negative integer, got {step!r}")
+        start = (int(step) % self._num_batches) * self.unroll
+        length = min(self.unroll, self.stream_len - 1 - start)
+        inputs = self.streams[:, start:start + length].contiguous()
+        targets = self.streams[:, start + 1:start + 1 + length].contiguous()
+        return inputs, targets
+
+    def __repr__(self) -> str:
+        return (f"StreamBatcher(num_tokens={self.num_tokens}, batch_size={self.batch_size}, "
+                f"unroll={self.unroll}, rank={self.rank}, world_size={self.world_size}, "
+                f"stream_len={self.stream_len}, batches_per_epoch={len(self)}, "
+                f"position={self.position})")
+
+    # --------------------------------------------------------------- iteration
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """One epoch, from its first batch, as ``(inputs, targets)``.
+
+        Does not touch :attr:`position`. Start from a fresh state before it.
+        """
+        for i in range(self._num_batches):
+            yield self.get_batch(i)
+
+    def iter_from(self, step: int | None = None) -> Iterator[Batch]:
+        """Endless iterator of :class:`Batch` from ``step`` (default: :attr:`position`).
+
+        Wraps into the next epoch with an identical layout; ``Batch.epoch_start``
+        is True exactly at steps that are multiples of ``len(self)``. When
+        batch ``s`` is handed out, :attr:`position` becomes ``s + 1``, so a
+        :meth:`state_dict` taken after processing it resumes at the next batch.
+        (Resuming mid-epoch needs the carried state saved too; otherwise the
+        caller starts from a fresh state, which is not an exact resume.)
+        """
+        s = self.position if step is None else step
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0:
+            raise UserError(f"step must be a non-negative integer, got {s!r}")
+        s = int(s)
+        while True:
+            inputs, targets = self.get_batch(s)
+            self.position = s + 1
+            yield Batch(inputs, targets, s, s // self._num_batches, self.is_epoch_start(s))
+            s += 1
+
+    # ------------------------------------------------------------------ resume
+
+    def _data_crc32(self) -> int:
+        if self._crc is None:
+            arr = np.ascontiguousarray(self.ids.detach().cpu().numpy())
+            self._crc = zlib.crc32(memoryview(arr).cast("B"))
+        return self._crc
+
+    def _layout(self) -> dict[str, int]:
+        return {"num_tokens": self.num_tokens, "batch_size": self.batch_size,
+                "unroll": self.unroll, "rank": self.rank, "world_size": self.world_size,
+                "data_crc32": self._data_crc32()}
+
+    def state_dict(self) -> dict[str, int]:
+        """Plain-int dict: ``position`` plus the layout it is valid for."""
+        return {"position": self.position, **self._layout()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :attr:`position`; the data and layout must match the saved ones."""
+        if not isinstance(state, dict) or "position" not in state:
+            raise UserError("a saved batcher state must be a dict with a 'position'; "
+                            "the checkpoint is corrupt")
+        mine = self._layout()
+        diffs = [f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in mine.items()
+                 if k in state and state[k] != v]
+        missing = [k for k in mine if k not in state]
+        if missing:
+            raise UserError(f"the saved batcher state lacks {', '.join(missing)}; the "
+                            "checkpoint is corrupt or from an incompatible srupp")
+        if diffs:
+            raise UserError("cannot resume: the batcher state was saved for different data or "
+                            f"layout ({'; '.join(diffs)}); resume with the same corpus, tokenizer, "
+                            "batch_size, unroll, rank and world_size")
+        pos = state["position"]
+        if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)) or pos < 0:
+            raise UserError(f"the saved batcher position must be a non-negative integer, "
+                            f"got {pos!r}; the checkpoint is corrupt")
+        self.position = int(pos)
