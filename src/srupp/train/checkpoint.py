@@ -1,0 +1,145 @@
+"""Checkpoints: written atomically, read without executing code.
+
+A run directory holds one folder per saved step plus two pointer files::
+
+    RUN_DIR/
+      config.json            the resolved run config
+      tokenizer.json         the tokenizer and its vocabulary
+      ckpt-000500/           model.safetensors, config.json (model), state.safetensors
+                             (the carried SRUppState), trainer.pt (optimiser, scheduler,
+                             RNG, data position; read with weights_only=True)
+      last.json, best.json   {"dir": "ckpt-000500", "step": 500, ...}
+
+A checkpoint folder is complete before a pointer names it, and pointers are
+replaced with ``os.replace``, so a kill at any moment leaves the previous
+checkpoint intact. Folders no pointer names are removed after each save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from ..errors import UserError
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise UserError(f"{what} not found: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{what} {path} is corrupt ({e})") from None
+
+
+def save_checkpoint(run_dir: Path, step: int, model, carried_state, trainer_state: Dict[str, Any],
+                    *, pointers: Tuple[str, ...] = ("last",), info: Optional[dict] = None) -> Path:
+    """Write ``ckpt-<step>`` and point ``pointers`` (e.g. "last", "best") at it."""
+    from safetensors.torch import save_file
+
+    name = f"ckpt-{step:06d}"
+    final = run_dir / name
+    if not final.exists():
+        tmp = run_dir / f".{name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        model.save_pretrained(tmp)
+        if carried_state is not None:
+            save_file({k: v.contiguous() for k, v in carried_state.to_dict().items()},
+                      str(tmp / "state.safetensors"))
+        torch.save(trainer_state, tmp / "trainer.pt")
+        os.replace(tmp, final)
+    for p in pointers:
+        write_json_atomic(run_dir / f"{p}.json", {"dir": name, "step": step, **(info or {})})
+    _remove_unreferenced(run_dir)
+    return final
+
+
+def _remove_unreferenced(run_dir: Path) -> None:
+    keep = set()
+    for p in ("last", "best"):
+        ptr = run_dir / f"{p}.json"
+        if ptr.exists():
+            try:
+                keep.add(json.loads(ptr.read_text())["dir"])
+            except (json.JSONDecodeError, KeyError):
+                return  # never delete on doubt
+    for d in run_dir.glob("ckpt-*"):
+        if d.name not in keep:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def resolve_checkpoint(path: Path, prefer: str = "best") -> Path:
+    """A checkpoint folder from a run directory (its best, else last) or a folder itself."""
+    path = Path(path)
+    if (path / "model.safetensors").exists():
+        return path
+    if not path.exists():
+        raise UserError(f"checkpoint {path} does not exist")
+    for p in (prefer, "last", "best"):
+        ptr = path / f"{p}.json"
+        if ptr.exists():
+            d = path / read_json(ptr, "checkpoint pointer")["dir"]
+            if not d.exists():
+                raise UserError(f"{ptr} names {d.name}, which is missing; the run is damaged")
+            return d
+    raise UserError(f"{path} holds no checkpoint (no last.json or best.json, no model.safetensors)")
+
+
+def load_trainer_state(ckpt: Path) -> Dict[str, Any]:
+    try:
+        return torch.load(ckpt / "trainer.pt", weights_only=True, map_location="cpu")
+    except FileNotFoundError:
+        raise UserError(f"{ckpt} has no trainer.pt; cannot resume from it") from None
+    except Exception as e:  # truncated zip, bad pickle opcode...
+        raise UserError(f"{ckpt / 'trainer.pt'} is truncated or corrupt "
+                        f"({str(e).splitlines()[0][:200]})") from None
+
+
+def load_carried_state(ckpt: Path):
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from ..nn import SRUppState
+
+    f = ckpt / "state.safetensors"
+    if not f.exists():
+        return None
+    try:
+        return SRUppState.from_dict(load_file(str(f)))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{f} is truncated or corrupt ({str(e).splitlines()[0]})") from None
+
+
+def load_run(path, *, device="cpu", prefer: str = "best"):
+    """Everything inference needs from a run directory or a checkpoint folder.
+
+    Returns ``(run_config_dict, tokenizer, model, checkpoint_dir)``; the model is in eval mode.
+    """
+    from ..data import tokenizer_from_dict
+    from ..models import LanguageModel
+
+    ckpt = resolve_checkpoint(Path(path), prefer=prefer)
+    run_dir = ckpt.parent if (ckpt.parent / "tokenizer.json").exists() else ckpt
+    tokenizer = tokenizer_from_dict(read_json(run_dir / "tokenizer.json", "tokenizer"))
+    run_cfg = read_json(run_dir / "config.json", "run config") if (
+        run_dir / "config.json").exists() and run_dir != ckpt else {}
+    model = LanguageModel.from_pretrained(ckpt, device=device)
+    if model.config.vocab_size != tokenizer.vocab_size:
+        raise UserError(f"{ckpt}: the model's vocabulary ({model.config.vocab_size}) does not "
+                        f"match its tokenizer ({tokenizer.vocab_size}); the run is damaged")
+    return run_cfg, tokenizer, model, ckpt

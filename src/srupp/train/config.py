@@ -1,0 +1,209 @@
+"""Run configuration: a TOML recipe plus ``--set key=value`` overrides.
+
+A recipe has four tables, ``[model]``, ``[data]``, ``[train]`` and ``[eval]``;
+every key is optional. Each field below says why it exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Union, get_args, get_origin, get_type_hints
+
+from ..errors import UserError
+from ..models.lm import LMConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclass
+class DataConfig:
+    corpus: str = "shakespeare"       # a known corpus name, a text file, or a split directory
+    tokenizer: str = "byte"           # "byte" (vocabulary 256) or "char" (built from train)
+    max_oov: float = 0.01             # refuse data a saved tokenizer covers worse than this
+
+    def __post_init__(self):
+        if not 0 <= self.max_oov <= 1:
+            raise UserError(f"data.max_oov must be in [0, 1], got {self.max_oov}")
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 10_000           # optimiser steps; the cosine ends here unless time ends first
+    max_seconds: Optional[float] = None  # training-time budget (evaluation excluded)
+    batch_size: int = 16              # parallel streams B
+    unroll: int = 256                 # tokens per segment L (backprop through time)
+    lr: float = 2e-3                  # peak learning rate
+    weight_decay: float = 0.1         # decoupled (AdamW-style), as the paper's RAdam
+    no_decay_bias_norm: bool = False  # exempt biases, norms, α and peepholes from decay
+    warmup_steps: int = 200           # linear warm-up, then cosine decay to min_lr_ratio·lr
+    min_lr_ratio: float = 0.0         # where the cosine ends
+    grad_clip: float = 1.0            # max global gradient norm (0: off)
+    grad_accum: int = 1               # consecutive segments per optimiser step
+    precision: str = "fp32"           # "fp32", "bf16" (autocast) or "fp16" (CUDA, scaled)
+    seed: int = 1234                  # model init, dropout and sampling
+    log_every: int = 50               # steps between metrics lines; must divide save_every
+    eval_every: int = 500             # steps between validation passes
+    save_every: int = 500             # steps between checkpoints
+    eval_max_batches: Optional[int] = None  # cap validation batches during training (None: all)
+    calibration_steps: int = 8        # timed steps that fix the schedule length under max_seconds
+    threads: Optional[int] = None     # torch intra-op threads (None: torch's default)
+    device: str = "cpu"               # "cpu" or "cuda"
+
+    def __post_init__(self):
+        positive = ("max_steps", "batch_size", "unroll", "grad_accum", "log_every",
+                    "eval_every", "save_every", "calibration_steps")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise UserError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_seconds is not None and self.max_seconds <= 0:
+            raise UserError(f"train.max_seconds must be > 0, got {self.max_seconds}")
+        if self.lr <= 0:
+            raise UserError(f"train.lr must be > 0, got {self.lr}")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise UserError(f"train.precision must be fp32, bf16 or fp16, got {self.precision!r}")
+        if self.save_every % self.log_every:
+            raise UserError(f"train.log_every ({self.log_every}) must divide "
+                            f"train.save_every ({self.save_every})")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise UserError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.warmup_steps < 0:
+            raise UserError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
+
+
+@dataclass
+class EvalConfig:
+    unroll: Optional[int] = None      # segment length for evaluation (None: train.unroll)
+    mem_len: Optional[int] = None     # attention window for evaluation (None: model.mem_len)
+    batch_size: int = 16              # streams; 1 evaluates every token with full context
+
+    def __post_init__(self):
+        if self.batch_size < 1:
+            raise UserError(f"eval.batch_size must be >= 1, got {self.batch_size}")
+        if self.unroll is not None and self.unroll < 1:
+            raise UserError(f"eval.unroll must be >= 1, got {self.unroll}")
+        if self.mem_len is not None and self.mem_len < 0:
+            raise UserError(f"eval.mem_len must be >= 0, got {self.mem_len}")
+
+
+@dataclass
+class RunConfig:
+    model: Dict[str, Any] = field(default_factory=dict)  # LMConfig fields; vocab_size comes from data
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def model_config(self, vocab_size: int) -> LMConfig:
+        """The LMConfig for this run: mem_len defaults to train.unroll (one previous segment)."""
+        cfg = dict(self.model)
+        cfg["vocab_size"] = vocab_size
+        if cfg.get("mem_len") is None:
+            cfg["mem_len"] = self.train.unroll
+        return LMConfig.from_dict(cfg)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+
+SECTIONS = {"data": DataConfig, "train": TrainConfig, "eval": EvalConfig, "model": LMConfig}
+
+
+def all_keys() -> List[str]:
+    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in fields(cls)]
+
+
+def _unknown(key: str) -> UserError:
+    near = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    return UserError(f"unknown config key {key!r}{hint}")
+
+
+def _coerce(key: str, value: Any, typ) -> Any:
+    """Convert a TOML or command-line value to the field's type."""
+    if get_origin(typ) is Union:  # Optional[X]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        typ = next(a for a in get_args(typ) if a is not type(None))
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("true", "1", "yes"):
+                return True
+            if str(value).lower() in ("false", "0", "no"):
+                return False
+            raise ValueError
+        if typ is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
+        if typ is float:
+            return float(value)
+        if typ is str:
+            return str(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{key} must be {typ.__name__}, got {value!r}") from None
+    return value
+
+
+def _types(cls) -> Dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def build_config(recipe: Optional[Union[str, Path]] = None,
+                 overrides: Optional[List[str]] = None,
+                 base: Optional[Dict[str, Any]] = None) -> RunConfig:
+    """Read a recipe, apply ``key=value`` overrides and validate everything.
+
+    Args:
+        recipe: a TOML file, or None for the defaults.
+        overrides: strings ``"section.key=value"``.
+        base: a dict in the shape of :meth:`RunConfig.to_dict` to start from
+            (a saved run's config) instead of the defaults.
+    """
+    tree: Dict[str, Dict[str, Any]] = {s: {} for s in SECTIONS}
+    if base:
+        for s, vals in base.items():
+            if s not in SECTIONS:
+                raise _unknown(s)
+            tree[s].update(vals)
+    if recipe is not None:
+        path = Path(recipe)
+        if not path.is_file():
+            raise UserError(f"recipe {str(path)!r} not found")
+        try:
+            data = tomllib.loads(path.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise UserError(f"recipe {path} is not valid TOML: {e}") from None
+        for s, vals in data.items():
+            if s not in SECTIONS or not isinstance(vals, dict):
+                raise UserError(f"recipe {path}: unknown section [{s}]; "
+                                f"sections are {sorted(SECTIONS)}")
+            tree[s].update(vals)
+    for item in overrides or []:
+        if "=" not in item:
+            raise UserError(f"--set expects key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        key = key.strip()
+        if key.count(".") != 1:
+            raise _unknown(key)
+        s, name = key.split(".")
+        if s not in SECTIONS:
+            raise _unknown(key)
+        tree[s][name] = value
+    for s, cls in SECTIONS.items():
+        types = _types(cls)
+        for name, value in list(tree[s].items()):
+            if name not in types:
+                raise _unknown(f"{s}.{name}")
+            tree[s][name] = _coerce(f"{s}.{name}", value, types[name])
+    tree["model"].pop("vocab_size", None)  # always taken from the tokenizer
+    LMConfig(**{**tree["model"]})  # validate the model fields now, with vocab_size default
+    return RunConfig(model=tree["model"], data=DataConfig(**tree["data"]),
+                     train=TrainConfig(**tree["train"]), eval=EvalConfig(**tree["eval"]))

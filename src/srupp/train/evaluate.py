@@ -1,0 +1,61 @@
+"""Evaluation of a language model on a token stream."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..data import StreamBatcher
+
+
+def autocast_context(precision: str, device: str):
+    """The autocast context for a precision name ("fp32", "bf16", "fp16")."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device, dtype=dtype)
+
+
+@torch.no_grad()
+def evaluate(model, ids: torch.Tensor, *, batch_size: int, unroll: int,
+             mem_len: Optional[int] = None, precision: str = "fp32",
+             max_batches: Optional[int] = None) -> Dict[str, float]:
+    """Mean loss over ``ids``, read as ``batch_size`` streams in segments of ``unroll``.
+
+    The state, memory included, is carried from segment to segment, with an
+    attention window of ``mem_len`` (the model's when None).
+
+    Returns:
+        ``loss`` (nats per token), ``bpc`` (bits per token: bits per
+        character for byte- and character-level models), ``tokens`` scored
+        and ``seconds`` taken.
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    batcher = StreamBatcher(ids, batch_size, unroll)
+    start = time.perf_counter()
+    total, count, state = 0.0, 0, None
+    try:
+        for i, (x, y) in enumerate(batcher):
+            if max_batches is not None and i >= max_batches:
+                break
+            if state is None:
+                state = model.initial_state(x.shape[0], mem_len=mem_len)
+            x, y = x.to(device), y.to(device)
+            with autocast_context(precision, device.type):
+                out = model(x, state)
+            state = out.state
+            total += F.cross_entropy(out.logits.float().flatten(0, 1), y.flatten(),
+                                     reduction="sum").item()
+            count += y.numel()
+    finally:
+        model.train(was_training)
+    loss = total / max(count, 1)
+    return {"loss": loss, "bpc": loss / math.log(2), "tokens": count,
+            "seconds": time.perf_counter() - start}
