@@ -1,0 +1,195 @@
+"""Trainer: exact resume (in process and after SIGKILL), metrics, schedule, CLI errors."""
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from srupp.cli import main
+from srupp.train import Trainer, build_config
+from srupp.train.trainer import lr_factor
+
+TEXT = ("When in the chronicle of wasted time\nI see descriptions of the fairest wights,\n"
+        "And beauty making beautiful old rhyme\nIn praise of ladies dead and lovely knights,\n")
+
+TINY = ["model.d_model=16", "model.proj_size=8", "model.num_layers=2", "model.dropout=0.1",
+        "train.batch_size=2", "train.unroll=16", "train.warmup_steps=3", "train.lr=3e-3",
+        "train.log_every=2", "train.save_every=4", "train.eval_every=4",
+        "train.eval_max_batches=2", "eval.batch_size=2", "train.threads=1"]
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    p = tmp_path / "corpus.txt"
+    p.write_text(TEXT * 40)
+    return p
+
+
+def config(corpus, *extra):
+    return build_config(None, TINY + [f"data.corpus={corpus}", *extra])
+
+
+def metrics(run):
+    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_interrupt_and_resume_gives_identical_losses(tmp_path, corpus):
+    full = tmp_path / "full"
+    Trainer(config(corpus, "train.max_steps=12"), full, progress=False).train()
+
+    part = tmp_path / "part"
+    t = Trainer(config(corpus, "train.max_steps=12"), part, progress=False)
+    original = t._train_step
+
+    def step_then_interrupt(it):
+        loss = original(it)
+        if t.step == 7:  # mid log interval, between checkpoints
+            raise KeyboardInterrupt
+        return loss
+
+    t._train_step = step_then_interrupt
+    assert t.train()["interrupted"]
+    resumed = Trainer(config(corpus, "train.max_steps=12"), part, resume=True, progress=False)
+    assert resumed.step == 7
+    resumed.train()
+    _same_losses(metrics(part), metrics(full))
+
+
+def _same_losses(a, b):
+    """Equal losses and steps; timing fields differ between runs."""
+    keys = ("step", "train_loss", "lr", "valid_bpc", "valid_loss")
+    strip = lambda rows: [{k: r[k] for k in keys if k in r} for r in rows]  # noqa: E731
+    assert strip(a) == strip(b)
+    return True
+
+
+def test_sigkill_loses_only_steps_since_checkpoint(tmp_path, corpus):
+    steps = "train.max_steps=300"
+    full = tmp_path / "full"
+    Trainer(config(corpus, steps), full, progress=False).train()
+
+    run = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "srupp.cli", "train", "--out", str(run), "--no-progress",
+           "--set", *TINY, f"data.corpus={corpus}", steps]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (run / "last.json").exists() and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)  # as soon as a first checkpoint exists
+    proc.wait()
+    saved = json.loads((run / "last.json").read_text())["step"]
+    assert 4 <= saved < 300, "the kill should land mid-run"
+    rc = main(["train", "--out", str(run), "--resume", "--no-progress"])
+    assert rc == 0
+    _same_losses(metrics(run), metrics(full))
+
+
+def test_metrics_curves_and_loss_goes_down(tmp_path, corpus):
+    run = tmp_path / "run"
+    # RAdam's rectifier keeps early steps small, hence a high lr for a short run
+    summary = Trainer(config(corpus, "train.max_steps=40", "train.lr=3e-2",
+                             "train.eval_every=8", "train.save_every=8"), run,
+                      progress=False).train()
+    rows = metrics(run)
+    train = [r for r in rows if "train_loss" in r]
+    assert [r["step"] for r in train] == list(range(2, 41, 2))
+    assert train[-1]["train_loss"] < train[0]["train_loss"] - 0.3
+    assert [r["step"] for r in rows if "valid_bpc" in r] == [8, 16, 24, 32, 40, 40]
+    assert (run / "curves.png").stat().st_size > 1000
+    assert summary["valid_bpc"] == rows[-1]["valid_bpc"]
+    assert {"last.json", "best.json"} <= {p.name for p in run.iterdir()}
+    assert len(list(run.glob("ckpt-*"))) <= 2  # only last and best are kept
+
+
+def test_time_budget_fixes_the_schedule_length(tmp_path, corpus):
+    run = tmp_path / "timed"
+    t = Trainer(config(corpus, "train.max_steps=100000", "train.max_seconds=2",
+                       "train.calibration_steps=3", "train.save_every=1000",
+                       "train.eval_every=1000", "train.log_every=10"), run, progress=False)
+    t.train()
+    assert t.calibrated and t.total_steps < 100000
+    assert t.step >= 0.8 * t.total_steps  # the cosine (nearly) reached its end in time
+    state = torch.load(next(run.glob("ckpt-*")) / "trainer.pt", weights_only=True)
+    assert state["total_steps"] == t.total_steps
+
+
+def test_schedule_shape():
+    assert lr_factor(0, 10, 100, 0.0) == pytest.approx(0.1)
+    assert lr_factor(9, 10, 100, 0.0) == pytest.approx(1.0)
+    assert lr_factor(55, 10, 100, 0.0) == pytest.approx(0.5)
+    assert lr_factor(100, 10, 100, 0.1) == pytest.approx(0.1)
+
+
+# ------------------------------------------------------------------ the CLI
+
+def run_cli(args, capsys):
+    rc = main(args)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_eval_generate_params(tmp_path, corpus, capsys):
+    run = tmp_path / "run"
+    rc, out, _ = run_cli(["train", "--data", str(corpus), "--out", str(run), "--no-progress",
+                          "--set", *TINY, "--set", "train.max_steps=4"], capsys)
+    assert rc == 0 and json.loads(out)["step"] == 4
+    rc, out, _ = run_cli(["eval", "--checkpoint", str(run), "--split", "test",
+                          "--set", "eval.batch_size=1"], capsys)
+    res = json.loads(out)
+    assert rc == 0 and set(res) >= {"bpc", "tokens", "seconds", "oov_rate"}
+    assert math.isfinite(res["bpc"]) and res["oov_rate"] == 0.0
+    gen = ["generate", "--checkpoint", str(run), "--prompt", "When in", "--max-new-tokens", "30",
+           "--seed", "7"]
+    rc, out1, err = run_cli(gen, capsys)
+    assert rc == 0 and out1.startswith("When in") and "tokens_per_s" in err
+    _, out2, _ = run_cli(gen, capsys)
+    assert out1 == out2
+    rc, out, _ = run_cli(["params", "--set", "model.d_model=16", "model.proj_size=8"], capsys)
+    p = json.loads(out)
+    assert p["params"] == p["embedding"] + p["layers"] + p["output"]
+
+
+@pytest.mark.parametrize("args,match", [
+    (["train", "--set", "train.lrr=1"], "did you mean 'train.lr'"),
+    (["train", "--set", "train.batch_size=0"], "batch_size"),
+    (["train", "--set", "train.log_every=3", "train.save_every=10"], "must divide"),
+    (["train", "--data", "no-such-corpus"], "no-such-corpus"),
+    (["eval", "--checkpoint", "/nonexistent/run"], "does not exist"),
+])
+def test_cli_bad_input_is_one_line_exit_2(args, match, capsys, tmp_path):
+    rc, out, err = run_cli(args + (["--out", str(tmp_path / "r")] if args[0] == "train" else []),
+                           capsys)
+    assert rc == 2
+    assert match in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_cli_corrupt_checkpoint_and_foreign_data(tmp_path, corpus, capsys):
+    run = tmp_path / "run"
+    main(["train", "--data", str(corpus), "--out", str(run), "--no-progress",
+          "--set", *TINY, "data.tokenizer=char", "train.max_steps=4"])
+    capsys.readouterr()
+    foreign = tmp_path / "foreign.txt"
+    foreign.write_text("Ωμέγα ζ ξ ψ " * 200)
+    rc, _, err = run_cli(["eval", "--checkpoint", str(run), "--data", str(foreign)], capsys)
+    assert rc == 2 and "out of vocabulary" in err
+    ckpt = next(run.glob("ckpt-*"))
+    blob = (ckpt / "model.safetensors").read_bytes()
+    (ckpt / "model.safetensors").write_bytes(blob[:100])
+    rc, _, err = run_cli(["eval", "--checkpoint", str(run)], capsys)
+    assert rc == 2 and "corrupt" in err and err.count("\n") == 1
+    (ckpt / "trainer.pt").write_bytes(b"not a zip")
+    rc, _, err = run_cli(["train", "--out", str(run), "--resume"], capsys)
+    assert rc == 2 and "corrupt" in err
+
+
+def test_empty_corpus(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    rc, _, err = run_cli(["train", "--data", str(empty), "--out", str(tmp_path / "r")], capsys)
+    assert rc == 2 and "empty" in err
