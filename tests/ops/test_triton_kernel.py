@@ -1,0 +1,300 @@
+"""Triton recurrence kernels against the reference oracle.
+
+Runs on CPU under the Triton interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1 before triton is imported).  The interpreter runs every
+program one after another in Python, so shapes are tiny (B <= 3, L <= 6) and
+small unit blocks are forced (``block_size``) so that D is not a multiple of
+the block and, when bidirectional, blocks straddle the two directions.
+
+Tolerances:
+* fp32 inputs: every output and gradient ``rtol=1e-5, atol=1e-6``.  Both sides
+  compute the same fp32 expressions; only the summation order of the
+  weight_c/bias reductions and the sigmoid implementation differ.
+* bf16 / fp16 inputs: both sides read the very same rounded inputs and compute
+  in fp32, so the only extra difference is the final rounding of h, grad_U and
+  grad_x (and grad_weight_c/grad_bias when those are half) to the half format:
+  a few-1e-7 fp32 difference can flip one rounding, i.e. 1 ulp.  1 ulp is at
+  most 2^-7 = 7.8e-3 relative for bf16 (8-bit significand) and 2^-10 = 9.8e-4
+  for fp16 (11-bit), so we allow 2 ulps: ``rtol=1.6e-2`` (bf16) /
+  ``rtol=2e-3`` (fp16), with ``atol=1e-5`` for values that cancel to ~0 in
+  fp32.  c_last and grad_c0 stay fp32 and are compared at ``rtol=1e-5,
+  atol=1e-5`` (they pass through more steps of fp32 arithmetic on O(1) values).
+"""
+
+import itertools
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="triton not installed (pip install srupp[test])")
+
+from srupp.ops import triton_kernel as tk  # noqa: E402
+from srupp.ops.reference import sru_recurrence_reference  # noqa: E402
+from srupp.ops.triton_kernel import (  # noqa: E402
+    sru_bwd_triton,
+    sru_bwd_triton_op,
+    sru_fwd_triton,
+    sru_recurrence_triton,
+)
+
+FP32_TOL = dict(rtol=1e-5, atol=1e-6)
+HALF_TOL = {torch.bfloat16: dict(rtol=1.6e-2, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=1e-5)}
+FP32_STATE_TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def nan_fill(monkeypatch):
+    """Every output buffer starts as NaN, so an unwritten element fails the test."""
+    monkeypatch.setattr(tk, "DEBUG_NAN_FILL", True)
+
+
+def make_inputs(B, L, D, k=3, skip=True, pad=False, dropout=False, dtype=torch.float32,
+                param_dtype=torch.float32, seed=0, time_major=False):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*s, dt=dtype):
+        return torch.randn(*s, generator=g).to(dt)
+
+    if time_major:  # U and x as transposed views of (L, B, ...) buffers
+        U = r(L, B, k, D).transpose(0, 1)
+        x = r(L, B, D).transpose(0, 1) if (skip and k == 3) else None
+    else:
+        U = r(B, L, k, D)
+        x = r(B, L, D) if (skip and k == 3) else None
+    wc = r(2, D, dt=param_dtype)
+    bias = r(2, D, dt=param_dtype)
+    c0 = r(B, D, dt=torch.float32)
+    mask = None
+    if pad:
+        mask = torch.zeros(B, L, dtype=torch.bool)
+        mask[0, -1] = True                  # right padding
+        if B > 1:
+            mask[1, 0] = True               # left padding
+        if B > 2:
+            mask[2, :] = True               # a fully padded row
+    dm = None
+    if dropout:
+        dm = ((torch.rand(B, D, generator=g) > 0.3).float() / 0.7).to(dtype)
+    leaves = [t.requires_grad_() for t in (U, x, wc, bias, c0) if t is not None]
+    assert leaves
+    return U, x, wc, bias, c0, mask, dm
+
+
+def run_both(U, x, wc, bias, c0, mask, dm, *, scale_x=1.3, bidir=False, block_size=4,
+             loss="random", seed=1):
+    """Forward + backward on both implementations with the same upstream grads."""
+    kw = dict(scale_x=scale_x, mask_pad=mask, dropout_mask=dm, bidirectional=bidir)
+    h_t, c_t = sru_recurrence_triton(U, x, wc, bias, c0, block_size=block_size, **kw)
+    h_r, c_r = sru_recurrence_reference(U, x, wc, bias, c0, **kw)
+    g = torch.Generator().manual_seed(seed)
+    gh = torch.randn(h_r.shape, generator=g).to(h_r.dtype)
+    gc = torch.randn(c_r.shape, generator=g)
+    inputs = [t for t in (U, x, wc, bias, c0) if t is not None and t.requires_grad]
+
+    def grads(h, c):
+        if loss == "random":
+            total = (h.float() * gh.float()).sum() + (c * gc).sum()
+        elif loss == "h_sum":          # grad_h is an expanded (stride-0) tensor
+            total = h.sum()
+        elif loss == "h_only":
+            total = (h.float() * gh.float()).sum()
+        elif loss == "c_only":
+            total = (c * gc).sum()
+        else:
+            raise ValueError(loss)
+        # With loss="c_only" x does not reach the reference's graph: None = zeros.
+        gs = torch.autograd.grad(total, inputs, allow_unused=True)
+        return [torch.zeros_like(t) if g is None else g for t, g in zip(inputs, gs)]
+
+    return (h_t, c_t, grads(h_t, c_t)), (h_r, c_r, grads(h_r, c_r)), inputs
+
+
+def check(tri, ref, inputs, dtype=torch.float32):
+    (h_t, c_t, g_t), (h_r, c_r, g_r) = tri, ref
+    out_tol = FP32_TOL if dtype == torch.float32 else HALF_TOL[dtype]
+    state_tol = FP32_TOL if dtype == torch.float32 else FP32_STATE_TOL
+    assert h_t.dtype == h_r.dtype and c_t.dtype == torch.float32 == c_r.dtype
+    torch.testing.assert_close(h_t, h_r, **out_tol)
+    torch.testing.assert_close(c_t, c_r, **state_tol)
+    for inp, a, b in zip(inputs, g_t, g_r):
+        assert a.dtype == inp.dtype and a.shape == inp.shape
+        tol = state_tol if inp.dtype == torch.float32 else out_tol
+        torch.testing.assert_close(a, b, **tol)
+
+
+# k = 4 exists only with a skip term.
+KSKIP = [(3, True), (3, False), (4, True)]
+OPTIONS = list(itertools.product(KSKIP, [False, True], [False, True], [False, True]))
+
+
+@pytest.mark.parametrize("kskip,bidir,pad,dropout", OPTIONS,
+                         ids=[f"k{o[0][0]}{'' if o[0][1] else '-noskip'}"
+                              f"{'-bidir' if o[1] else ''}{'-pad' if o[2] else ''}"
+                              f"{'-drop' if o[3] else ''}" for o in OPTIONS])
+def test_matches_reference_fp32(kskip, bidir, pad, dropout):
+    k, skip = kskip
+    # B = 3 with padding gives right-, left- and fully-padded rows.  D = 6 with
+    # block 4: the last block is partial, and with bidir (d = 3) block 0 holds
+    # both directions.
+    B = 3 if pad else 2
+    U, x, wc, bias, c0, mask, dm = make_inputs(B, 4, 6, k, skip, pad, dropout)
+    tri, ref, inputs = run_both(U, x, wc, bias, c0, mask, dm, bidir=bidir)
+    check(tri, ref, inputs)
+
+
+@pytest.mark.parametrize("B,L,D,block,bidir", [
+    (1, 1, 5, 4, False),      # L = 1, B = 1
+    (2, 1, 6, 4, True),       # L = 1 bidirectional: c_last = [c_fwd(0), c_bwd(0)]
+    (1, 5, 5, 4, False),      # D = 5, two blocks, last one partial
+    (2, 3, 37, 32, False),    # D = 37 with block 32
+    (1, 3, 38, 16, True),     # bidir d = 19: block 1 straddles the halves
+    (2, 6, 7, 8, False),      # single partial block, L = 6
+    (2, 2, 37, None, False),  # default block size
+])
+def test_shapes(B, L, D, block, bidir):
+    U, x, wc, bias, c0, mask, dm = make_inputs(B, L, D, 3, True, pad=L > 1, dropout=True, seed=B + L + D)
+    tri, ref, inputs = run_both(U, x, wc, bias, c0, mask, dm, bidir=bidir, block_size=block)
+    check(tri, ref, inputs)
+
+
+@pytest.mark.parametrize("scale_x", [1.0, 0.37, 2.5])
+def test_scale_x(scale_x):
+    U, x, wc, bias, c0, mask, dm = make_inputs(2, 3, 6, 3, True)
+    tri, ref, inputs = run_both(U, x, wc, bias, c0, mask, dm, scale_x=scale_x)
+    check(tri, ref, inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("k,bidir,param_half", [(3, False, False), (4, True, False), (3, True, True)])
+def test_half_precision(dtype, k, bidir, param_half):
+    U, x, wc, bias, c0, mask, dm = make_inputs(
+        3, 4, 6, k, True, pad=True, dropout=True, dtype=dtype,
+        param_dtype=dtype if param_half else torch.float32, seed=7)
+    tri, ref, inputs = run_both(U, x, wc, bias, c0, mask, dm, bidir=bidir)
+    check(tri, ref, inputs, dtype=dtype)
+
+
+@pytest.mark.parametrize("k,skip", KSKIP)
+def test_strided_inputs(k, skip):
+    """Time-major U / x views, transposed mask_pad and dropout_mask views."""
+    B, L, D = 2, 4, 6
+    U, x, wc, bias, c0, _, _ = make_inputs(B, L, D, k, skip, time_major=True, seed=3)
+    assert not U.is_contiguous() and (x is None or not x.is_contiguous())
+    mask = torch.zeros(L, B, dtype=torch.bool)
+    mask[-1, 0] = True
+    mask = mask.t()
+    dm = ((torch.rand(D, B) > 0.4).float() / 0.6).t()
+    tri, ref, inputs = run_both(U, x, wc, bias, c0, mask, dm, bidir=True)
+    check(tri, ref, inputs)
+
+
+@pytest.mark.parametrize("loss", ["h_sum", "h_only", "c_only"])
+def test_partial_upstream_grads(loss):
+    U, x, wc, bias, c0, mask, dm = make_inputs(2, 3, 6, 3, True, pad=True)
+    tri, ref, inputs = run_both(U, x, wc, bias, c0, mask, dm, bidir=True, loss=loss)
+    check(tri, ref, inputs)
+
+
+def test_c0_none_and_frozen_inputs():
+    g = torch.Generator().manual_seed(5)
+    U = torch.randn(2, 3, 4, 6, generator=g, requires_grad=True)
+    wc = torch.randn(2, 6, generator=g)          # no grad wanted
+    bias = torch.randn(2, 6, generator=g, requires_grad=True)
+    kw = dict(dropout_mask=None, bidirectional=False)
+    h_t, c_t = sru_recurrence_triton(U, None, wc, bias, block_size=4, **kw)
+    h_r, c_r = sru_recurrence_reference(U, None, wc, bias, **kw)
+    torch.testing.assert_close(h_t, h_r, **FP32_TOL)
+    torch.testing.assert_close(c_t, c_r, **FP32_TOL)
+    g_t = torch.autograd.grad(h_t.sum() + c_t.sum(), (U, bias))
+    g_r = torch.autograd.grad(h_r.sum() + c_r.sum(), (U, bias))
+    for a, b in zip(g_t, g_r):
+        torch.testing.assert_close(a, b, **FP32_TOL)
+
+
+def test_no_grad_forward_and_integer_mask():
+    U, x, wc, bias, c0, mask, dm = make_inputs(2, 3, 6, 3, True, pad=True)
+    with torch.no_grad():
+        h_t, c_t = sru_recurrence_triton(U, x, wc, bias, c0, mask_pad=mask.to(torch.uint8),
+                                         block_size=4)
+        h_r, c_r = sru_recurrence_reference(U, x, wc, bias, c0, mask_pad=mask)
+    torch.testing.assert_close(h_t, h_r, **FP32_TOL)
+    torch.testing.assert_close(c_t, c_r, **FP32_TOL)
+
+
+def test_low_level_api():
+    """c_all is the per-step state; bwd recomputes it when given none; results
+    are bitwise deterministic."""
+    B, L, D = 3, 4, 6
+    U, x, wc, bias, c0, mask, dm = make_inputs(B, L, D, 3, True, pad=True, dropout=True)
+    U, x, wc, bias, c0 = (t.detach() for t in (U, x, wc, bias, c0))
+    args = (U, x, wc, bias, c0, mask, dm, 1.3, True)
+    h, c_last, c_all = sru_fwd_triton(*args, True, block_size=4)
+    h2, c_last2, empty = sru_fwd_triton(*args, False, block_size=4)
+    assert empty.numel() == 0
+    assert torch.equal(h, h2) and torch.equal(c_last, c_last2)
+    assert c_all.shape == (B, L, D) and c_all.dtype == torch.float32
+    assert not c_all.isnan().any()
+    d = D // 2
+    torch.testing.assert_close(c_last[:, :d], c_all[:, -1, :d], rtol=0, atol=0)
+    torch.testing.assert_close(c_last[:, d:], c_all[:, 0, d:], rtol=0, atol=0)
+    # padded steps hold the state: forward half of row 0 at t = L-1
+    torch.testing.assert_close(c_all[0, -1, :d], c_all[0, -2, :d], rtol=0, atol=0)
+    # fully padded row: state stays c0
+    torch.testing.assert_close(c_all[2], c0[2].expand(L, D), rtol=0, atol=0)
+
+    gh = torch.randn(B, L, D)
+    gcl = torch.randn(B, D)
+    bwd_args = (gh, gcl, U, x, wc, bias, c0)
+    tail = (mask, dm, 1.3, True)
+    out1 = sru_bwd_triton(*bwd_args, c_all, *tail, block_size=4)
+    out2 = sru_bwd_triton(*bwd_args, c_all, *tail, block_size=4)
+    out3 = sru_bwd_triton(*bwd_args, None, *tail, block_size=4)
+    gU, gx, gwc, gb, gc0 = out1
+    assert gU.shape == U.shape and gx.shape == x.shape
+    assert gwc.shape == (2, D) and gb.shape == (2, D) and gc0.shape == (B, D)
+    assert gc0.dtype == torch.float32
+    for a, b, c in zip(out1, out2, out3):
+        assert not a.isnan().any()
+        assert torch.equal(a, b) and torch.equal(a, c)
+    # no gradient at padded steps; the fully padded row passes grad_c_last to c0
+    assert (gU[2] == 0).all() and (gx[2] == 0).all()
+    torch.testing.assert_close(gc0[2], gcl[2], rtol=0, atol=0)
+
+
+def test_custom_op_order_adapter():
+    """sru_bwd_triton_op: the srupp::sru_bwd argument order; grad_x is an empty
+    tensor (never None) when not wanted; outputs never alias one another."""
+    B, L, D = 2, 3, 6
+    for k, skip in KSKIP:
+        U, x, wc, bias, c0, mask, dm = make_inputs(B, L, D, k, skip, pad=True, dropout=True)
+        U, wc, bias, c0 = (t.detach() for t in (U, wc, bias, c0))
+        x = None if x is None else x.detach()
+        _, _, c_all = sru_fwd_triton(U, x, wc, bias, c0, mask, dm, 1.3, False, True)
+        gh, gcl = torch.randn(B, L, D), torch.randn(B, D)
+        ref = sru_bwd_triton(gh, gcl, U, x, wc, bias, c0, c_all, mask, dm, 1.3, False)
+        for need_gx in (True, False):
+            out = sru_bwd_triton_op(U, x, wc, bias, c0, mask, dm, c_all, gh, gcl, 1.3, False,
+                                    need_gx)
+            gx = out[1]
+            if x is not None and need_gx:
+                assert torch.equal(gx, ref[1])
+            else:
+                assert gx.numel() == 0 and gx.dtype == (x if x is not None else U).dtype
+            for i in (0, 2, 3, 4):
+                assert torch.equal(out[i], ref[i])
+            ptrs = [t.untyped_storage().data_ptr() for t in out if t.numel()]
+            assert len(set(ptrs)) == len(ptrs)
+        assert ref[1] is None or x is not None
+
+
+def test_bad_input():
+    U = torch.randn(1, 2, 3, 5)
+    wc, bias = torch.randn(2, 5), torch.randn(2, 5)
+    with pytest.raises(ValueError):
+        sru_recurrence_triton(U, None, wc, bias, bidirectional=True)  # odd D
+    with pytest.raises(ValueError):
+        sru_recurrence_triton(torch.randn(1, 2, 4, 5), torch.randn(1, 2, 5), wc, bias)
+    with pytest.raises(ValueError):
+        sru_recurrence_triton(torch.randn(1, 2, 2, 5), None, wc, bias)
+    with pytest.raises(TypeError):
+        sru_recurrence_triton(U.double(), None, wc.double(), bias.double())
