@@ -1,0 +1,125 @@
+"""Time a 2-layer SRU++ against the reference package, nn.LSTM and a Transformer.
+
+Prints one JSON object. All contenders run in this one process, alternating
+round by round, and the medians are reported with ratios to the reference
+package (``sru==3.0.0.dev6``, always fp32). Run it with nothing else on the
+machine:
+
+    .venv/bin/python benchmarks/layer.py [--rounds 5] [--L 256 --B 16 --d 512 --proj 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import warnings
+
+import torch
+from torch import nn
+
+
+def timed(fn, reps: int) -> float:
+    fn()  # warm-up (first-use compilation, allocator)
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - start) / reps
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--L", type=int, default=256)
+    ap.add_argument("--B", type=int, default=16)
+    ap.add_argument("--d", type=int, default=512)
+    ap.add_argument("--proj", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    L, B, d, P = args.L, args.B, args.d, args.proj
+    torch.manual_seed(0)
+
+    from srupp.nn import SRUpp
+
+    causal = torch.triu(torch.full((L, L), float("-inf")), diagonal=1)
+    mine = SRUpp(d, d, P, num_layers=2)
+    x = torch.randn(L, B, d)
+    contenders = {}
+
+    def srupp_train(dtype):
+        def run():
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+                out, _ = mine(x, attn_mask=causal)
+            out.float().sum().backward()
+        return run
+
+    def srupp_infer(dtype):
+        def run():
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16,
+                                                 enabled=dtype == "bf16"):
+                mine(x, attn_mask=causal)
+        return run
+
+    contenders["srupp_fp32"] = (srupp_train("fp32"), srupp_infer("fp32"))
+    contenders["srupp_bf16"] = (srupp_train("bf16"), srupp_infer("bf16"))
+
+    have_ref = False
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import sru
+        ref = sru.SRUpp(d, d, P, num_layers=2)
+
+        def ref_train():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                h, _, _ = ref(x, attn_mask=causal)
+            h.sum().backward()
+
+        def ref_infer():
+            with torch.no_grad():
+                ref(x, attn_mask=causal)
+
+        contenders["reference_fp32"] = (ref_train, ref_infer)
+        have_ref = True
+    except Exception as e:  # noqa: BLE001 - report why and go on
+        print(json.dumps({"note": f"reference package unavailable: {e}"}))
+
+    lstm = nn.LSTM(d, d, num_layers=2)
+    contenders["lstm_fp32"] = (lambda: lstm(x)[0].sum().backward(),
+                               lambda: torch.no_grad()(lambda: lstm(x))())
+    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, 8, 4 * d, dropout=0.0),
+                                num_layers=2, enable_nested_tensor=False)
+    contenders["transformer_fp32"] = (
+        lambda: enc(x, mask=causal, is_causal=True).sum().backward(),
+        lambda: torch.no_grad()(lambda: enc(x, mask=causal, is_causal=True))())
+
+    times = {name: {"train": [], "infer": []} for name in contenders}
+    for _ in range(args.rounds):
+        for name, (train, infer) in contenders.items():
+            times[name]["train"].append(timed(train, args.reps))
+            times[name]["infer"].append(timed(infer, args.reps))
+
+    tokens = L * B
+    result = {"config": {"L": L, "B": B, "d": d, "proj_size": P, "num_layers": 2,
+                         "threads": torch.get_num_threads(), "torch": torch.__version__,
+                         "rounds": args.rounds, "reps": args.reps},
+              "loadavg_1m": os.getloadavg()[0], "tokens_per_s": {}, "ratio_to_reference": {}}
+    for name, t in times.items():
+        result["tokens_per_s"][name] = {k: tokens / statistics.median(v) for k, v in t.items()}
+    if have_ref:
+        refs = result["tokens_per_s"]["reference_fp32"]
+        for name, v in result["tokens_per_s"].items():
+            result["ratio_to_reference"][name] = {k: round(v[k] / refs[k], 2) for k in v}
+    try:
+        from srupp.ops import get_backend
+        result["config"]["srupp_backend"] = get_backend()
+    except ImportError:
+        pass
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
