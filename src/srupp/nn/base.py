@@ -120,3 +120,39 @@ class RecurrentLayerBase(nn.Module):
         if not self.has_skip_term:
             s += ", has_skip_term=False"
         return s
+
+
+class StackBase(nn.Module):
+    """What the SRU and SRU++ stacks share: sizes, the optional input projection, layers."""
+
+    layers: nn.ModuleList
+
+    def _init_stack(self, input_size: int, hidden_size: int, num_layers: int,
+                    bidirectional: bool, batch_first: bool, proj_input_to_hidden_first: bool,
+                    factory: dict) -> int:
+        """Set the common attributes; returns the first layer's input size."""
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        self.input_size = input_size
+        self.hidden_size = hidden_size
+        self.num_layers = num_layers
+        self.bidirectional = bidirectional
+        self.num_directions = 2 if bidirectional else 1
+        self.output_size = hidden_size * self.num_directions  # D
+        self.batch_first = batch_first
+        self.input_to_hidden: Optional[nn.Linear] = None
+        if proj_input_to_hidden_first and input_size != self.output_size:
+            # one bias-free map n_in -> D, so that every layer has k = 3
+            self.input_to_hidden = nn.Linear(input_size, self.output_size, bias=False, **factory)
+            nn.init.xavier_uniform_(self.input_to_hidden.weight)
+            return self.output_size
+        return input_size
+
+    def __getitem__(self, i: int):
+        return self.layers[i]
+
+    def reset_parameters(self):
+        for layer in self.layers:
+            layer.reset_parameters()
+        if self.input_to_hidden is not None:
+            nn.init.xavier_uniform_(self.input_to_hidden.weight)

@@ -11,7 +11,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from ._inputs import (check_c0, check_input, merge_masks, normalize_mask_pad, pack_output,
                       unpack_input)
-from .base import RecurrentLayerBase
+from .base import RecurrentLayerBase, StackBase
 
 
 class SRUCell(RecurrentLayerBase):
@@ -125,7 +125,7 @@ class SRUCell(RecurrentLayerBase):
         return s
 
 
-class SRU(nn.Module):
+class SRU(StackBase):
     """A stack of :class:`SRUCell` layers, with the reference's arguments.
 
     Args:
@@ -156,26 +156,13 @@ class SRU(nn.Module):
                  proj_input_to_hidden_first: bool = False, weight_c_init: float = 1.0,
                  batch_first: bool = False, device=None, dtype=None):
         super().__init__()
-        if num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         if not isinstance(projection_size, int) and len(projection_size) != num_layers:
             raise ValueError(f"projection_size has {len(projection_size)} entries, "
                              f"expected one per layer ({num_layers})")
         factory = {"device": device, "dtype": dtype}
-        self.input_size = input_size
-        self.hidden_size = hidden_size
-        self.num_layers = num_layers
-        self.bidirectional = bidirectional
-        self.num_directions = 2 if bidirectional else 1
-        self.output_size = hidden_size * self.num_directions
-        self.batch_first = batch_first
+        first_in = self._init_stack(input_size, hidden_size, num_layers, bidirectional,
+                                    batch_first, proj_input_to_hidden_first, factory)
         self.nn_rnn_compatible_return = nn_rnn_compatible_return
-        self.input_to_hidden: Optional[nn.Linear] = None
-        first_in = input_size
-        if proj_input_to_hidden_first and input_size != self.output_size:
-            self.input_to_hidden = nn.Linear(input_size, self.output_size, bias=False, **factory)
-            nn.init.xavier_uniform_(self.input_to_hidden.weight)
-            first_in = self.output_size
         self.layers = nn.ModuleList(
             SRUCell(first_in if i == 0 else self.output_size, hidden_size,
                     dropout=dropout if i + 1 < num_layers else 0.0,
@@ -187,15 +174,6 @@ class SRU(nn.Module):
                     has_skip_term=has_skip_term, weight_c_init=weight_c_init,
                     batch_first=True, **factory)
             for i in range(num_layers))
-
-    def __getitem__(self, i: int) -> SRUCell:
-        return self.layers[i]
-
-    def reset_parameters(self):
-        for layer in self.layers:
-            layer.reset_parameters()
-        if self.input_to_hidden is not None:
-            nn.init.xavier_uniform_(self.input_to_hidden.weight)
 
     def forward(self, input: Union[Tensor, PackedSequence], c0: Optional[Tensor] = None, *,
                 mask_pad: Optional[Tensor] = None):

@@ -11,7 +11,7 @@ from torch.nn.utils.rnn import PackedSequence
 from ._inputs import (check_c0, check_input, merge_masks, normalize_mask_pad, pack_output,
                       unpack_input)
 from .attention import AttentionMask, SRUppAttention, SRUppProjectedLinear, build_attention_mask
-from .base import RecurrentLayerBase
+from .base import RecurrentLayerBase, StackBase
 from .state import SRUppState
 
 StateLike = Union[SRUppState, Tensor, None]
@@ -121,7 +121,7 @@ class SRUppCell(RecurrentLayerBase):
         return s
 
 
-class SRUpp(nn.Module):
+class SRUpp(StackBase):
     """A stack of SRU++ layers with the reference's arguments, plus state and causality.
 
     Args:
@@ -156,8 +156,6 @@ class SRUpp(nn.Module):
                  causal: bool = False, mem_len: Optional[int] = None,
                  batch_first: bool = False, device=None, dtype=None):
         super().__init__()
-        if num_layers < 1:
-            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         if attention_every_n_layers != 1 and attention_last_n_layers != -1:
             raise ValueError("set attention_every_n_layers or attention_last_n_layers, not both")
         if attention_every_n_layers < 1:
@@ -169,22 +167,11 @@ class SRUpp(nn.Module):
         _check_stack_options(proj_size, dropout, attn_dropout, num_heads, bidirectional,
                              causal, mem_len)
         factory = {"device": device, "dtype": dtype}
-        self.input_size = input_size
-        self.hidden_size = hidden_size
+        first_in = self._init_stack(input_size, hidden_size, num_layers, bidirectional,
+                                    batch_first, proj_input_to_hidden_first, factory)
         self.proj_size = proj_size
-        self.num_layers = num_layers
-        self.num_directions = 2 if bidirectional else 1
-        self.output_size = hidden_size * self.num_directions
-        self.bidirectional = bidirectional
         self.causal = causal
         self.mem_len = mem_len
-        self.batch_first = batch_first
-        self.input_to_hidden: Optional[nn.Linear] = None
-        first_in = input_size
-        if proj_input_to_hidden_first and input_size != self.output_size:
-            self.input_to_hidden = nn.Linear(input_size, self.output_size, bias=False, **factory)
-            nn.init.xavier_uniform_(self.input_to_hidden.weight)
-            first_in = self.output_size
 
         def has_attention(i: int) -> bool:
             if attention_last_n_layers != -1:
@@ -201,15 +188,6 @@ class SRUpp(nn.Module):
                       highway_dropout=dropout if i + 1 < num_layers else 0.0,
                       batch_first=True, **factory)
             for i in range(num_layers))
-
-    def __getitem__(self, i: int) -> SRUppCell:
-        return self.layers[i]
-
-    def reset_parameters(self):
-        for layer in self.layers:
-            layer.reset_parameters()
-        if self.input_to_hidden is not None:
-            nn.init.xavier_uniform_(self.input_to_hidden.weight)
 
     def initial_state(self, batch_size: int, *, device=None,
                       mem_len: Optional[int] = None) -> SRUppState:
