@@ -93,14 +93,14 @@ def test_sigkill_loses_only_steps_since_checkpoint(tmp_path, corpus):
 def test_metrics_curves_and_loss_goes_down(tmp_path, corpus):
     run = tmp_path / "run"
     # RAdam's rectifier keeps early steps small, hence a high lr for a short run
-    summary = Trainer(config(corpus, "train.max_steps=40", "train.lr=3e-2",
-                             "train.eval_every=8", "train.save_every=8"), run,
+    summary = Trainer(config(corpus, "train.max_steps=80", "train.lr=3e-2",
+                             "train.eval_every=16", "train.save_every=16"), run,
                       progress=False).train()
     rows = metrics(run)
     train = [r for r in rows if "train_loss" in r]
-    assert [r["step"] for r in train] == list(range(2, 41, 2))
-    assert train[-1]["train_loss"] < train[0]["train_loss"] - 0.3
-    assert [r["step"] for r in rows if "valid_bpc" in r] == [8, 16, 24, 32, 40, 40]
+    assert [r["step"] for r in train] == list(range(2, 81, 2))
+    assert train[-1]["train_loss"] < train[0]["train_loss"] - 0.5
+    assert [r["step"] for r in rows if "valid_bpc" in r] == [16, 32, 48, 64, 80, 80]
     assert (run / "curves.png").stat().st_size > 1000
     assert summary["valid_bpc"] == rows[-1]["valid_bpc"]
     assert {"last.json", "best.json"} <= {p.name for p in run.iterdir()}

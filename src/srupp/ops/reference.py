@@ -50,8 +50,12 @@ def _scan(
     L = U.shape[1]
     c = c0
     hs = [None] * L
+    # unbind once: indexing U[:, t] inside the loop would make the backward quadratic in L
+    # (each select's backward materialises a full-size zero tensor)
+    U_t = U.unbind(1)                                   # L × (B, k, d)
+    skip_t = None if skip is None else skip.unbind(1)   # L × (B, d)
     for t in (range(L - 1, -1, -1) if reverse else range(L)):
-        u0, u1, u2 = U[:, t, 0], U[:, t, 1], U[:, t, 2]  # (B, d) each
+        u0, u1, u2 = U_t[t].unbind(1)[:3]  # (B, d) each
         f = torch.sigmoid(u1 + v_f * c + b_f)
         r = torch.sigmoid(u2 + v_r * c + b_r)
         c_new = f * c + (1 - f) * u0
@@ -60,7 +64,7 @@ def _scan(
             if dropout_mask is not None:
                 h = dropout_mask * h
         else:
-            s = skip[:, t]
+            s = skip_t[t]
             gate = r if dropout_mask is None else dropout_mask * r
             h = s + gate * (c_new - s)
         if mask_pad is not None:
@@ -106,6 +110,8 @@ def sru_recurrence_reference(
     B, L, k, D = U.shape
     if k not in (3, 4):
         raise ValueError(f"U must have k = 3 or 4 planes in dim 2, got shape {tuple(U.shape)}")
+    if bidirectional and D % 2:
+        raise ValueError(f"bidirectional needs an even number of units D, got {D}")
     if k == 4 and x is not None:
         raise ValueError("with k = 4 the skip term is U[:, :, 3]; pass x=None")
     cdt = compute_dtype(U.dtype)

@@ -1,0 +1,182 @@
+"""The fused C++ CPU kernels (``csrc/sru_cpu.cpp``), built on first use.
+
+Nothing is compiled at import. The first call of :func:`load` (or
+:func:`is_available`) builds the extension with
+:func:`torch.utils.cpp_extension.load` (needs a C++ compiler and ninja; about a
+minute the first time, then cached under ``TORCH_EXTENSIONS_DIR``, by default
+``~/.cache/torch_extensions``). The build is tuned to this machine: ``-O3``, the
+host's vector ISA (``-march=native``) and ATen's matching ``Vectorized``
+specialisation (AVX-512, AVX2 or the portable one, following
+``torch.backends.cpu.get_cpu_capability()``; the environment variable
+``SRUPP_CPU_ISA=avx512|avx2|default`` overrides it).
+
+If the build fails, one warning says why and that the slower reference path is
+used; the failure is remembered, so later calls neither retry nor warn again.
+
+Memory. The kernel is bandwidth-bound, and a fresh multi-megabyte output costs
+the OS a page fault and a page zeroing per page, which measured here took longer
+than the recurrence itself. So (on Linux) outputs of 4 MiB or more live on 2 MiB
+transparent huge pages, and freed ones are kept for reuse by later calls of the
+same size, up to a limit: 512 MiB by default, ``SRUPP_CPU_CACHE_MB`` or
+:func:`set_cache_limit` to change it, :func:`empty_cache` to hand the memory back.
+``SRUPP_CPU_HUGEPAGES=0`` turns both off. Outputs of 16 MiB or more are written with
+streaming stores (``SRUPP_CPU_STREAM_BYTES`` sets the threshold).
+
+Debugging: ``SRUPP_DEBUG_NAN_FILL=1`` fills every output with NaN before the kernel
+writes it, so the tests catch an element it forgets.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import threading
+import warnings
+from pathlib import Path
+from typing import Optional
+
+__all__ = ["is_available", "load", "build_error", "capability", "empty_cache",
+           "set_cache_limit", "cache_limit", "cached_bytes"]
+
+_SOURCE = Path(__file__).resolve().parent / "csrc" / "sru_cpu.cpp"
+
+_lock = threading.Lock()
+_module = None                    # the loaded extension
+_error: Optional[str] = None      # why the build failed, once it has
+
+
+def capability() -> str:
+    """The vector ISA to build for: 'avx512', 'avx2' or 'default'."""
+    forced = os.environ.get("SRUPP_CPU_ISA", "").strip().lower()
+    if forced:
+        if forced not in ("avx512", "avx2", "default"):
+            raise ValueError(f"SRUPP_CPU_ISA must be avx512, avx2 or default, got {forced!r}")
+        return forced
+    import torch
+
+    cap = torch.backends.cpu.get_cpu_capability().upper()
+    if cap.startswith("AVX512"):
+        return "avx512"
+    if cap.startswith("AVX2"):
+        return "avx2"
+    return "default"
+
+
+def _flags(isa: str) -> list:
+    machine = platform.machine().lower()
+    if sys.platform == "win32":
+        flags = ["/O2", "/openmp"]
+        flags += {"avx512": ["/arch:AVX512"], "avx2": ["/arch:AVX2"]}.get(isa, [])
+    else:
+        flags = ["-O3"]
+        if sys.platform != "darwin":
+            flags.append("-fopenmp")  # at::parallel_for is OpenMP-backed in torch wheels
+        if machine in ("x86_64", "amd64", "i686", "i386"):
+            flags.append("-march=native")
+            flags += {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+                      "avx2": ["-mavx2", "-mfma", "-mf16c"]}.get(isa, [])
+        elif machine in ("aarch64", "arm64"):
+            flags.append("-mcpu=native")
+    # Select ATen's Vectorized specialisation; name the inline namespace after us so
+    # our inline functions never collide with libtorch's copies of the same templates.
+    if isa == "avx512":
+        flags += ["-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=srupp_avx512"]
+    elif isa == "avx2":
+        flags += ["-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=srupp_avx2"]
+    else:
+        flags += ["-DCPU_CAPABILITY=srupp_default"]
+    return flags
+
+
+def _build_extension():
+    """Compile and import the extension (the tests replace this to simulate a failure)."""
+    from torch.utils.cpp_extension import load as _load
+
+    isa = capability()
+    ldflags = [] if sys.platform in ("win32", "darwin") else ["-fopenmp"]
+    return _load(
+        name=f"srupp_sru_cpu_{isa}",
+        sources=[str(_SOURCE)],
+        extra_cflags=_flags(isa),
+        extra_ldflags=ldflags,
+        verbose=os.environ.get("SRUPP_VERBOSE_BUILD", "") not in ("", "0"),
+    )
+
+
+def _summarise(e: BaseException) -> str:
+    """One line: the exception's first line, plus the compiler's first error if any."""
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    head = lines[0] if lines else ""
+    head = head.split(": [1/")[0]  # cpp_extension appends the whole ninja log
+    errors = [ln for ln in lines[1:] if "error" in ln.lower() and ln != head]
+    msg = f"{type(e).__name__}: {head}"
+    if errors:
+        msg += f" ({errors[0][:300]})"
+    return msg
+
+
+def load():
+    """The compiled extension, building it on the first call; None if it can't be built."""
+    global _module, _error
+    if _module is not None or _error is not None:
+        return _module
+    with _lock:
+        if _module is None and _error is None:
+            try:
+                _module = _build_extension()
+            except Exception as e:  # compiler or ninja missing, compile error, ...
+                _error = _summarise(e)
+                warnings.warn(
+                    "srupp: could not build the fused C++ CPU kernel of the SRU recurrence "
+                    f"({_error}); using the slower pure-PyTorch reference path instead. "
+                    "Install a C++ compiler and ninja to get the fast path.",
+                    RuntimeWarning, stacklevel=3)
+    return _module
+
+
+def is_available() -> bool:
+    """Whether the fused CPU kernel can be used (builds it on the first call)."""
+    return load() is not None
+
+
+def build_error() -> Optional[str]:
+    """Why the build failed, or None (not tried yet, or succeeded)."""
+    return _error
+
+
+def _reset() -> None:
+    """Forget the loaded module and any failure (for tests)."""
+    global _module, _error
+    with _lock:
+        _module = None
+        _error = None
+
+
+def empty_cache() -> int:
+    """Return the kernel's cached output blocks to the system; the bytes released.
+
+    The kernel recycles its large output buffers (see ``csrc/sru_cpu.cpp``); at most
+    :func:`cache_limit` bytes of freed blocks are kept. No-op before the first build.
+    """
+    return int(_module.empty_cache()) if _module is not None else 0
+
+
+def set_cache_limit(nbytes: int) -> None:
+    """Keep at most ``nbytes`` of freed output blocks for reuse (0 disables the cache).
+
+    The default is 512 MiB, or ``SRUPP_CPU_CACHE_MB``. Builds the extension if needed.
+    """
+    mod = load()
+    if mod is not None:
+        mod.set_cache_limit(int(nbytes))
+
+
+def cache_limit() -> int:
+    """The current limit of the output-block cache in bytes (0 if not built)."""
+    return int(_module.cache_limit()) if _module is not None else 0
+
+
+def cached_bytes() -> int:
+    """Bytes currently held in the output-block cache."""
+    return int(_module.cached_bytes()) if _module is not None else 0
