@@ -367,3 +367,32 @@ def test_kv_cache_gives_the_same_decoding_and_tracks_weights():
         st.kv_cache = [None] * len(st.kv_cache)
         b, _ = m(nxt, st)
         close(a, b, **TOL)
+
+
+# ----------------------------------------------------------------- compiled
+
+def test_compiled_stack_matches_eager_without_graph_breaks():
+    """torch.compile(fullgraph=True) traces the whole stack, memory and state included."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    m = make(causal=True, num_heads=2, mem_len=4, layer_norm=True)
+    x = torch.randn(5, 2, 6)
+    _, st0 = m(torch.randn(3, 2, 6))
+    st0 = st0.detach()
+
+    def f(x, c0, m0, m1):
+        out, st = m(x, SRUppState(c=c0, memory=[m0, m1], mem_len=4))
+        return out.square().sum() + st.c.sum()
+
+    def value_and_grads(fn):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, st0.c, *st0.memory)]
+        params = list(m.parameters())
+        out = fn(*leaves)
+        return [out.detach(), *torch.autograd.grad(out, leaves + params)]
+
+    # aot_eager: dynamo with fullgraph (any graph break raises) and AOT autograd,
+    # without inductor's slow cold C++ compile
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    for a, b in zip(value_and_grads(compiled), value_and_grads(f)):
+        close(a, b, **TOL)

@@ -52,7 +52,7 @@ class TrainConfig:
     eval_every: int = 500             # steps between validation passes
     save_every: int = 500             # steps between checkpoints
     eval_max_batches: Optional[int] = None  # cap validation batches during training (None: all)
-    calibration_steps: int = 8        # timed steps that fix the schedule length under max_seconds
+    calibration_steps: int = 20       # timed steps that fix the schedule length under max_seconds
     threads: Optional[int] = None     # torch intra-op threads (None: torch's default)
     device: str = "cpu"               # "cpu" or "cuda"
 

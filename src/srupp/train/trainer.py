@@ -30,6 +30,9 @@ from .config import RunConfig
 from .evaluate import autocast_context, evaluate
 
 
+CALIBRATION_SKIP = 5  # untimed warm-up steps before the calibration window
+
+
 def bf16_supported_on_cpu() -> bool:
     """Whether this CPU has native bf16 arithmetic (AVX-512 BF16 or AMX)."""
     try:
@@ -295,8 +298,9 @@ class Trainer:
                 self.interval["seconds"] += dt
                 if not self.calibrated:
                     calib_times.append(dt)
-                    if len(calib_times) > t.calibration_steps:  # the first includes warm-up
-                        self._calibrate(calib_times[1:])
+                    # the first few steps run slower (allocator and caches warming up)
+                    if len(calib_times) >= CALIBRATION_SKIP + t.calibration_steps:
+                        self._calibrate(calib_times[CALIBRATION_SKIP:])
                         bar.total = self.total_steps
                 bar.update(1)
                 tok_s = self.interval["tokens"] / max(self.interval["seconds"], 1e-9)
