@@ -5,9 +5,10 @@ A run directory holds one folder per saved step plus two pointer files::
     RUN_DIR/
       config.json            the resolved run config
       tokenizer.json         the tokenizer and its vocabulary
-      ckpt-000500/           model.safetensors, config.json (model), state.safetensors
-                             (the carried SRUppState), trainer.pt (optimiser, scheduler,
-                             RNG, data position; read with weights_only=True)
+      ckpt-000500/           model.safetensors, config.json (model), tokenizer.json,
+                             state.safetensors (the carried SRUppState), trainer.pt
+                             (optimiser, scheduler, RNG, data position; read with
+                             weights_only=True): a folder that stands on its own
       last.json, best.json   {"dir": "ckpt-000500", "step": 500, ...}
 
 A checkpoint folder is complete before a pointer names it, and pointers are
@@ -47,7 +48,8 @@ def read_json(path: Path, what: str) -> Any:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, carried_state, trainer_state: Dict[str, Any],
-                    *, pointers: Tuple[str, ...] = ("last",), info: Optional[dict] = None) -> Path:
+                    *, tokenizer: Optional[dict] = None, pointers: Tuple[str, ...] = ("last",),
+                    info: Optional[dict] = None) -> Path:
     """Write ``ckpt-<step>`` and point ``pointers`` (e.g. "last", "best") at it."""
     from safetensors.torch import save_file
 
@@ -58,6 +60,8 @@ def save_checkpoint(run_dir: Path, step: int, model, carried_state, trainer_stat
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         model.save_pretrained(tmp)
+        if tokenizer is not None:
+            write_json_atomic(tmp / "tokenizer.json", tokenizer)
         if carried_state is not None:
             save_file({k: v.contiguous() for k, v in carried_state.to_dict().items()},
                       str(tmp / "state.safetensors"))
@@ -134,10 +138,13 @@ def load_run(path, *, device="cpu", prefer: str = "best"):
     from ..models import LanguageModel
 
     ckpt = resolve_checkpoint(Path(path), prefer=prefer)
-    run_dir = ckpt.parent if (ckpt.parent / "tokenizer.json").exists() else ckpt
-    tokenizer = tokenizer_from_dict(read_json(run_dir / "tokenizer.json", "tokenizer"))
-    run_cfg = read_json(run_dir / "config.json", "run config") if (
-        run_dir / "config.json").exists() and run_dir != ckpt else {}
+    tok_file = ckpt / "tokenizer.json"
+    if not tok_file.exists():  # older layout: the run directory's copy
+        tok_file = ckpt.parent / "tokenizer.json"
+    tokenizer = tokenizer_from_dict(read_json(tok_file, "tokenizer"))
+    run_cfg_file = ckpt.parent / "config.json"
+    run_cfg = read_json(run_cfg_file, "run config") if (
+        run_cfg_file.exists() and (ckpt.parent / "last.json").exists()) else {}
     model = LanguageModel.from_pretrained(ckpt, device=device)
     if model.config.vocab_size != tokenizer.vocab_size:
         raise UserError(f"{ckpt}: the model's vocabulary ({model.config.vocab_size}) does not "

@@ -232,7 +232,7 @@ class Trainer:
             x, y = batch.inputs.to(self.device), batch.targets.to(self.device)
             with autocast_context(self.precision, self.device.type):
                 out = model(x, self.carried, targets=y)
-            loss = out.loss / t.grad_accum
+            loss = out.loss / t.grad_accum if t.grad_accum > 1 else out.loss
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             self.carried = out.state.detach()
             loss_sum += out.loss.item() * y.numel()
@@ -261,7 +261,7 @@ class Trainer:
 
     def _save(self, pointers=("last",), info=None) -> None:
         save_checkpoint(self.run_dir, self.step, self.model, self.carried, self._trainer_state(),
-                        pointers=pointers, info=info)
+                        tokenizer=self.tokenizer.to_dict(), pointers=pointers, info=info)
 
     def _out_of_time(self) -> bool:
         m = self.cfg.train.max_seconds
@@ -287,6 +287,7 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not self.progress,
                    file=sys.stderr, dynamic_ncols=True, unit="step")
         calib_times: list = []
+        last_postfix = 0.0
         interrupted = False
         previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
         try:
@@ -304,10 +305,13 @@ class Trainer:
                         bar.total = self.total_steps
                 bar.update(1)
                 tok_s = self.interval["tokens"] / max(self.interval["seconds"], 1e-9)
-                left = (f"{max(0.0, t.max_seconds - self.train_seconds):.0f}s"
-                        if t.max_seconds else "-")
-                bar.set_postfix(loss=f"{loss:.3f}", bpc=f"{loss / math.log(2):.3f}",
-                                tok_s=f"{tok_s:.0f}", left=left, refresh=False)
+                now = time.monotonic()
+                if now - last_postfix > 0.5:  # formatting every step costs measurable time
+                    last_postfix = now
+                    left = (f"{max(0.0, t.max_seconds - self.train_seconds):.0f}s"
+                            if t.max_seconds else "-")
+                    bar.set_postfix(loss=f"{loss:.3f}", bpc=f"{loss / math.log(2):.3f}",
+                                    tok_s=f"{tok_s:.0f}", left=left, refresh=False)
                 if self.step % t.log_every == 0:
                     self._log({"step": self.step,
                                "train_loss": self.interval["loss_sum"] / self.interval["tokens"],
