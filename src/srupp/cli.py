@@ -131,6 +131,12 @@ def cmd_params(args) -> int:
     cfg = build_config(args.recipe, _flatten_sets(args.set))
     if cfg.data.tokenizer == "byte":
         vocab = 256
+    elif cfg.data.tokenizer in ("word", "sentencepiece"):
+        # counted without reading data: the vocabulary is the recipe's cap
+        if cfg.data.vocab_size is None:
+            raise UserError(f"srupp params needs data.vocab_size for a {cfg.data.tokenizer} "
+                            f"tokenizer; set it in the recipe or with --set data.vocab_size=N")
+        vocab = cfg.data.vocab_size
     else:
         vocab = build_tokenizer(cfg.data.tokenizer, load_corpus(cfg.data.corpus).train).vocab_size
     import torch

@@ -1,6 +1,7 @@
 """Data for character/byte-level language modelling: tokenizers, corpora, batching."""
 
 from .batching import Batch, StreamBatcher
+from . import download  # registers enwik8, text8, wikitext-103 (no download at import)
 from .corpora import (
     CORPORA,
     SHAKESPEARE_TEST_POSITIONS,
@@ -15,7 +16,9 @@ from .tokenizers import (
     TOKENIZERS,
     ByteTokenizer,
     CharTokenizer,
+    SentencePieceTokenizer,
     Tokenizer,
+    WordTokenizer,
     build_tokenizer,
     register_tokenizer,
     tokenizer_from_dict,
@@ -35,7 +38,9 @@ __all__ = [
     "TOKENIZERS",
     "ByteTokenizer",
     "CharTokenizer",
+    "SentencePieceTokenizer",
     "Tokenizer",
+    "WordTokenizer",
     "build_tokenizer",
     "register_tokenizer",
     "tokenizer_from_dict",

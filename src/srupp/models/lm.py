@@ -1,5 +1,9 @@
 """The SRU++ language model: embedding → dropout → causal SRU++ stack → dropout → output.
 
+With ``adaptive_cutoffs`` the embedding is an adaptive input and the output a
+projected adaptive softmax (:mod:`srupp.nn.adaptive`), as in the paper's
+WikiText-103 and Billion Word models; otherwise a plain embedding and linear output.
+
 Read it top to bottom: the config, the model, then generation and saving.
 Shapes: B batch, L time, d model width, V vocabulary.
 """
@@ -19,6 +23,7 @@ from torch import Tensor, nn
 
 from ..errors import UserError
 from ..nn import SRUpp, SRUppState
+from ..nn.adaptive import AdaptiveInput, ProjectedAdaptiveLogSoftmax, check_cutoffs
 
 
 @dataclass
@@ -40,6 +45,10 @@ class LMConfig:
     tie_embeddings: bool = False          # share input and output embeddings (enwik8: untied)
     layer_norm: bool = False              # layer-wise LayerNorm (the paper: only inside attention)
     normalize_after: bool = False         # post-norm when layer_norm
+    adaptive_cutoffs: Optional[List[int]] = None  # adaptive input/softmax clusters; None: plain
+    div_val: int = 4                      # adaptive cluster i is emb_dim // div_val**i wide
+    emb_dim: Optional[int] = None         # n_e, adaptive cluster 0's width; None: d_model
+    tie_projections: bool = True          # with tie_embeddings, share the cluster projections too
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "proj_size", "num_layers", "num_heads"):
@@ -55,6 +64,22 @@ class LMConfig:
             raise UserError(f"model.emb_dropout must be in [0, 1), got {self.emb_dropout}")
         if self.mem_len is not None and self.mem_len < 0:
             raise UserError(f"model.mem_len must be >= 0, got {self.mem_len}")
+        if self.adaptive_cutoffs is None:
+            if self.emb_dim is not None or self.div_val != 4:
+                raise UserError("model.emb_dim and model.div_val only apply to adaptive "
+                                "embeddings: set model.adaptive_cutoffs too, or unset them")
+        else:
+            self.adaptive_cutoffs = check_cutoffs(self.adaptive_cutoffs, self.vocab_size,
+                                                  where="model.adaptive_cutoffs")
+            if self.div_val < 1:
+                raise UserError(f"model.div_val must be >= 1, got {self.div_val}")
+            if self.emb_dim is not None and self.emb_dim < 1:
+                raise UserError(f"model.emb_dim must be >= 1, got {self.emb_dim}")
+            n_e, last = self.emb_dim or self.d_model, len(self.adaptive_cutoffs)
+            if n_e // self.div_val ** last < 1:
+                raise UserError(f"model.emb_dim ({n_e}) // model.div_val**{last} is 0: the "
+                                f"last cluster would have no width; raise model.emb_dim or "
+                                f"lower model.div_val")
 
     @classmethod
     def from_dict(cls, d: dict) -> "LMConfig":
@@ -67,9 +92,15 @@ class LMConfig:
 
 @dataclass
 class LMOutput:
-    """logits (B, L, V); loss: mean nats per target token (None without targets); state."""
+    """logits (B, L, V); loss: mean nats per target token (None without targets); state.
 
-    logits: Tensor
+    With an adaptive softmax (``adaptive_cutoffs``), ``logits`` are normalised
+    log-probabilities, and they are None when targets are given (the loss
+    then computes only the clusters the targets need). Softmax, argmax,
+    temperature and top-k/top-p treat log-probabilities exactly as logits.
+    """
+
+    logits: Optional[Tensor]
     loss: Optional[Tensor]
     state: SRUppState
 
@@ -82,7 +113,13 @@ class LanguageModel(nn.Module):
         self.config = config
         c = config
         factory = {"device": device, "dtype": dtype}
-        self.embedding = nn.Embedding(c.vocab_size, c.d_model, **factory)
+        self.adaptive = c.adaptive_cutoffs is not None
+        if self.adaptive:
+            shape = dict(cutoffs=c.adaptive_cutoffs, div_val=c.div_val,
+                         emb_dim=c.emb_dim or c.d_model)
+            self.embedding = AdaptiveInput(c.vocab_size, c.d_model, **shape, **factory)
+        else:
+            self.embedding = nn.Embedding(c.vocab_size, c.d_model, **factory)
         p_emb = c.dropout if c.emb_dropout is None else c.emb_dropout
         self.emb_dropout = nn.Dropout(p_emb)
         self.rnn = SRUpp(
@@ -93,13 +130,32 @@ class LanguageModel(nn.Module):
             normalize_after=c.normalize_after, causal=True, mem_len=c.mem_len,
             batch_first=True, **factory)
         self.out_dropout = nn.Dropout(p_emb)
-        self.output = nn.Linear(c.d_model, c.vocab_size, **factory)
-        if c.tie_embeddings:
-            self.output.weight = self.embedding.weight
+        if self.adaptive:
+            tied = self.embedding if c.tie_embeddings else None
+            self.output = ProjectedAdaptiveLogSoftmax(
+                c.vocab_size, c.d_model, **shape, tie_embeddings=tied,
+                tie_projections=c.tie_projections and c.tie_embeddings, **factory)
+        else:
+            self.output = nn.Linear(c.d_model, c.vocab_size, **factory)
+            if c.tie_embeddings:
+                self.output.weight = self.embedding.weight
         self.reset_parameters()
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
     def reset_parameters(self):
-        """The reference's enwik8 init: U(±√(3/d)) for the embedding and output, zero output bias."""
+        """The reference's enwik8 init: U(±√(3/d)) for the embedding and output, zero output bias.
+
+        Adaptive embeddings and softmax use their own init, which gives the
+        same input scale (variance 1/d per element): see :mod:`srupp.nn.adaptive`.
+        """
+        if self.adaptive:
+            self.embedding.reset_parameters()
+            self.output.reset_parameters()
+            self.rnn.reset_parameters()
+            return
         bound = math.sqrt(3.0 / self.config.d_model)
         nn.init.uniform_(self.embedding.weight, -bound, bound)
         if not self.config.tie_embeddings:
@@ -112,8 +168,7 @@ class LanguageModel(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def initial_state(self, batch_size: int, *, mem_len: Optional[int] = None) -> SRUppState:
-        return self.rnn.initial_state(batch_size, device=self.embedding.weight.device,
-                                      mem_len=mem_len)
+        return self.rnn.initial_state(batch_size, device=self.device, mem_len=mem_len)
 
     def forward(self, tokens: Tensor, state: Optional[SRUppState] = None, *,
                 targets: Optional[Tensor] = None, mask_pad: Optional[Tensor] = None) -> LMOutput:
@@ -124,11 +179,21 @@ class LanguageModel(nn.Module):
             state: the state returned for the previous segment, or None.
             targets: (B, L) next-token ids; -100 marks positions to ignore.
             mask_pad: (B, L) bool, True at padding.
+        Returns:
+            :class:`LMOutput`. With an adaptive softmax, ``logits`` are
+            log-probabilities, and None when ``targets`` are given.
         """
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (B, L), got shape {tuple(tokens.shape)}")
         x = self.emb_dropout(self.embedding(tokens))              # (B, L, d)
         h, state = self.rnn(x, state, mask_pad=mask_pad)          # (B, L, d)
+        if self.adaptive:
+            h = self.out_dropout(h)
+            if targets is None:
+                return LMOutput(logits=self.output.log_prob(h), loss=None, state=state)
+            nll = self.output.loss(h, targets)                    # (B, L), 0 where ignored
+            loss = nll.sum() / (targets != -100).sum()            # NaN when all are ignored,
+            return LMOutput(logits=None, loss=loss, state=state)  # as F.cross_entropy
         logits = self.output(self.out_dropout(h))                 # (B, L, V)
         loss = None
         if targets is not None:
@@ -170,7 +235,7 @@ class LanguageModel(nn.Module):
             raise UserError("generate needs at least one prompt, and every prompt needs a token")
         if stop_strings and decode is None:
             raise ValueError("stop_strings need decode= to turn ids into text")
-        device = self.embedding.weight.device
+        device = self.device
         B, Lp = len(prompts), max(len(p) for p in prompts)
         tokens = torch.zeros(B, Lp, dtype=torch.long, device=device)
         pad = torch.ones(B, Lp, dtype=torch.bool, device=device)

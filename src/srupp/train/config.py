@@ -27,10 +27,18 @@ class DataConfig:
     corpus: str = "shakespeare"       # a known corpus name, a text file, or a split directory
     tokenizer: str = "byte"           # "byte" (vocabulary 256) or "char" (built from train)
     max_oov: float = 0.01             # refuse data a saved tokenizer covers worse than this
+    vocab_size: Optional[int] = None  # word/sentencepiece vocabulary cap; srupp params counts with it
 
     def __post_init__(self):
         if not 0 <= self.max_oov <= 1:
             raise UserError(f"data.max_oov must be in [0, 1], got {self.max_oov}")
+        if self.vocab_size is not None:
+            if self.vocab_size < 1:
+                raise UserError(f"data.vocab_size must be >= 1, got {self.vocab_size}")
+            if self.tokenizer in ("byte", "char"):
+                raise UserError(f"data.vocab_size applies to word and sentencepiece tokenizers, "
+                                f"not {self.tokenizer!r} ones (their vocabulary is fixed by "
+                                f"the data); unset it")
 
 
 @dataclass
@@ -125,11 +133,26 @@ def _unknown(key: str) -> UserError:
 
 
 def _coerce(key: str, value: Any, typ) -> Any:
-    """Convert a TOML or command-line value to the field's type."""
+    """Convert a TOML or command-line value to the field's type.
+
+    Lists (``List[int]``) come as TOML arrays, or on the command line as
+    comma-separated values: ``--set model.adaptive_cutoffs=19997,39997,199997``
+    (brackets allowed).
+    """
     if get_origin(typ) is Union:  # Optional[X]
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             return None
         typ = next(a for a in get_args(typ) if a is not type(None))
+    if get_origin(typ) in (list, List):
+        (item,) = get_args(typ) or (Any,)
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("[") and text.endswith("]"):
+                text = text[1:-1]
+            value = [v.strip() for v in text.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise UserError(f"{key} must be a list, e.g. {key}=1,2,3; got {value!r}")
+        return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
     try:
         if typ is bool:
             if isinstance(value, bool):
@@ -154,6 +177,16 @@ def _coerce(key: str, value: Any, typ) -> Any:
 
 def _types(cls) -> Dict[str, Any]:
     return get_type_hints(cls)
+
+
+def _probe_vocab(tree: Dict[str, Dict[str, Any]]) -> int:
+    """A vocabulary size to validate the model fields with before any data is read."""
+    if tree["data"].get("vocab_size") is not None:
+        return tree["data"]["vocab_size"]
+    cutoffs = tree["model"].get("adaptive_cutoffs")
+    if isinstance(cutoffs, list) and cutoffs and all(isinstance(c, int) for c in cutoffs):
+        return max(256, max(cutoffs) + 1)
+    return 256
 
 
 def build_config(recipe: Optional[Union[str, Path]] = None,
@@ -204,6 +237,8 @@ def build_config(recipe: Optional[Union[str, Path]] = None,
                 raise _unknown(f"{s}.{name}")
             tree[s][name] = _coerce(f"{s}.{name}", value, types[name])
     tree["model"].pop("vocab_size", None)  # always taken from the tokenizer
-    LMConfig(**{**tree["model"]})  # validate the model fields now, with vocab_size default
+    # validate the model fields now; the vocabulary is only known once the tokenizer is
+    # built, so vocabulary-dependent checks use data.vocab_size, or else just pass
+    LMConfig(**{**tree["model"], "vocab_size": _probe_vocab(tree)})
     return RunConfig(model=tree["model"], data=DataConfig(**tree["data"]),
                      train=TrainConfig(**tree["train"]), eval=EvalConfig(**tree["eval"]))

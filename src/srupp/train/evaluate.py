@@ -30,6 +30,10 @@ def evaluate(model, ids: torch.Tensor, *, batch_size: int, unroll: int,
     The state, memory included, is carried from segment to segment, with an
     attention window of ``mem_len`` (the model's when None).
 
+    A model with an adaptive softmax (``model.adaptive``) is scored through
+    its ``targets=`` loss, which skips the unneeded clusters, instead of
+    materialising (B, L, V) log-probabilities; other models as before.
+
     Returns:
         ``loss`` (nats per token), ``bpc`` (bits per token: bits per
         character for byte- and character-level models), ``tokens`` scored
@@ -48,12 +52,19 @@ def evaluate(model, ids: torch.Tensor, *, batch_size: int, unroll: int,
             if state is None:
                 state = model.initial_state(x.shape[0], mem_len=mem_len)
             x, y = x.to(device), y.to(device)
-            with autocast_context(precision, device.type):
-                out = model(x, state)
+            if getattr(model, "adaptive", False):
+                with autocast_context(precision, device.type):
+                    out = model(x, state, targets=y)
+                n = int((y != -100).sum())
+                total += out.loss.item() * n if n else 0.0
+            else:
+                with autocast_context(precision, device.type):
+                    out = model(x, state)
+                total += F.cross_entropy(out.logits.float().flatten(0, 1), y.flatten(),
+                                         reduction="sum").item()
+                n = y.numel()
             state = out.state
-            total += F.cross_entropy(out.logits.float().flatten(0, 1), y.flatten(),
-                                     reduction="sum").item()
-            count += y.numel()
+            count += n
     finally:
         model.train(was_training)
     loss = total / max(count, 1)

@@ -101,7 +101,9 @@ class Trainer:
             check_tokenizer_fits(self.tokenizer, self.corpus.valid, cfg.data.max_oov,
                                  f"the validation split of {cfg.data.corpus}")
         else:
-            self.tokenizer = build_tokenizer(cfg.data.tokenizer, self.corpus.train)
+            options = ({} if cfg.data.vocab_size is None
+                       else {"vocab_size": cfg.data.vocab_size})
+            self.tokenizer = build_tokenizer(cfg.data.tokenizer, self.corpus.train, **options)
         self.train_ids = self.tokenizer.encode(self.corpus.train)
         self.valid_ids = self.tokenizer.encode(self.corpus.valid)
         self.batcher = StreamBatcher(self.train_ids, t.batch_size, t.unroll)

@@ -1,0 +1,169 @@
+"""Adaptive input and projected adaptive softmax: against nn.AdaptiveLogSoftmaxWithLoss, tying."""
+
+import pytest
+import torch
+from torch import nn
+
+from srupp.errors import UserError
+from srupp.nn import AdaptiveInput, ProjectedAdaptiveLogSoftmax
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+V, D, CUTOFFS = 50, 16, [10, 20, 35]
+
+
+def untied_pair(div_val=2, head_bias=True):
+    """Ours and torch's, with equal weights, where they are mathematically the same.
+
+    emb_dim == d_model leaves the head unprojected (as torch's), and tail
+    cluster i has width D // div_val**i in both. Tail biases are zero (torch has none).
+    """
+    torch.manual_seed(0)
+    ours = ProjectedAdaptiveLogSoftmax(V, D, cutoffs=CUTOFFS, div_val=div_val, emb_dim=D)
+    ref = nn.AdaptiveLogSoftmaxWithLoss(D, V, CUTOFFS, div_value=float(div_val),
+                                        head_bias=head_bias)
+    s = CUTOFFS[0]
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.normal_()
+        for b in ours.out_biases[1:]:
+            b.zero_()
+        assert ours.projection(0) is None
+        ref.head.weight.copy_(torch.cat([ours.out_embs[0], ours.cluster_weight]))
+        if head_bias:
+            ref.head.bias.copy_(torch.cat([ours.out_biases[0], ours.cluster_bias]))
+        else:
+            ours.out_biases[0].zero_()
+            ours.cluster_bias.zero_()
+        for i, tail in enumerate(ref.tail, start=1):
+            p = ours.projection(i)  # None where the width is D: torch's is then the identity
+            tail[0].weight.copy_(torch.eye(D) if p is None else p.t())
+            tail[1].weight.copy_(ours.out_embs[i])
+    assert ref.shortlist_size == s
+    return ours, ref
+
+
+@pytest.mark.parametrize("div_val,head_bias", [(2, True), (1, True), (2, False)])
+def test_matches_torch_adaptive_log_softmax(div_val, head_bias):
+    ours, ref = untied_pair(div_val, head_bias)
+    h = torch.randn(40, D, requires_grad=True)
+    h2 = h.detach().clone().requires_grad_(True)
+    t = torch.randint(0, V, (40,))
+    t[:4] = torch.tensor([0, 15, 25, 49])  # every cluster
+    torch.testing.assert_close(ours.log_prob(h), ref.log_prob(h2), **TOL)
+
+    mine = ours.loss(h, t).mean()
+    theirs = ref(h2, t).loss
+    torch.testing.assert_close(mine, theirs, **TOL)
+    mine.backward()
+    theirs.backward()
+    torch.testing.assert_close(h.grad, h2.grad, **TOL)
+
+
+def test_loss_is_minus_gathered_log_prob_and_rows_sum_to_one():
+    torch.manual_seed(1)
+    inp = AdaptiveInput(V, D, cutoffs=CUTOFFS, div_val=2, emb_dim=8)
+    out = ProjectedAdaptiveLogSoftmax(V, D, cutoffs=CUTOFFS, div_val=2, emb_dim=8,
+                                      tie_embeddings=inp, tie_projections=[False, True, True, True])
+    with torch.no_grad():
+        for b in out.out_biases:
+            b.normal_()
+    h = torch.randn(3, 7, D, dtype=torch.float64)
+    out.double()
+    lp = out.log_prob(h)
+    assert lp.shape == (3, 7, V) and lp.dtype == torch.float64
+    torch.testing.assert_close(lp.exp().sum(-1), torch.ones(3, 7, dtype=torch.float64))
+    t = torch.randint(0, V, (3, 7))
+    t[0, 0] = -100
+    nll = out.loss(h, t)
+    assert nll.shape == (3, 7) and nll[0, 0] == 0
+    expected = -lp.gather(-1, t.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    expected[0, 0] = 0
+    torch.testing.assert_close(nll, expected)
+
+
+def test_loss_computes_only_needed_clusters():
+    out = ProjectedAdaptiveLogSoftmax(V, D, cutoffs=CUTOFFS, div_val=2, emb_dim=D)
+    h = torch.randn(5, D, requires_grad=True)
+    out.loss(h, torch.tensor([1, 2, 3, 12, 13])).sum().backward()  # shortlist and cluster 1
+    assert out.out_embs[1].grad is not None
+    assert out.out_embs[2].grad is None and out.out_embs[3].grad is None
+
+
+def test_tied_clusters_and_projections_are_the_input_parameters():
+    inp = AdaptiveInput(V, D, cutoffs=CUTOFFS, div_val=2, emb_dim=8)
+    out = ProjectedAdaptiveLogSoftmax(V, D, cutoffs=CUTOFFS, div_val=2, emb_dim=8,
+                                      tie_embeddings=inp, tie_projections=True)
+    for i in range(4):
+        assert out.out_embs[i] is inp.emb_layers[i].weight
+        assert out.projection(i) is inp.projection(i) is not None
+    model = nn.ModuleDict({"inp": inp, "out": out})
+    own = len(out.out_biases) + 2  # biases + cluster weight and bias
+    assert len(list(model.parameters())) == len(list(inp.parameters())) + own
+
+    untied_proj = ProjectedAdaptiveLogSoftmax(V, D, cutoffs=CUTOFFS, div_val=2, emb_dim=8,
+                                              tie_embeddings=inp, tie_projections=False)
+    for i in range(4):
+        assert untied_proj.out_embs[i] is inp.emb_layers[i].weight
+        assert untied_proj.projection(i) is not inp.projection(i)
+        assert untied_proj.projection(i).shape == inp.projection(i).shape
+
+    # a gradient through the output reaches the shared input embedding
+    out.loss(torch.randn(4, D), torch.tensor([0, 11, 22, 40])).sum().backward()
+    assert inp.emb_layers[3].weight.grad is not None
+
+
+def test_adaptive_input_embeds_each_cluster():
+    torch.manual_seed(0)
+    inp = AdaptiveInput(V, D, cutoffs=CUTOFFS, div_val=2, emb_dim=8)
+    assert inp.widths == [8, 4, 2, 1]
+    ids = torch.tensor([[0, 9, 10, 19], [20, 34, 35, 49]])
+    x = inp(ids)
+    assert x.shape == (2, 4, D)
+    for b in range(2):
+        for j in range(4):
+            w = int(ids[b, j])
+            i = sum(w >= c for c in CUTOFFS)
+            lo = ([0] + CUTOFFS)[i]
+            e = inp.emb_layers[i].weight[w - lo] @ inp.projection(i).t()
+            torch.testing.assert_close(x[b, j], e)
+    with pytest.raises(IndexError):
+        inp(torch.tensor([V]))
+    # no projection where the cluster is d_model wide
+    same = AdaptiveInput(V, D, cutoffs=CUTOFFS, div_val=1, emb_dim=D)
+    assert len(same.emb_projs) == 0
+    torch.testing.assert_close(same(torch.tensor([3])), same.emb_layers[0].weight[3:4])
+
+
+def test_init_gives_every_cluster_the_plain_embedding_scale():
+    torch.manual_seed(0)
+    d = 256
+    inp = AdaptiveInput(4000, d, cutoffs=[1000, 2000, 3000], div_val=4, emb_dim=512)
+    for lo in (0, 1000, 2000, 3000):
+        var = inp(torch.arange(lo, lo + 1000)).var().item()
+        assert 0.7 / d < var < 1.3 / d
+
+
+@pytest.mark.parametrize("cutoffs,match", [
+    ([], "empty"), ([20, 10], "increasing"), ([10, 10], "increasing"), ([0, 10], "positive"),
+    ([10, 50], "< the vocabulary size"), ([10, 60], "< the vocabulary size"),
+    ("10,20", "list"), ([10.5], "integers")])
+def test_bad_cutoffs_are_user_errors(cutoffs, match):
+    for cls in (AdaptiveInput, ProjectedAdaptiveLogSoftmax):
+        with pytest.raises(UserError, match=match) as e:
+            cls(V, D, cutoffs=cutoffs)
+        assert "\n" not in str(e.value)
+
+
+def test_other_bad_settings():
+    with pytest.raises(UserError, match="emb_dim"):
+        AdaptiveInput(V, D, cutoffs=CUTOFFS, div_val=4, emb_dim=16)  # 16 // 64 == 0
+    with pytest.raises(UserError, match="needs tie_embeddings"):
+        ProjectedAdaptiveLogSoftmax(V, D, cutoffs=CUTOFFS, div_val=2, emb_dim=D,
+                                    tie_projections=True)
+    inp = AdaptiveInput(V, D, cutoffs=CUTOFFS, div_val=2, emb_dim=8)
+    with pytest.raises(UserError, match="must match"):
+        ProjectedAdaptiveLogSoftmax(V, D, cutoffs=CUTOFFS, div_val=2, emb_dim=16,
+                                    tie_embeddings=inp)
+    out = ProjectedAdaptiveLogSoftmax(V, D, cutoffs=CUTOFFS, div_val=2, emb_dim=D)
+    with pytest.raises(ValueError, match="targets"):
+        out.loss(torch.randn(2, D), torch.tensor([1, V]))

@@ -1,0 +1,75 @@
+"""Run config: list-valued fields from TOML and --set, data.vocab_size."""
+
+import pytest
+
+from srupp.errors import UserError
+from srupp.train import build_config
+
+
+def test_cutoffs_from_toml_list(tmp_path):
+    r = tmp_path / "r.toml"
+    r.write_text('[data]\ntokenizer = "word"\nvocab_size = 1000\n'
+                 '[model]\nadaptive_cutoffs = [100, 200, 500]\n')
+    cfg = build_config(r)
+    assert cfg.model["adaptive_cutoffs"] == [100, 200, 500]
+    assert cfg.model_config(1000).adaptive_cutoffs == [100, 200, 500]
+
+
+@pytest.mark.parametrize("text", ["19997,39997,199997", "[19997, 39997, 199997]",
+                                  " 19997 , 39997,199997 "])
+def test_cutoffs_from_set_string(text):
+    cfg = build_config(None, [f"model.adaptive_cutoffs={text}"])
+    assert cfg.model["adaptive_cutoffs"] == [19997, 39997, 199997]
+    assert all(type(c) is int for c in cfg.model["adaptive_cutoffs"])
+
+
+def test_set_overrides_toml_list_and_none_clears_it(tmp_path):
+    r = tmp_path / "r.toml"
+    r.write_text("[model]\nadaptive_cutoffs = [10, 20]\n")
+    assert build_config(r, ["model.adaptive_cutoffs=5,7"]).model["adaptive_cutoffs"] == [5, 7]
+    assert build_config(r, ["model.adaptive_cutoffs=none"]).model["adaptive_cutoffs"] is None
+
+
+def test_saved_config_round_trips():
+    cfg = build_config(None, ["model.adaptive_cutoffs=10,20"])
+    again = build_config(None, base=cfg.to_dict())
+    assert again.model == cfg.model
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["model.adaptive_cutoffs=10,x"], r"adaptive_cutoffs\[1\] must be int"),
+    (["model.adaptive_cutoffs=20,10"], "increasing"),
+    (["data.tokenizer=word", "data.vocab_size=100", "model.adaptive_cutoffs=10,100"],
+     "vocabulary size"),
+    (["data.vocab_size=100"], "word and sentencepiece"),
+    (["data.tokenizer=word", "data.vocab_size=0"], ">= 1"),
+])
+def test_bad_values_are_user_errors(overrides, match):
+    with pytest.raises(UserError, match=match):
+        build_config(None, overrides)
+
+
+def test_toml_list_of_wrong_type_is_a_user_error(tmp_path):
+    r = tmp_path / "r.toml"
+    r.write_text('[model]\nadaptive_cutoffs = "many"\n')
+    with pytest.raises(UserError, match="adaptive_cutoffs"):
+        build_config(r)
+
+
+def test_an_adaptive_run_trains_and_evaluates(tmp_path):
+    from srupp.train import Trainer
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 60)
+    cfg = build_config(None, [
+        f"data.corpus={corpus}", "data.tokenizer=char", "model.d_model=16",
+        "model.proj_size=8", "model.num_layers=2", "model.adaptive_cutoffs=4,12",
+        "model.div_val=2", "model.tie_embeddings=true", "train.batch_size=2",
+        "train.unroll=16", "train.max_steps=6", "train.warmup_steps=2", "train.log_every=2",
+        "train.save_every=6", "train.eval_every=6", "train.threads=1", "eval.batch_size=2"])
+    t = Trainer(cfg, tmp_path / "run", progress=False)
+    assert t.model.adaptive
+    summary = t.train()
+    assert summary["step"] == 6 and summary["valid_bpc"] > 0
+    res = t.validate()
+    assert 0 < res["loss"] < 10
