@@ -61,7 +61,10 @@ def cmd_eval(args) -> int:
     res = evaluate(model, tokenizer.encode(text), batch_size=cfg.eval.batch_size,
                    unroll=cfg.eval.unroll or cfg.train.unroll, mem_len=cfg.eval.mem_len,
                    precision="fp32")
-    print(json.dumps({"bpc": res["bpc"], "loss": res["loss"], "tokens": res["tokens"],
+    # byte and character models are measured in bits per character, word and
+    # subword models in perplexity per token
+    metric = "bpc" if tokenizer.to_dict()["type"] in ("byte", "char") else "ppl"
+    print(json.dumps({metric: res[metric], "loss": res["loss"], "tokens": res["tokens"],
                       "seconds": res["seconds"], "oov_rate": oov, "split": args.split,
                       "checkpoint": str(ckpt)}))
     return 0

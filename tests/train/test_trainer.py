@@ -201,3 +201,21 @@ def test_empty_corpus(tmp_path, capsys):
     empty.write_text("")
     rc, _, err = run_cli(["train", "--data", str(empty), "--out", str(tmp_path / "r")], capsys)
     assert rc == 2 and "empty" in err
+
+
+def test_word_level_run_reports_perplexity(tmp_path, corpus, capsys):
+    run = tmp_path / "words"
+    rc, out, _ = run_cli(["train", "--data", str(corpus), "--out", str(run), "--no-progress",
+                          "--set", *TINY, "data.tokenizer=word", "data.vocab_size=20",
+                          "data.lowercase=true", "data.max_oov=0.9", "train.max_steps=4"],
+                         capsys)
+    summary = json.loads(out)
+    assert rc == 0 and summary["valid_ppl"] == pytest.approx(2 ** summary["valid_bpc"])
+    tok = json.loads((run / "tokenizer.json").read_text())
+    assert tok["type"] == "word" and len(tok["vocab"]) == 20 and tok["lowercase"]
+    rc, out, _ = run_cli(["eval", "--checkpoint", str(run)], capsys)
+    res = json.loads(out)
+    assert rc == 0 and "ppl" in res and "bpc" not in res and 0 < res["oov_rate"] < 0.9
+    rc, _, err = run_cli(["train", "--out", str(tmp_path / "x"), "--set", "data.lowercase=true"],
+                         capsys)
+    assert rc == 2 and "word tokenizer only" in err

@@ -25,13 +25,29 @@ else:  # pragma: no cover
 @dataclass
 class DataConfig:
     corpus: str = "shakespeare"       # a known corpus name, a text file, or a split directory
-    tokenizer: str = "byte"           # "byte" (vocabulary 256) or "char" (built from train)
+    tokenizer: str = "byte"           # "byte" (256), "char", "word" or "sentencepiece" (built from train)
     max_oov: float = 0.01             # refuse data a saved tokenizer covers worse than this
     vocab_size: Optional[int] = None  # word/sentencepiece vocabulary cap; srupp params counts with it
+    min_freq: int = 1                 # word level: rarer training words become <unk>
+    lowercase: bool = False           # word level: fold case (PTB-style)
+
+    def tokenizer_options(self) -> dict:
+        """Keyword options for ``build_tokenizer`` that apply to this tokenizer type."""
+        opts = {}
+        if self.vocab_size is not None:
+            opts["vocab_size"] = self.vocab_size
+        if self.tokenizer == "word":
+            opts.update(min_freq=self.min_freq, lowercase=self.lowercase)
+        return opts
 
     def __post_init__(self):
         if not 0 <= self.max_oov <= 1:
             raise UserError(f"data.max_oov must be in [0, 1], got {self.max_oov}")
+        if self.min_freq < 1:
+            raise UserError(f"data.min_freq must be >= 1, got {self.min_freq}")
+        if (self.min_freq != 1 or self.lowercase) and self.tokenizer != "word":
+            raise UserError("data.min_freq and data.lowercase apply to the word tokenizer only; "
+                            "unset them or use data.tokenizer=word")
         if self.vocab_size is not None:
             if self.vocab_size < 1:
                 raise UserError(f"data.vocab_size must be >= 1, got {self.vocab_size}")

@@ -35,7 +35,8 @@ def evaluate(model, ids: torch.Tensor, *, batch_size: int, unroll: int,
     materialising (B, L, V) log-probabilities; other models as before.
 
     Returns:
-        ``loss`` (nats per token), ``bpc`` (bits per token: bits per
+        ``loss`` (nats per token), ``ppl`` (its exponential, the metric of
+        word and subword models), ``bpc`` (bits per token: bits per
         character for byte- and character-level models), ``tokens`` scored
         and ``seconds`` taken.
     """
@@ -68,5 +69,5 @@ def evaluate(model, ids: torch.Tensor, *, batch_size: int, unroll: int,
     finally:
         model.train(was_training)
     loss = total / max(count, 1)
-    return {"loss": loss, "bpc": loss / math.log(2), "tokens": count,
-            "seconds": time.perf_counter() - start}
+    return {"loss": loss, "bpc": loss / math.log(2), "ppl": math.exp(min(loss, 700.0)),
+            "tokens": count, "seconds": time.perf_counter() - start}

@@ -101,9 +101,8 @@ class Trainer:
             check_tokenizer_fits(self.tokenizer, self.corpus.valid, cfg.data.max_oov,
                                  f"the validation split of {cfg.data.corpus}")
         else:
-            options = ({} if cfg.data.vocab_size is None
-                       else {"vocab_size": cfg.data.vocab_size})
-            self.tokenizer = build_tokenizer(cfg.data.tokenizer, self.corpus.train, **options)
+            self.tokenizer = build_tokenizer(cfg.data.tokenizer, self.corpus.train,
+                                             **cfg.data.tokenizer_options())
         self.train_ids = self.tokenizer.encode(self.corpus.train)
         self.valid_ids = self.tokenizer.encode(self.corpus.valid)
         self.batcher = StreamBatcher(self.train_ids, t.batch_size, t.unroll)
@@ -337,11 +336,13 @@ class Trainer:
         final = self._evaluate_and_save(None)
         self.plot()
         return {"interrupted": False, "step": self.step, "valid_bpc": final["bpc"],
+                "valid_ppl": final["ppl"],
                 "train_seconds": self.train_seconds, "params": self.model.num_parameters()}
 
     def _evaluate_and_save(self, max_batches) -> Dict[str, float]:
         res = self.validate(max_batches)
-        self._log({"step": self.step, "valid_bpc": res["bpc"], "valid_loss": res["loss"],
+        self._log({"step": self.step, "valid_bpc": res["bpc"], "valid_ppl": res["ppl"],
+                   "valid_loss": res["loss"],
                    "valid_tokens": res["tokens"], "train_seconds": self.train_seconds})
         pointers = ["last"]
         if res["bpc"] < self.best_bpc:
