@@ -128,7 +128,7 @@ def cmd_generate(args) -> int:
 
 def cmd_params(args) -> int:
     from .data import build_tokenizer, load_corpus
-    from .models import LanguageModel
+    from .models import build_model
     from .train import build_config
 
     cfg = build_config(args.recipe, _flatten_sets(args.set))
@@ -145,11 +145,12 @@ def cmd_params(args) -> int:
     import torch
 
     with torch.device("meta"):  # count without allocating
-        model = LanguageModel(cfg.model_config(vocab))
+        model = build_model(cfg.model_config(vocab))
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-    out = {"params": model.num_parameters(), "embedding": count(model.embedding),
-           "layers": count(model.rnn),
-           "output": model.num_parameters() - count(model.embedding) - count(model.rnn),
+    layers = sum(count(m) for m in model.body_modules())
+    out = {"type": model.config.type, "params": model.num_parameters(),
+           "embedding": count(model.embedding), "layers": layers,
+           "output": model.num_parameters() - count(model.embedding) - layers,
            "vocab_size": vocab}
     print(json.dumps(out))
     return 0

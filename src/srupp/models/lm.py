@@ -15,7 +15,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,8 @@ from torch import Tensor, nn
 from ..errors import UserError
 from ..nn import SRUpp, SRUppState
 from ..nn.adaptive import AdaptiveInput, ProjectedAdaptiveLogSoftmax, check_cutoffs
+
+MODEL_TYPES = ("srupp", "sru", "lstm", "gru", "transformer")
 
 
 @dataclass
@@ -49,12 +51,20 @@ class LMConfig:
     div_val: int = 4                      # adaptive cluster i is emb_dim // div_val**i wide
     emb_dim: Optional[int] = None         # n_e, adaptive cluster 0's width; None: d_model
     tie_projections: bool = True          # with tie_embeddings, share the cluster projections too
+    type: str = "srupp"                   # srupp, or a baseline: sru, lstm, gru, transformer
+    projection_size: int = 0              # sru: factorise each layer's W through this width (0: off)
+    positions: Optional[str] = None       # transformer: learned|sinusoidal; None: sinusoidal if memory
+    max_positions: int = 2048             # transformer, learned positions: longest context
+    ffn_mult: int = 4                     # transformer: MLP width is ffn_mult·d_model
 
     def __post_init__(self):
+        if self.type not in MODEL_TYPES:
+            raise UserError(f"model.type must be one of {', '.join(MODEL_TYPES)}; "
+                            f"got {self.type!r}")
         for name in ("vocab_size", "d_model", "proj_size", "num_layers", "num_heads"):
             if getattr(self, name) < 1:
                 raise UserError(f"model.{name} must be >= 1, got {getattr(self, name)}")
-        if self.proj_size % self.num_heads:
+        if self.type == "srupp" and self.proj_size % self.num_heads:
             raise UserError(f"model.num_heads ({self.num_heads}) must divide "
                             f"model.proj_size ({self.proj_size})")
         for name in ("dropout", "attn_dropout"):
@@ -64,6 +74,7 @@ class LMConfig:
             raise UserError(f"model.emb_dropout must be in [0, 1), got {self.emb_dropout}")
         if self.mem_len is not None and self.mem_len < 0:
             raise UserError(f"model.mem_len must be >= 0, got {self.mem_len}")
+        self._check_baseline()
         if self.adaptive_cutoffs is None:
             if self.emb_dim is not None or self.div_val != 4:
                 raise UserError("model.emb_dim and model.div_val only apply to adaptive "
@@ -80,6 +91,32 @@ class LMConfig:
                 raise UserError(f"model.emb_dim ({n_e}) // model.div_val**{last} is 0: the "
                                 f"last cluster would have no width; raise model.emb_dim or "
                                 f"lower model.div_val")
+
+    def _check_baseline(self):
+        """The fields only baselines read."""
+        if self.projection_size < 0:
+            raise UserError(f"model.projection_size must be >= 0, got {self.projection_size}")
+        if self.type != "transformer":
+            return
+        if self.d_model % self.num_heads:
+            raise UserError(f"model.num_heads ({self.num_heads}) must divide "
+                            f"model.d_model ({self.d_model}) for a transformer")
+        for name in ("max_positions", "ffn_mult"):
+            if getattr(self, name) < 1:
+                raise UserError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if self.positions not in (None, "learned", "sinusoidal"):
+            raise UserError(f"model.positions must be learned or sinusoidal, "
+                            f"got {self.positions!r}")
+        if self.positions == "learned" and self.mem_len != 0:
+            raise UserError("model.positions=learned needs model.mem_len=0: with memory, positions "
+                            "continue across segments past any table; use sinusoidal")
+
+    @property
+    def transformer_positions(self) -> str:
+        """The transformer's position encoding, with the default resolved."""
+        if self.positions is not None:
+            return self.positions
+        return "learned" if self.mem_len == 0 else "sinusoidal"
 
     @classmethod
     def from_dict(cls, d: dict) -> "LMConfig":
@@ -102,11 +139,17 @@ class LMOutput:
 
     logits: Optional[Tensor]
     loss: Optional[Tensor]
-    state: SRUppState
+    state: Any  # SRUppState, or TensorState for the baselines
 
 
-class LanguageModel(nn.Module):
-    """A causal SRU++ language model that carries its state across segments."""
+class CausalLM(nn.Module):
+    """What every language model here shares: embedding, output head, generation, saving.
+
+    embedding → dropout → body → dropout → output. A subclass builds its body
+    in :meth:`build_body`, initialises it in :meth:`reset_body`, runs it in
+    :meth:`body` and makes its empty state in :meth:`initial_state`.
+    Build one with :func:`srupp.models.build_model`, which reads ``config.type``.
+    """
 
     def __init__(self, config: LMConfig, *, device=None, dtype=None):
         super().__init__()
@@ -122,13 +165,7 @@ class LanguageModel(nn.Module):
             self.embedding = nn.Embedding(c.vocab_size, c.d_model, **factory)
         p_emb = c.dropout if c.emb_dropout is None else c.emb_dropout
         self.emb_dropout = nn.Dropout(p_emb)
-        self.rnn = SRUpp(
-            c.d_model, c.d_model, c.proj_size, c.num_layers, dropout=c.dropout,
-            attn_dropout=c.attn_dropout, num_heads=c.num_heads, highway_bias=c.highway_bias,
-            attention_every_n_layers=c.attention_every_n_layers,
-            attention_last_n_layers=c.attention_last_n_layers, layer_norm=c.layer_norm,
-            normalize_after=c.normalize_after, causal=True, mem_len=c.mem_len,
-            batch_first=True, **factory)
+        self.build_body(factory)
         self.out_dropout = nn.Dropout(p_emb)
         if self.adaptive:
             tied = self.embedding if c.tie_embeddings else None
@@ -154,21 +191,40 @@ class LanguageModel(nn.Module):
         if self.adaptive:
             self.embedding.reset_parameters()
             self.output.reset_parameters()
-            self.rnn.reset_parameters()
+            self.reset_body()
             return
         bound = math.sqrt(3.0 / self.config.d_model)
         nn.init.uniform_(self.embedding.weight, -bound, bound)
         if not self.config.tie_embeddings:
             nn.init.uniform_(self.output.weight, -bound, bound)
         nn.init.zeros_(self.output.bias)
-        self.rnn.reset_parameters()
+        self.reset_body()
+
+    # ------------------------------------------------- what subclasses supply
+    def build_body(self, factory: dict) -> None:
+        raise NotImplementedError
+
+    def reset_body(self) -> None:
+        raise NotImplementedError
+
+    def body(self, x: Tensor, state, mask_pad: Optional[Tensor]) -> Tuple[Tensor, Any]:
+        """x (B, L, d) embedded tokens -> (h (B, L, d), new state)."""
+        raise NotImplementedError
+
+    def body_modules(self) -> List[nn.Module]:
+        """The modules between embedding and output, for parameter counts."""
+        raise NotImplementedError
+
+    def initial_state(self, batch_size: int, *, mem_len: Optional[int] = None):
+        raise NotImplementedError
+
+    def generation_state(self, batch_size: int, mem_len: Optional[int] = None):
+        """The state :meth:`generate` starts from (a transformer's KV cache grows unbounded)."""
+        return self.initial_state(batch_size, mem_len=mem_len)
 
     def num_parameters(self) -> int:
         """Every parameter, embeddings and output included (tied weights counted once)."""
         return sum(p.numel() for p in self.parameters())
-
-    def initial_state(self, batch_size: int, *, mem_len: Optional[int] = None) -> SRUppState:
-        return self.rnn.initial_state(batch_size, device=self.device, mem_len=mem_len)
 
     def forward(self, tokens: Tensor, state: Optional[SRUppState] = None, *,
                 targets: Optional[Tensor] = None, mask_pad: Optional[Tensor] = None) -> LMOutput:
@@ -186,7 +242,7 @@ class LanguageModel(nn.Module):
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (B, L), got shape {tuple(tokens.shape)}")
         x = self.emb_dropout(self.embedding(tokens))              # (B, L, d)
-        h, state = self.rnn(x, state, mask_pad=mask_pad)          # (B, L, d)
+        h, state = self.body(x, state, mask_pad)                  # (B, L, d)
         if self.adaptive:
             h = self.out_dropout(h)
             if targets is None:
@@ -242,7 +298,7 @@ class LanguageModel(nn.Module):
         for b, p in enumerate(prompts):
             tokens[b, Lp - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
             pad[b, Lp - len(p):] = False
-        state = self.initial_state(B, mem_len=mem_len)
+        state = self.generation_state(B, mem_len)
         out = self(tokens, state, mask_pad=pad if bool(pad.any()) else None)
         logits, state = out.logits[:, -1], out.state              # (B, V)
         new: List[List[int]] = [[] for _ in range(B)]
@@ -285,8 +341,11 @@ class LanguageModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: Union[str, os.PathLike], *,
-                        device=None) -> "LanguageModel":
+                        device=None) -> "CausalLM":
         """Load a model saved by :meth:`save_pretrained`, in eval mode.
+
+        The class follows the saved ``type`` (a LanguageModel for srupp, or a
+        baseline), whichever class this is called on.
 
         Reads only JSON and safetensors: loading never executes code from the files.
         """
@@ -300,7 +359,9 @@ class LanguageModel(nn.Module):
             raise UserError(f"{d} has no config.json: not a saved srupp model") from None
         except (json.JSONDecodeError, TypeError) as e:
             raise UserError(f"{d / 'config.json'} is corrupt ({e})") from None
-        model = cls(config, device=device)
+        from .build import build_model
+
+        model = build_model(config, device=device)
         try:
             load_model(model, str(d / "model.safetensors"), device=str(device or "cpu"))
         except FileNotFoundError:
@@ -309,6 +370,35 @@ class LanguageModel(nn.Module):
             raise UserError(f"{d / 'model.safetensors'} is truncated or corrupt "
                             f"({str(e).splitlines()[0]})") from None
         return model.eval()  # like a freshly loaded model elsewhere: ready for inference
+
+
+class LanguageModel(CausalLM):
+    """A causal SRU++ language model that carries its state across segments."""
+
+    def build_body(self, factory: dict) -> None:
+        c = self.config
+        if c.type != "srupp":
+            raise UserError(f"LanguageModel is the srupp model; build a {c.type!r} model with "
+                            f"srupp.models.build_model")
+        self.rnn = SRUpp(
+            c.d_model, c.d_model, c.proj_size, c.num_layers, dropout=c.dropout,
+            attn_dropout=c.attn_dropout, num_heads=c.num_heads, highway_bias=c.highway_bias,
+            attention_every_n_layers=c.attention_every_n_layers,
+            attention_last_n_layers=c.attention_last_n_layers, layer_norm=c.layer_norm,
+            normalize_after=c.normalize_after, causal=True, mem_len=c.mem_len,
+            batch_first=True, **factory)
+
+    def reset_body(self) -> None:
+        self.rnn.reset_parameters()
+
+    def body(self, x: Tensor, state: Optional[SRUppState], mask_pad: Optional[Tensor]):
+        return self.rnn(x, state, mask_pad=mask_pad)
+
+    def body_modules(self) -> List[nn.Module]:
+        return [self.rnn]
+
+    def initial_state(self, batch_size: int, *, mem_len: Optional[int] = None) -> SRUppState:
+        return self.rnn.initial_state(batch_size, device=self.device, mem_len=mem_len)
 
 
 def sample(logits: Tensor, *, temperature: float = 1.0, top_k: Optional[int] = None,

@@ -6,7 +6,7 @@ A run directory holds one folder per saved step plus two pointer files::
       config.json            the resolved run config
       tokenizer.json         the tokenizer and its vocabulary
       ckpt-000500/           model.safetensors, config.json (model), tokenizer.json,
-                             state.safetensors (the carried SRUppState), trainer.pt
+                             state.safetensors (the carried SRUppState or TensorState), trainer.pt
                              (optimiser, scheduler, RNG, data position; read with
                              weights_only=True): a folder that stands on its own
       last.json, best.json   {"dir": "ckpt-000500", "step": 500, ...}
@@ -118,13 +118,13 @@ def load_carried_state(ckpt: Path):
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from ..nn import SRUppState
+    from ..models.state import state_from_dict
 
     f = ckpt / "state.safetensors"
     if not f.exists():
         return None
     try:
-        return SRUppState.from_dict(load_file(str(f)))
+        return state_from_dict(load_file(str(f)))  # SRUppState or TensorState
     except (SafetensorError, OSError, ValueError) as e:
         raise UserError(f"{f} is truncated or corrupt ({str(e).splitlines()[0]})") from None
 
@@ -135,7 +135,7 @@ def load_run(path, *, device="cpu", prefer: str = "best"):
     Returns ``(run_config_dict, tokenizer, model, checkpoint_dir)``; the model is in eval mode.
     """
     from ..data import tokenizer_from_dict
-    from ..models import LanguageModel
+    from ..models import load_model
 
     ckpt = resolve_checkpoint(Path(path), prefer=prefer)
     tok_file = ckpt / "tokenizer.json"
@@ -145,7 +145,7 @@ def load_run(path, *, device="cpu", prefer: str = "best"):
     run_cfg_file = ckpt.parent / "config.json"
     run_cfg = read_json(run_cfg_file, "run config") if (
         run_cfg_file.exists() and (ckpt.parent / "last.json").exists()) else {}
-    model = LanguageModel.from_pretrained(ckpt, device=device)
+    model = load_model(ckpt, device=device)
     if model.config.vocab_size != tokenizer.vocab_size:
         raise UserError(f"{ckpt}: the model's vocabulary ({model.config.vocab_size}) does not "
                         f"match its tokenizer ({tokenizer.vocab_size}); the run is damaged")

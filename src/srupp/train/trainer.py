@@ -23,7 +23,7 @@ import torch
 
 from ..data import StreamBatcher, build_tokenizer, load_corpus, tokenizer_from_dict
 from ..errors import UserError
-from ..models import LanguageModel
+from ..models import build_model
 from .checkpoint import (load_carried_state, load_trainer_state, read_json, resolve_checkpoint,
                          save_checkpoint, write_json_atomic)
 from .config import RunConfig
@@ -60,7 +60,7 @@ def check_tokenizer_fits(tokenizer, text: str, max_oov: float, where: str) -> fl
 
 
 class Trainer:
-    """Train a :class:`~srupp.models.LanguageModel` into ``run_dir``.
+    """Train a language model (:func:`~srupp.models.build_model`, any ``model.type``) into ``run_dir``.
 
     Args:
         cfg: the run configuration.
@@ -110,7 +110,7 @@ class Trainer:
         # ---- model, optimiser, schedule
         torch.manual_seed(t.seed)
         self.model_config = cfg.model_config(self.tokenizer.vocab_size)
-        self.model = LanguageModel(self.model_config, device=self.device)
+        self.model = build_model(self.model_config, device=self.device)
         self.optimizer = torch.optim.RAdam(self._param_groups(), lr=t.lr,
                                            weight_decay=t.weight_decay,
                                            decoupled_weight_decay=True)
