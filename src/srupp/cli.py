@@ -1,4 +1,4 @@
-"""The ``srupp`` command: train, eval, generate, params, demo.
+"""The ``srupp`` command: train, eval, generate, params, compare, demo.
 
 Problems with the user's input print one line on stderr and exit with code 2.
 """
@@ -156,6 +156,17 @@ def cmd_params(args) -> int:
     return 0
 
 
+def cmd_compare(args) -> int:
+    from .train.compare import compare
+
+    out = Path(args.out) if args.out else None
+    results = compare(args.data, args.budget, args.params, models=args.models, out=out,
+                      recipe=args.recipe, overrides=_flatten_sets(args.set),
+                      progress=not args.no_progress)
+    print(json.dumps(results))
+    return 0
+
+
 def cmd_demo(args) -> int:
     from . import demo
 
@@ -200,6 +211,22 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("recipe", nargs="?")
     pa.add_argument("--set", nargs="+", action="append", metavar="KEY=VALUE")
     pa.set_defaults(func=cmd_params)
+
+    c = sub.add_parser("compare", help="train SRU++ and baselines at equal size and time; "
+                                       "writes results.json, results.md, curves.png")
+    c.add_argument("--data", required=True, help="corpus name, text file or split directory")
+    c.add_argument("--budget", type=float, required=True, help="training seconds per model")
+    c.add_argument("--params", type=int, required=True, help="target parameter count (±10%%)")
+    c.add_argument("--models", help="comma-separated: srupp, sru, lstm, gru, transformer, "
+                                    "srupp-attn-every-2, srupp-attn-last-1 "
+                                    "(default: srupp,sru,lstm,gru,transformer)")
+    c.add_argument("--out", help="output directory (default: runs/compare-<data>)")
+    c.add_argument("--recipe", help="recipe for data and training settings (default: "
+                                    "recipes/brown-cpu.toml for brown, else shakespeare-cpu)")
+    c.add_argument("--set", nargs="+", action="append", metavar="KEY=VALUE",
+                   help="override config fields for every model, e.g. train.batch_size=8")
+    c.add_argument("--no-progress", action="store_true", help="no progress bars")
+    c.set_defaults(func=cmd_compare)
 
     d = sub.add_parser("demo", help="a small SRU++ forward/backward timing demo")
     d.set_defaults(func=cmd_demo)

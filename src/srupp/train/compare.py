@@ -1,0 +1,305 @@
+"""``srupp compare``: SRU++ against baselines at a matched parameter count and time budget.
+
+Every model is sized to about the same number of parameters (its depth fixed,
+its width searched), trained for the same seconds on the same data, evaluated
+the same way, and timed generating at batch 1. The results go to
+``DIR/results.json``, ``DIR/results.md`` and ``DIR/curves.png``; each model
+trains into ``DIR/<name>/`` and a finished one (``summary.json``) is skipped
+when the command is run again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from ..errors import UserError
+from .config import RunConfig, build_config
+
+RECIPES_DIR = Path(__file__).resolve().parents[3] / "recipes"
+
+# name -> (model.type, fixed depth or None for the recipe's, extra model fields)
+MODELS: Dict[str, tuple] = {
+    "srupp": ("srupp", None, {}),
+    "sru": ("sru", 4, {}),
+    "lstm": ("lstm", 2, {}),
+    "gru": ("gru", 2, {}),
+    "transformer": ("transformer", 4, {}),
+    "srupp-attn-every-2": ("srupp", None, {"attention_every_n_layers": 2}),
+    "srupp-attn-last-1": ("srupp", None, {"attention_last_n_layers": 1}),
+}
+DEFAULT_MODELS = ["srupp", "sru", "lstm", "gru", "transformer"]
+WIDTH_STEP = 8
+MAX_WIDTH = 8192
+TOLERANCE = 0.10
+PROMPT_TOKENS = 64
+NEW_TOKENS = 256
+
+
+def default_recipe(data: str) -> Path:
+    """brown-cpu for the Brown corpus, shakespeare-cpu (byte level) for everything else."""
+    name = "brown-cpu.toml" if data == "brown" else "shakespeare-cpu.toml"
+    return RECIPES_DIR / name
+
+
+def parse_models(spec: Optional[str]) -> List[str]:
+    names = [n.strip() for n in (spec or ",".join(DEFAULT_MODELS)).split(",") if n.strip()]
+    if not names:
+        raise UserError(f"--models is empty; choose from {', '.join(MODELS)}")
+    for n in names:
+        if n not in MODELS:
+            raise UserError(f"unknown model {n!r} in --models; valid ones: {', '.join(MODELS)}")
+    if len(set(names)) != len(names):
+        raise UserError("--models names a model twice")
+    return names
+
+
+def _heads_for(d: int) -> int:
+    """d/64 rounded, moved to the nearest divisor of d (at least 1)."""
+    target = max(1, round(d / 64))
+    divisors = [h for h in range(1, d + 1) if d % h == 0]
+    return min(divisors, key=lambda h: (abs(h - target), h))
+
+
+def shape_overrides(name: str, d: int, base: RunConfig) -> Dict[str, Any]:
+    """The model fields of ``name`` at width ``d``."""
+    mtype, depth, extra = MODELS[name]
+    fields: Dict[str, Any] = {"type": mtype, "d_model": d, "proj_size": max(1, d // 4)}
+    if depth is not None:
+        fields["num_layers"] = depth
+    if mtype == "transformer":
+        fields["num_heads"] = _heads_for(d)
+    elif mtype == "srupp":
+        heads = int(base.model.get("num_heads", 1))
+        fields["num_heads"] = heads if fields["proj_size"] % heads == 0 else 1
+    else:
+        fields["num_heads"] = 1
+    fields.update(extra)
+    return fields
+
+
+def model_run_config(base: RunConfig, fields: Dict[str, Any]) -> RunConfig:
+    tree = base.to_dict()
+    tree["model"] = {**tree["model"], **fields}
+    return build_config(None, None, base=tree)
+
+
+def count_parameters(cfg: RunConfig, vocab: int) -> int:
+    import torch
+
+    from ..models import build_model
+
+    with torch.device("meta"):  # count without allocating
+        return build_model(cfg.model_config(vocab)).num_parameters()
+
+
+@dataclass
+class Sized:
+    name: str
+    cfg: RunConfig
+    params: int
+
+
+def size_model(name: str, base: RunConfig, vocab: int, target: int) -> Sized:
+    """A width whose parameter count is within 10% of ``target``, or UserError.
+
+    Counts grow with width. Multiples of 16 are preferred, then of 8 (the
+    closest count among them); only when neither fits (tiny targets) are the
+    widths between two multiples of 8 tried one by one.
+    """
+    cache: Dict[int, Optional[Sized]] = {}
+
+    def at(d: int) -> Optional[Sized]:
+        if d not in cache:
+            try:
+                cfg = model_run_config(base, shape_overrides(name, d, base))
+                cache[d] = Sized(name, cfg, count_parameters(cfg, vocab))
+            except UserError:
+                cache[d] = None
+        return cache[d]
+
+    def fits(s: Optional[Sized]) -> bool:
+        return s is not None and abs(s.params - target) <= TOLERANCE * target
+
+    lo, hi = 0, None  # widest multiple of 8 below target, narrowest above
+    for d in range(WIDTH_STEP, MAX_WIDTH + 1, WIDTH_STEP):
+        s = at(d)
+        if s is None:
+            continue
+        if s.params <= target:
+            lo = d
+        elif hi is None:
+            hi = d
+        if s.params > target * (1 + TOLERANCE):
+            break
+    closest = lambda c: min(c, key=lambda s: abs(s.params - target))  # noqa: E731
+    for step in (16, 8):
+        good = [s for d, s in cache.items() if d % step == 0 and fits(s)]
+        if good:
+            return closest(good)
+    between = [at(d) for d in range(max(1, lo + 1), hi if hi is not None else lo + WIDTH_STEP)]
+    good = [s for s in between if fits(s)]
+    if good:
+        return closest(good)
+    raise UserError(f"no shape of {name} reaches {target} parameters within 10%")
+
+
+def _valid_curve(run_dir: Path, key: str) -> List[tuple]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for ln in path.read_text().splitlines():
+        try:
+            r = json.loads(ln)
+        except json.JSONDecodeError:
+            continue
+        if key in r:
+            out.append((float(r["train_seconds"]), float(r[key])))
+    return out
+
+
+def _generation_speed(trainer) -> float:
+    """Tokens/s decoding NEW_TOKENS at batch 1 after a PROMPT_TOKENS validation prompt."""
+    import torch
+
+    model = trainer.model
+    model.eval()
+    prompt = trainer.valid_ids[:PROMPT_TOKENS].tolist() or trainer.train_ids[:PROMPT_TOKENS].tolist()
+    gen = torch.Generator(device=trainer.device).manual_seed(0)
+    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+    with torch.no_grad():
+        sync()
+        start = time.perf_counter()
+        new = model.generate([prompt], NEW_TOKENS, temperature=1.0, generator=gen)[0]
+        sync()
+        seconds = time.perf_counter() - start
+    return len(new) / max(seconds, 1e-9)
+
+
+def run_one(sized: Sized, run_dir: Path, progress: bool) -> Dict[str, Any]:
+    """Train (or resume, or skip) one model; returns its summary.json content."""
+    from ..train.checkpoint import write_json_atomic
+    from .trainer import Trainer
+
+    summary_path = run_dir / "summary.json"
+    if summary_path.exists():
+        print(f"srupp: {sized.name}: finished before, skipping ({summary_path})", file=sys.stderr)
+        return json.loads(summary_path.read_text())
+    resume = (run_dir / "last.json").exists()
+    if run_dir.exists() and not resume:
+        # started but never reached a checkpoint: start again cleanly
+        shutil.rmtree(run_dir)
+    print(f"srupp: {sized.name}: {'resuming' if resume else 'training'} "
+          f"{sized.params:,} parameters into {run_dir}", file=sys.stderr)
+    trainer = Trainer(sized.cfg, run_dir, resume=resume, progress=progress)
+    result = trainer.train()
+    if result.get("interrupted"):
+        raise KeyboardInterrupt
+    t = sized.cfg.train
+    tokens = trainer.step * t.batch_size * t.unroll * t.grad_accum
+    summary = {
+        "name": sized.name, "params": trainer.model.num_parameters(),
+        "model": sized.cfg.model, "step": trainer.step, "tokens": tokens,
+        "train_seconds": result["train_seconds"],
+        "valid_bpc": result["valid_bpc"], "valid_ppl": result["valid_ppl"],
+        "tokenizer": trainer.tokenizer.to_dict()["type"],
+        "generate_tokens_per_s": _generation_speed(trainer),
+    }
+    write_json_atomic(summary_path, summary)
+    return summary
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def write_markdown(path: Path, results: Dict[str, Any]) -> None:
+    cols = ["name", "params", "tokens", "tokens_per_s", "final", "time_to_best_baseline",
+            "generate_tokens_per_s"]
+    lines = [f"Validation metric: **{results['metric']}** (lower is better); "
+             f"time_to_best_baseline in training seconds.", "",
+             "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for m in results["models"]:
+        lines.append("| " + " | ".join(_fmt(m[c]) for c in cols) + " |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot_curves(path: Path, curves: Dict[str, List[tuple]], metric: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, pts in curves.items():
+        if pts:
+            ax.plot(*zip(*pts), "o-", label=name, markersize=3)
+    ax.set_xlabel("training seconds")
+    ax.set_ylabel(f"validation {metric}")
+    if metric == "ppl":
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def compare(data: str, budget: float, params: int, models: Optional[str] = None,
+            out: Optional[Path] = None, recipe: Optional[str] = None,
+            overrides: Optional[List[str]] = None, progress: bool = True) -> Dict[str, Any]:
+    """Run the comparison; returns the results.json content."""
+    names = parse_models(models)
+    if not budget > 0 or not math.isfinite(budget):
+        raise UserError(f"--budget must be > 0 seconds, got {budget}")
+    if params <= 0:
+        raise UserError(f"--params must be > 0, got {params}")
+    recipe_path = Path(recipe) if recipe else default_recipe(data)
+    base = build_config(recipe_path, list(overrides or []) +
+                        [f"data.corpus={data}", f"train.max_seconds={budget}"])
+
+    from ..data import build_tokenizer, load_corpus
+
+    corpus = load_corpus(base.data.corpus)
+    tokenizer = build_tokenizer(base.data.tokenizer, corpus.train, **base.data.tokenizer_options())
+    vocab = tokenizer.vocab_size
+    kind = tokenizer.to_dict()["type"]
+    metric = "bpc" if kind in ("byte", "char") else "ppl"
+    key = f"valid_{metric}"
+
+    sized = [size_model(n, base, vocab, params) for n in names]  # every error before training
+    out = Path(out) if out else Path("runs") / f"compare-{Path(str(data)).stem}"
+    out.mkdir(parents=True, exist_ok=True)
+
+    summaries = {s.name: run_one(s, out / s.name, progress) for s in sized}
+    curves = {n: _valid_curve(out / n, key) for n in names}
+
+    baselines = [n for n in names if MODELS[n][0] != "srupp"]
+    target = min((summaries[n][key] for n in baselines), default=None)
+    rows = []
+    for n in names:
+        s = summaries[n]
+        reached = None
+        if target is not None:
+            reached = next((sec for sec, v in curves[n] if v <= target), None)
+        rows.append({"name": n, "params": int(s["params"]), "tokens": int(s["tokens"]),
+                     "tokens_per_s": s["tokens"] / max(s["train_seconds"], 1e-9),
+                     "final": s[key], "time_to_best_baseline": reached,
+                     "generate_tokens_per_s": s["generate_tokens_per_s"]})
+    results = {"metric": metric, "models": rows}
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_markdown(out / "results.md", results)
+    plot_curves(out / "curves.png", curves, metric)
+    return results

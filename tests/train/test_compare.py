@@ -1,0 +1,107 @@
+"""srupp compare: matched sizes, results files, per-model resume/skip, input errors."""
+
+import json
+
+import pytest
+
+from srupp.cli import main
+from srupp.train import compare as compare_mod
+
+TEXT = ("When in the chronicle of wasted time\nI see descriptions of the fairest wights,\n"
+        "And beauty making beautiful old rhyme\nIn praise of ladies dead and lovely knights,\n")
+
+FAST = ["train.batch_size=2", "train.unroll=16", "train.eval_every=20", "train.save_every=20",
+        "train.log_every=10", "train.eval_max_batches=2", "eval.batch_size=2",
+        "train.threads=1", "train.calibration_steps=5"]
+KEYS = {"name", "params", "tokens", "tokens_per_s", "final", "time_to_best_baseline",
+        "generate_tokens_per_s"}
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    p = tmp_path / "corpus.txt"
+    p.write_text(TEXT * 40)
+    return p
+
+
+def run(corpus, out, *extra, models="srupp,lstm,transformer", budget="1", params="20000"):
+    return main(["compare", "--data", str(corpus), "--budget", budget, "--params", params,
+                 "--models", models, "--out", str(out), "--no-progress", *extra,
+                 "--set", *FAST])
+
+
+def test_compare_writes_results_and_skips_finished_models(tmp_path, corpus, monkeypatch, capsys):
+    out = tmp_path / "cmp"
+    assert run(corpus, out) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert set(res) == {"metric", "models"} and res["metric"] == "bpc"
+    assert [m["name"] for m in res["models"]] == ["srupp", "lstm", "transformer"]
+    for m in res["models"]:
+        assert set(m) == KEYS
+        assert abs(m["params"] - 20000) <= 2000
+        assert m["tokens"] > 0 and m["tokens_per_s"] > 0 and m["generate_tokens_per_s"] > 0
+        assert m["final"] > 0
+        t = m["time_to_best_baseline"]
+        assert t is None or t >= 0
+    # the best baseline reaches its own final metric
+    baselines = [m for m in res["models"] if m["name"] != "srupp"]
+    best = min(baselines, key=lambda m: m["final"])
+    assert best["time_to_best_baseline"] is not None
+    md = (out / "results.md").read_text()
+    assert "| name | params | tokens |" in md and md.count("\n| ") >= 4
+    assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+    mtimes = {n: (out / n / "summary.json").stat().st_mtime_ns for n in ("srupp", "lstm")}
+
+    def no_training(*a, **k):
+        raise AssertionError("a finished model was trained again")
+
+    monkeypatch.setattr("srupp.train.trainer.Trainer.__init__", no_training)
+    assert run(corpus, out, models="srupp,lstm") == 0
+    assert {n: (out / n / "summary.json").stat().st_mtime_ns for n in mtimes} == mtimes
+    again = json.loads((out / "results.json").read_text())
+    assert [m["name"] for m in again["models"]] == ["srupp", "lstm"]
+
+
+def test_sizing_hits_the_target_for_every_model(corpus):
+    base = compare_mod.build_config(compare_mod.default_recipe("x"), [f"data.corpus={corpus}"])
+    for name in compare_mod.MODELS:
+        s = compare_mod.size_model(name, base, 256, 50_000)
+        assert abs(s.params - 50_000) <= 5_000, name
+        if name == "transformer":
+            assert s.cfg.model["d_model"] % s.cfg.model["num_heads"] == 0
+        if name.startswith("srupp"):
+            assert s.cfg.model["proj_size"] == s.cfg.model["d_model"] // 4
+    ab = compare_mod.size_model("srupp-attn-every-2", base, 256, 50_000)
+    assert ab.cfg.model["attention_every_n_layers"] == 2
+
+
+@pytest.mark.parametrize("args, words", [
+    ({"models": "srupp,mamba"}, "unknown model 'mamba'"),
+    ({"budget": "0"}, "--budget must be > 0"),
+    ({"params": "0"}, "--params must be > 0"),
+    ({"params": "10"}, "no shape of srupp reaches 10 parameters"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, corpus, capsys, args, words):
+    assert run(corpus, tmp_path / "bad", **args) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and "\n" not in err
+    assert not (tmp_path / "bad").exists()  # nothing trained before the error
+
+
+def test_unfinished_model_is_resumed(tmp_path, corpus, monkeypatch):
+    out = tmp_path / "cmp"
+    assert run(corpus, out, models="lstm") == 0
+    (out / "lstm" / "summary.json").unlink()  # as if killed after training, before the summary
+    seen = []
+    from srupp.train import trainer as trainer_mod
+    init = trainer_mod.Trainer.__init__
+
+    def spy(self, cfg, run_dir, *, resume=False, progress=True):
+        seen.append(resume)
+        init(self, cfg, run_dir, resume=resume, progress=progress)
+
+    monkeypatch.setattr(trainer_mod.Trainer, "__init__", spy)
+    assert run(corpus, out, models="lstm") == 0
+    assert seen == [True]
+    assert (out / "lstm" / "summary.json").exists()
