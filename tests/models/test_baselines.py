@@ -11,20 +11,14 @@ from srupp.models import (CausalLM, LanguageModel, LMConfig, TensorState, build_
                           load_model, state_from_dict)
 from srupp.models.baselines import (RNNLanguageModel, SRULanguageModel,
                                     TransformerLanguageModel)
-from srupp.train import Trainer, build_config
+from srupp.train import Trainer
+
+from lm_helpers import config, greedy_by_recomputing, metrics
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 BASELINES = ["sru", "lstm", "gru", "transformer"]
 CLASSES = {"srupp": LanguageModel, "sru": SRULanguageModel, "lstm": RNNLanguageModel,
            "gru": RNNLanguageModel, "transformer": TransformerLanguageModel}
-
-TEXT = ("When in the chronicle of wasted time\nI see descriptions of the fairest wights,\n"
-        "And beauty making beautiful old rhyme\nIn praise of ladies dead and lovely knights,\n")
-TINY = ["model.d_model=16", "model.proj_size=8", "model.num_layers=2", "model.dropout=0.1",
-        "train.batch_size=2", "train.unroll=16", "train.warmup_steps=3", "train.lr=3e-3",
-        "train.log_every=2", "train.save_every=4", "train.eval_every=4",
-        "train.eval_max_batches=2", "eval.batch_size=2", "train.threads=1"]
-
 
 def make(kind, **kw):
     torch.manual_seed(0)
@@ -32,28 +26,6 @@ def make(kind, **kw):
                type=kind, num_heads=2 if kind == "transformer" else 1)
     cfg.update(kw)
     return build_model(LMConfig(**cfg)).eval()
-
-
-def greedy_by_recomputing(m, prompt, n):
-    seq = list(prompt)
-    for _ in range(n):
-        seq.append(int(m(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt):]
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    p = tmp_path / "corpus.txt"
-    p.write_text(TEXT * 40)
-    return p
-
-
-def config(corpus, *extra):
-    return build_config(None, TINY + [f"data.corpus={corpus}", *extra])
-
-
-def metrics(run):
-    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 # ---------------------------------------------------------------- the models

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from srupp.errors import UserError
 from srupp.models import LanguageModel, LMConfig, sample
 
+from lm_helpers import greedy_by_recomputing
+
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
@@ -43,15 +45,6 @@ def test_segments_with_state_match_one_pass():
     a = m(t[:, :5])
     b = m(t[:, 5:], a.state.detach())
     torch.testing.assert_close(torch.cat([a.logits, b.logits], 1), full, **TOL)
-
-
-def greedy_by_recomputing(m, prompt, n):
-    """The slow way: rerun the whole sequence for every new token."""
-    seq = list(prompt)
-    for _ in range(n):
-        logits = m(torch.tensor([seq])).logits[0, -1]
-        seq.append(int(logits.argmax()))
-    return seq[len(prompt):]
 
 
 def test_greedy_generation_matches_recomputation():

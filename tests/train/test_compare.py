@@ -7,21 +7,11 @@ import pytest
 from srupp.cli import main
 from srupp.train import compare as compare_mod
 
-TEXT = ("When in the chronicle of wasted time\nI see descriptions of the fairest wights,\n"
-        "And beauty making beautiful old rhyme\nIn praise of ladies dead and lovely knights,\n")
-
 FAST = ["train.batch_size=2", "train.unroll=16", "train.eval_every=20", "train.save_every=20",
         "train.log_every=10", "train.eval_max_batches=2", "eval.batch_size=2",
         "train.threads=1", "train.calibration_steps=5"]
 KEYS = {"name", "params", "tokens", "tokens_per_s", "final", "time_to_best_baseline",
         "generate_tokens_per_s"}
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    p = tmp_path / "corpus.txt"
-    p.write_text(TEXT * 40)
-    return p
 
 
 def run(corpus, out, *extra, models="srupp,lstm,transformer", budget="1", params="20000"):

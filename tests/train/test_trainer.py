@@ -6,37 +6,15 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from srupp.cli import main
-from srupp.train import Trainer, build_config
+from srupp.train import Trainer
 from srupp.train.trainer import lr_factor
 
-TEXT = ("When in the chronicle of wasted time\nI see descriptions of the fairest wights,\n"
-        "And beauty making beautiful old rhyme\nIn praise of ladies dead and lovely knights,\n")
-
-TINY = ["model.d_model=16", "model.proj_size=8", "model.num_layers=2", "model.dropout=0.1",
-        "train.batch_size=2", "train.unroll=16", "train.warmup_steps=3", "train.lr=3e-3",
-        "train.log_every=2", "train.save_every=4", "train.eval_every=4",
-        "train.eval_max_batches=2", "eval.batch_size=2", "train.threads=1"]
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    p = tmp_path / "corpus.txt"
-    p.write_text(TEXT * 40)
-    return p
-
-
-def config(corpus, *extra):
-    return build_config(None, TINY + [f"data.corpus={corpus}", *extra])
-
-
-def metrics(run):
-    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+from lm_helpers import TINY, config, metrics
 
 
 def test_interrupt_and_resume_gives_identical_losses(tmp_path, corpus):

@@ -5,7 +5,7 @@ Every check raises ``ValueError`` naming what was expected and what was given.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 from torch import Tensor

@@ -6,7 +6,6 @@ every key is optional. Each field below says why it exists.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import sys
 from dataclasses import asdict, dataclass, field, fields

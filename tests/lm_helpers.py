@@ -1,0 +1,39 @@
+"""Helpers shared by the language-model, trainer and comparison tests.
+
+Importable from any test file: pytest puts ``tests/`` (where conftest.py lives)
+on ``sys.path``.
+"""
+
+import json
+
+import torch
+
+from srupp.train import build_config
+
+# a tiny corpus: four lines of a sonnet
+TEXT = ("When in the chronicle of wasted time\nI see descriptions of the fairest wights,\n"
+        "And beauty making beautiful old rhyme\nIn praise of ladies dead and lovely knights,\n")
+
+# a model and run small enough for a few seconds of CPU
+TINY = ["model.d_model=16", "model.proj_size=8", "model.num_layers=2", "model.dropout=0.1",
+        "train.batch_size=2", "train.unroll=16", "train.warmup_steps=3", "train.lr=3e-3",
+        "train.log_every=2", "train.save_every=4", "train.eval_every=4",
+        "train.eval_max_batches=2", "eval.batch_size=2", "train.threads=1"]
+
+
+def config(corpus, *extra):
+    """The TINY run config on ``corpus``, with extra ``key=value`` overrides."""
+    return build_config(None, TINY + [f"data.corpus={corpus}", *extra])
+
+
+def metrics(run):
+    """The rows of a run's metrics.jsonl."""
+    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def greedy_by_recomputing(m, prompt, n):
+    """The slow way to decode: rerun the whole sequence for every new token."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(m(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt):]
