@@ -49,7 +49,7 @@ def build_attention_mask(L: int, M: int, *, causal: bool, attn_mask: Optional[Te
     """
     S = M + L
     if attn_mask is None and key_padding is None:
-        if not causal:
+        if not causal or L == 1:  # one causal query sees every key: no mask (decoding)
             return AttentionMask()
         if M == 0:
             return AttentionMask(is_causal=True)
