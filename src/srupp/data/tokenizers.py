@@ -192,6 +192,13 @@ class ByteTokenizer(Tokenizer):
         return cls()
 
 
+def _unk_share(ids, unk_id: int, eos_id: int) -> float:
+    """Fraction of the non-``<eos>`` ids that are ``<unk>`` (0.0 for no tokens)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    n = int(np.count_nonzero(ids != eos_id))
+    return float(np.count_nonzero(ids == unk_id)) / n if n else 0.0
+
+
 def _code_points(text: str) -> np.ndarray:
     """The text's Unicode code points as a uint32 array (one per character)."""
     return np.frombuffer(text.encode("utf-32-le", errors="surrogatepass"), dtype="<u4")
@@ -406,9 +413,7 @@ class WordTokenizer(Tokenizer):
 
     def oov_rate(self, text: str) -> float:
         """Share of the text's words (``<eos>`` not counted) that encode to ``<unk>``."""
-        ids = np.asarray(self._encode_list(text), dtype=np.int64)
-        n = int(np.count_nonzero(ids != self.eos_id))
-        return float(np.count_nonzero(ids == self.unk_id)) / n if n else 0.0
+        return _unk_share(self._encode_list(text), self.unk_id, self.eos_id)
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": self.type_name, "vocab": list(self.vocab), "lowercase": self.lowercase}
@@ -546,9 +551,7 @@ class SentencePieceTokenizer(Tokenizer):
 
     def oov_rate(self, text: str) -> float:
         """Share of the text's pieces (``<eos>`` not counted) that encode to ``<unk>``."""
-        ids = np.asarray(self._encode_list(text), dtype=np.int64)
-        n = int(np.count_nonzero(ids != self.eos_id))
-        return float(np.count_nonzero(ids == self.unk_id)) / n if n else 0.0
+        return _unk_share(self._encode_list(text), self.unk_id, self.eos_id)
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": self.type_name,
