@@ -224,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--recipe", help="recipe for data and training settings (default: "
                                     "recipes/brown-cpu.toml for brown, else shakespeare-cpu)")
     c.add_argument("--set", nargs="+", action="append", metavar="KEY=VALUE",
-                   help="override config fields for every model, e.g. train.batch_size=8")
+                   help="override config fields for every model, e.g. train.batch_size=8, "
+                        "or for one model with its name first, e.g. lstm:train.lr=3e-3")
     c.add_argument("--no-progress", action="store_true", help="no progress bars")
     c.set_defaults(func=cmd_compare)
 

@@ -11,19 +11,22 @@ FAST = ["train.batch_size=2", "train.unroll=16", "train.eval_every=20", "train.s
         "train.log_every=10", "train.eval_max_batches=2", "eval.batch_size=2",
         "train.threads=1", "train.calibration_steps=5"]
 KEYS = {"name", "params", "tokens", "tokens_per_s", "final", "time_to_best_baseline",
-        "generate_tokens_per_s"}
+        "generate_tokens_per_s", "lr"}
 
 
-def run(corpus, out, *extra, models="srupp,lstm,transformer", budget="1", params="20000"):
+def run(corpus, out, *extra, models="srupp,lstm,transformer", budget="1", params="20000",
+        sets=()):
     return main(["compare", "--data", str(corpus), "--budget", budget, "--params", params,
                  "--models", models, "--out", str(out), "--no-progress", *extra,
-                 "--set", *FAST])
+                 "--set", *FAST, *sets])
 
 
 def test_compare_writes_results_and_skips_finished_models(tmp_path, corpus, monkeypatch, capsys):
     out = tmp_path / "cmp"
-    assert run(corpus, out) == 0
+    assert run(corpus, out, sets=["lstm:train.lr=1e-3"]) == 0
     res = json.loads((out / "results.json").read_text())
+    assert {m["name"]: m["lr"] for m in res["models"]} == {
+        "srupp": 8e-3, "lstm": 1e-3, "transformer": 8e-3}
     assert set(res) == {"metric", "models"} and res["metric"] == "bpc"
     assert [m["name"] for m in res["models"]] == ["srupp", "lstm", "transformer"]
     for m in res["models"]:
@@ -71,6 +74,8 @@ def test_sizing_hits_the_target_for_every_model(corpus):
     ({"budget": "0"}, "--budget must be > 0"),
     ({"params": "0"}, "--params must be > 0"),
     ({"params": "10"}, "no shape of srupp reaches 10 parameters"),
+    ({"sets": ["gru:train.lr=1e-3"]}, "'gru' is not one of the compared models"),
+    ({"sets": ["lstm:train.lrr=1e-3"]}, "train.lr"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, corpus, capsys, args, words):
     assert run(corpus, tmp_path / "bad", **args) == 2
@@ -95,3 +100,14 @@ def test_unfinished_model_is_resumed(tmp_path, corpus, monkeypatch):
     assert run(corpus, out, models="lstm") == 0
     assert seen == [True]
     assert (out / "lstm" / "summary.json").exists()
+
+
+def test_per_model_overrides_apply_to_that_model_only(corpus):
+    shared, per = compare_mod.split_overrides(
+        ["train.batch_size=4", "lstm:train.lr=2e-3", "sru:model.dropout=0.1"], ["srupp", "lstm", "sru"])
+    assert shared == ["train.batch_size=4"]
+    assert per == {"srupp": [], "lstm": ["train.lr=2e-3"], "sru": ["model.dropout=0.1"]}
+    base = compare_mod.build_config(compare_mod.default_recipe("x"), [f"data.corpus={corpus}"])
+    lstm = compare_mod.size_model("lstm", base, 256, 50_000, per["lstm"])
+    srupp = compare_mod.size_model("srupp", base, 256, 50_000, per["srupp"])
+    assert lstm.cfg.train.lr == 2e-3 and srupp.cfg.train.lr == base.train.lr

@@ -84,10 +84,34 @@ def shape_overrides(name: str, d: int, base: RunConfig) -> Dict[str, Any]:
     return fields
 
 
-def model_run_config(base: RunConfig, fields: Dict[str, Any]) -> RunConfig:
+def split_overrides(overrides: List[str], names: List[str]) -> tuple:
+    """Split ``--set`` items into shared ones and ``NAME:key=value`` ones per model.
+
+    Returns ``(shared, {name: [key=value, ...]})``. A prefix that is not one
+    of the compared models is an error, so a typo cannot silently apply to none.
+    """
+    shared: List[str] = []
+    per_model: Dict[str, List[str]] = {n: [] for n in names}
+    for item in overrides:
+        head = item.split("=", 1)[0]
+        if ":" in head:
+            name, rest = item.split(":", 1)
+            name = name.strip()
+            if name not in per_model:
+                raise UserError(f"--set {item!r}: {name!r} is not one of the compared models "
+                                f"({', '.join(names)})")
+            per_model[name].append(rest)
+        else:
+            shared.append(item)
+    return shared, per_model
+
+
+def model_run_config(base: RunConfig, fields: Dict[str, Any],
+                     overrides: Optional[List[str]] = None) -> RunConfig:
+    """``base`` with the model fields replaced, then the model's own overrides."""
     tree = base.to_dict()
     tree["model"] = {**tree["model"], **fields}
-    return build_config(None, None, base=tree)
+    return build_config(None, list(overrides or []), base=tree)
 
 
 def count_parameters(cfg: RunConfig, vocab: int) -> int:
@@ -106,19 +130,21 @@ class Sized:
     params: int
 
 
-def size_model(name: str, base: RunConfig, vocab: int, target: int) -> Sized:
+def size_model(name: str, base: RunConfig, vocab: int, target: int,
+               overrides: Optional[List[str]] = None) -> Sized:
     """A width whose parameter count is within 10% of ``target``, or UserError.
 
     Counts grow with width. Multiples of 16 are preferred, then of 8 (the
     closest count among them); only when neither fits (tiny targets) are the
-    widths between two multiples of 8 tried one by one.
+    widths between two multiples of 8 tried one by one. ``overrides`` are
+    this model's own ``key=value`` settings (its tuned learning rate, say).
     """
     cache: Dict[int, Optional[Sized]] = {}
 
     def at(d: int) -> Optional[Sized]:
         if d not in cache:
             try:
-                cfg = model_run_config(base, shape_overrides(name, d, base))
+                cfg = model_run_config(base, shape_overrides(name, d, base), overrides)
                 cache[d] = Sized(name, cfg, count_parameters(cfg, vocab))
             except UserError:
                 cache[d] = None
@@ -206,7 +232,7 @@ def run_one(sized: Sized, run_dir: Path, progress: bool) -> Dict[str, Any]:
     tokens = trainer.step * t.batch_size * t.unroll * t.grad_accum
     summary = {
         "name": sized.name, "params": trainer.model.num_parameters(),
-        "model": sized.cfg.model, "step": trainer.step, "tokens": tokens,
+        "model": sized.cfg.model, "lr": t.lr, "step": trainer.step, "tokens": tokens,
         "train_seconds": result["train_seconds"],
         "valid_bpc": result["valid_bpc"], "valid_ppl": result["valid_ppl"],
         "tokenizer": trainer.tokenizer.to_dict()["type"],
@@ -267,7 +293,8 @@ def compare(data: str, budget: float, params: int, models: Optional[str] = None,
     if params <= 0:
         raise UserError(f"--params must be > 0, got {params}")
     recipe_path = Path(recipe) if recipe else default_recipe(data)
-    base = build_config(recipe_path, list(overrides or []) +
+    shared, per_model = split_overrides(list(overrides or []), names)
+    base = build_config(recipe_path, shared +
                         [f"data.corpus={data}", f"train.max_seconds={budget}"])
 
     from ..data import build_tokenizer, load_corpus
@@ -279,7 +306,9 @@ def compare(data: str, budget: float, params: int, models: Optional[str] = None,
     metric = "bpc" if kind in ("byte", "char") else "ppl"
     key = f"valid_{metric}"
 
-    sized = [size_model(n, base, vocab, params) for n in names]  # every error before training
+    for n in names:  # a bad per-model key fails here, not as "no shape fits"
+        model_run_config(base, {}, per_model[n])
+    sized = [size_model(n, base, vocab, params, per_model[n]) for n in names]  # every error before training
     out = Path(out) if out else Path("runs") / f"compare-{Path(str(data)).stem}"
     out.mkdir(parents=True, exist_ok=True)
 
@@ -297,7 +326,8 @@ def compare(data: str, budget: float, params: int, models: Optional[str] = None,
         rows.append({"name": n, "params": int(s["params"]), "tokens": int(s["tokens"]),
                      "tokens_per_s": s["tokens"] / max(s["train_seconds"], 1e-9),
                      "final": s[key], "time_to_best_baseline": reached,
-                     "generate_tokens_per_s": s["generate_tokens_per_s"]})
+                     "generate_tokens_per_s": s["generate_tokens_per_s"],
+                     "lr": s.get("lr")})
     results = {"metric": metric, "models": rows}
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     write_markdown(out / "results.md", results)
