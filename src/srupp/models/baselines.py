@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from ..errors import UserError
 from ..nn import SRU
+from ..nn.append import append_steps
 from .lm import CausalLM
 from .state import TensorState
 
@@ -138,17 +139,19 @@ class TransformerBlock(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor, k_past: Optional[Tensor], v_past: Optional[Tensor],
-                attn_mask: Optional[Tensor]):
+                attn_mask: Optional[Tensor], is_causal: bool = True):
         """x (B, L, d); k_past, v_past (B, H, M, hd) or None; attn_mask (B, 1, L, M+L) bool
-        (True: may attend) or None for plain causal. Returns x and this call's full K, V."""
+        (True: may attend), or None: SDPA's causal mask when ``is_causal`` (no
+        memory), else every key (a single decoding query). Returns x and this
+        call's full K, V."""
         B, L, d = x.shape
         H = self.num_heads
         q, k, v = self.qkv(self.ln1(x)).view(B, L, 3, H, d // H).permute(2, 0, 3, 1, 4)
         if k_past is not None:
-            k = torch.cat([k_past.to(k.dtype), k], 2)
-            v = torch.cat([v_past.to(v.dtype), v], 2)
+            k = append_steps(k_past, k, dim=2)  # no copy of the past when decoding
+            v = append_steps(v_past, v, dim=2)
         a = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None,
+            q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None and is_causal,
             dropout_p=self.attn_dropout if self.training else 0.0)
         x = x + self.drop(self.proj(a.transpose(1, 2).reshape(B, L, d)))
         x = x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
@@ -239,7 +242,9 @@ class TransformerLanguageModel(CausalLM):
 
         M = state["k.0"].shape[2] if "k.0" in state else 0
         past_pad = state.get("key_pad")
-        if M == 0 and mask_pad is None:
+        is_causal = M == 0
+        if (M == 0 or L == 1) and mask_pad is None and past_pad is None:
+            # plain causal, or one query that sees every key (decoding): no mask
             attn_mask, key_pad = None, None
         else:
             dev = x.device
@@ -257,7 +262,7 @@ class TransformerLanguageModel(CausalLM):
         new = {"window": state["window"]}
         keep = window is None or window > 0
         for i, block in enumerate(self.blocks):
-            x, k, v = block(x, state.get(f"k.{i}"), state.get(f"v.{i}"), attn_mask)
+            x, k, v = block(x, state.get(f"k.{i}"), state.get(f"v.{i}"), attn_mask, is_causal)
             if keep:
                 new[f"k.{i}"] = k if window is None else k[:, :, -window:]
                 new[f"v.{i}"] = v if window is None else v[:, :, -window:]

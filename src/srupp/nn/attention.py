@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .append import append_steps
+
 
 @dataclass
 class AttentionMask:
@@ -132,7 +134,7 @@ class SRUppAttention(nn.Module):
         B, L, _ = x.shape
         if kv_memory is not None:
             q = self.linear1(x)                                          # (B, L, d′)
-            kv = torch.cat([kv_memory.to(q.dtype), self.linear2(q)], dim=1)
+            kv = append_steps(kv_memory, self.linear2(q))               # (B, M+L, 2·d′)
         else:
             M = 0 if memory is None else memory.shape[1]
             x_all = x if memory is None else torch.cat([memory.to(x.dtype), x], dim=1)

@@ -10,6 +10,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from ._inputs import (check_c0, check_input, merge_masks, normalize_mask_pad, pack_output,
                       unpack_input)
+from .append import append_steps
 from .attention import AttentionMask, SRUppAttention, SRUppProjectedLinear, build_attention_mask
 from .base import RecurrentLayerBase, StackBase
 from .state import SRUppState
@@ -332,8 +333,8 @@ def _run_stack(owner, layers: List[SRUppCell], input_to_hidden: Optional[nn.Line
         x, c, xin, kv = layer.layer_forward(x_i, c0[i], mask, mem_i, attn, kv_mem)
         cs.append(c)
         if keep_memory and layer.use_attention:
-            new_mem = xin.to(x_i.dtype) if mem_i is None else torch.cat(
-                [mem_i.to(x_i.dtype), xin.to(x_i.dtype)], dim=1)
+            new_mem = xin.to(x_i.dtype) if mem_i is None else append_steps(
+                mem_i, xin.to(x_i.dtype))                    # (B, M + L, n_in)
             memory.append(_keep_last(new_mem, mem_len))
         else:
             memory.append(None)

@@ -1,0 +1,66 @@
+"""Appending time steps to a cache without copying what it already holds.
+
+Decoding one token at a time grows every cache (attention memory, keys and
+values) by one step per call. ``torch.cat`` copies the whole cache each time,
+O(M) per token. :func:`append_steps` instead writes the new steps into spare
+room at the end of a larger buffer and returns a view, so a step costs O(1)
+amortised (the buffer doubles when full).
+
+It is safe for shared history: a buffer remembers where its last append
+ended, and only a view ending exactly there may append in place. Continuing
+an older state a second time (sampling two branches from one prefix) sees a
+mismatch and copies, so views handed out earlier never change.
+
+Only used when no gradient is recorded (in-place writes would break autograd).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+_MIN_CAPACITY = 64
+
+
+def append_steps(old: Optional[Tensor], new: Tensor, dim: int = 1) -> Tensor:
+    """``torch.cat([old, new], dim)``, reusing ``old``'s buffer when it can.
+
+    Args:
+        old: (..., M, ...) the cache so far, or None.
+        new: (..., L, ...) steps to add; same shape as ``old`` except at ``dim``.
+        dim: the time dimension.
+    Returns:
+        (..., M + L, ...), equal to ``torch.cat([old, new], dim)``; a view into
+        a buffer with spare room when gradients are off, so the next call can
+        append without copying.
+    """
+    if (torch.compiler.is_compiling() or torch.is_grad_enabled() and (
+            new.requires_grad or (old is not None and old.requires_grad))):
+        return new if old is None else torch.cat([old.to(new.dtype), new], dim)
+    if old is not None and old.dtype != new.dtype:
+        old = old.to(new.dtype)
+    dim = dim % new.dim()
+    M = 0 if old is None else old.shape[dim]
+    L = new.shape[dim]
+    if old is not None:
+        base = old._base
+        end = getattr(base, "_srupp_append_end", None) if base is not None else None
+        if end is not None and base.device == new.device:
+            start = (old.storage_offset() - base.storage_offset()) // max(old.stride(dim), 1)
+            if (start + M == end and end + L <= base.shape[dim] and old.stride() == base.stride()
+                    and old.shape[:dim] == base.shape[:dim]
+                    and old.shape[dim + 1:] == base.shape[dim + 1:]):
+                base.narrow(dim, end, L).copy_(new)
+                base._srupp_append_end = end + L
+                return base.narrow(dim, start, M + L)
+    # a fresh buffer with room to double
+    shape = list(new.shape)
+    shape[dim] = max(2 * (M + L), _MIN_CAPACITY)
+    base = new.new_empty(shape)
+    if old is not None:
+        base.narrow(dim, 0, M).copy_(old)
+    base.narrow(dim, M, L).copy_(new)
+    base._srupp_append_end = M + L
+    return base.narrow(dim, 0, M + L)

@@ -1,0 +1,57 @@
+"""append_steps: equal to torch.cat, in place only when that is safe."""
+
+import torch
+
+from srupp.nn.append import append_steps
+
+
+def test_repeated_appends_equal_cat_and_reuse_the_buffer():
+    torch.manual_seed(0)
+    with torch.no_grad():
+        cache, want = None, torch.empty(2, 0, 3)
+        for L in (5, 1, 1, 2, 1, 64, 1):
+            new = torch.randn(2, L, 3)
+            cache = append_steps(cache, new)
+            want = torch.cat([want, new], 1)
+            torch.testing.assert_close(cache, want, rtol=0, atol=0)
+        # the last single step fitted into spare room: same buffer as before
+        again = append_steps(cache, torch.randn(2, 1, 3))
+        assert again._base is cache._base
+
+
+def test_an_older_view_never_changes_and_a_second_branch_copies():
+    with torch.no_grad():
+        root = append_steps(None, torch.zeros(1, 4, 2))
+        a = append_steps(root, torch.ones(1, 1, 2))        # in place after root
+        b = append_steps(root, torch.full((1, 1, 2), 7.0))  # root is no longer the end: copy
+        assert a._base is root._base and b._base is not root._base
+        torch.testing.assert_close(a[:, -1], torch.ones(1, 2))
+        torch.testing.assert_close(b[:, -1], torch.full((1, 2), 7.0))
+        torch.testing.assert_close(root, torch.zeros(1, 4, 2))
+
+
+def test_a_sliding_window_and_other_dims():
+    torch.manual_seed(1)
+    with torch.no_grad():
+        cache, want = None, torch.empty(1, 2, 0, 3)
+        for _ in range(200):
+            new = torch.randn(1, 2, 1, 3)
+            cache = append_steps(cache, new, dim=2)[:, :, -8:]  # keep the last 8 steps
+            want = torch.cat([want, new], 2)[:, :, -8:]
+            torch.testing.assert_close(cache, want, rtol=0, atol=0)
+        assert cache._base.shape[2] <= 64 + 2 * 9  # the buffer stays bounded
+
+
+def test_with_gradients_it_is_plain_cat():
+    old = torch.randn(1, 3, 2)
+    new = torch.randn(1, 1, 2, requires_grad=True)
+    out = append_steps(old, new)
+    assert out.grad_fn is not None
+    out.sum().backward()
+    torch.testing.assert_close(new.grad, torch.ones_like(new))
+
+
+def test_dtype_of_the_new_steps_wins():
+    with torch.no_grad():
+        out = append_steps(torch.zeros(1, 2, 2, dtype=torch.float64), torch.ones(1, 1, 2))
+    assert out.dtype == torch.float32 and out.shape == (1, 3, 2)
