@@ -396,3 +396,74 @@ def test_compiled_stack_matches_eager_without_graph_breaks():
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     for a, b in zip(value_and_grads(compiled), value_and_grads(f)):
         close(a, b, **TOL)
+
+
+# ------------------------------------------------------------ step (decoding)
+
+STEP_CASES = {
+    "plain": dict(causal=True),
+    "heads_mem2": dict(causal=True, num_heads=2, mem_len=2),
+    "mem0": dict(causal=True, mem_len=0),
+    "k4": dict(causal=True, input_size=5),
+    "proj_first": dict(causal=True, input_size=5, proj_input_to_hidden_first=True),
+    "layer_norm_pre": dict(causal=True, layer_norm=True),
+    "layer_norm_post": dict(causal=True, layer_norm=True, normalize_after=True),
+    "attention_every_2": dict(causal=True, num_layers=3, attention_every_n_layers=2),
+    "no_attention": dict(causal=True, attention_last_n_layers=0),
+}
+
+
+@pytest.mark.parametrize("case", list(STEP_CASES))
+def test_step_matches_forward_token_by_token(case):
+    cfg = STEP_CASES[case]
+    m = make(**cfg)
+    n_in = cfg.get("input_size", 6)
+    x = torch.randn(8, 3, n_in)
+    with torch.no_grad():
+        # a 3-token prefix by forward, then one token per call
+        expected, exp_state = run_chunks(m, x, [3, 1, 1, 1, 1, 1])
+        prefix, state = m(x[:3])
+        outs = [prefix]
+        for t in range(3, 8):
+            h, state = m.step(x[t], state)
+            assert h.shape == (3, m.output_size)
+            outs.append(h.unsqueeze(0))
+    close(torch.cat(outs), expected, **TOL)
+    close(state.c, exp_state.c, **TOL)
+    for a, b in zip(state.memory, exp_state.memory):
+        assert (a is None) == (b is None)
+        if a is not None:
+            close(a, b, **TOL)
+
+
+def test_step_from_no_state_and_after_left_padding():
+    m = make(causal=True, num_heads=2, batch_first=True)
+    x = torch.randn(2, 6, 6)
+    pad = torch.tensor([[True, True, False, False, False, False],
+                        [False] * 6])
+    with torch.no_grad():
+        # row 0 alone (its 4 real tokens), stepped from no state after the first
+        alone, _ = m(x[:1, 2:])
+        h0, st0 = m.step(x[0, 2:3], None)
+        close(h0, alone[0, :1], **TOL)
+        # the padded batch: prefix by forward with padding, then steps keep the key mask
+        out, st = m(x[:, :4], mask_pad=pad[:, :4])
+        assert st.memory_mask_pad is not None
+        steps = []
+        for t in range(4, 6):
+            h, st = m.step(x[:, t], st)
+            steps.append(h)
+        assert st.memory_mask_pad.shape == (2, 6)
+        close(torch.stack(steps, 1)[0], alone[0, 2:], **TOL)
+        full, _ = m(x[1:])
+        close(torch.stack(steps, 1)[1], full[0, 4:], **TOL)
+
+
+def test_step_bad_input():
+    m = make(causal=True)
+    with pytest.raises(ValueError, match="input_size=6"):
+        m.step(torch.randn(2, 5))
+    with pytest.raises(ValueError, match="batch"):
+        m.step(torch.randn(3, 6), m.initial_state(2))
+    with pytest.raises(ValueError, match="unidirectional"):
+        make(bidirectional=True).step(torch.randn(2, 6))

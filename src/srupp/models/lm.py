@@ -321,11 +321,19 @@ class CausalLM(nn.Module):
                             done[b] = True
             if bool(done.all()):
                 break
-            out = self(nxt.unsqueeze(1), state)
-            logits, state = out.logits[:, -1], out.state
+            logits, state = self.step(nxt, state)
         if stop_strings:
             new = [_cut_at_stop(ids, decode, stop_strings) for ids in new]
         return new
+
+    def step(self, tokens: Tensor, state) -> Tuple[Tensor, Any]:
+        """One token per sequence, for decoding: tokens (B,) -> (logits (B, V), new state).
+
+        The same as ``forward`` on (B, 1) tokens; models with a leaner
+        single-token path override it.
+        """
+        out = self(tokens.unsqueeze(1), state)
+        return out.logits[:, -1], out.state
 
     # ---------------------------------------------------------------- saving
     def save_pretrained(self, directory: Union[str, os.PathLike]) -> None:
@@ -399,6 +407,20 @@ class LanguageModel(CausalLM):
 
     def initial_state(self, batch_size: int, *, mem_len: Optional[int] = None) -> SRUppState:
         return self.rnn.initial_state(batch_size, device=self.device, mem_len=mem_len)
+
+    def step(self, tokens: Tensor, state: Optional[SRUppState]) -> Tuple[Tensor, SRUppState]:
+        """One token per sequence through :meth:`SRUpp.step` (decoding in eval mode).
+
+        tokens (B,) -> (logits (B, V) (log-probabilities with an adaptive
+        softmax), new state). In training mode it is ``forward`` on (B, 1).
+        """
+        if self.training:
+            return super().step(tokens, state)
+        x = self.embedding(tokens.unsqueeze(1)).squeeze(1)        # (B, d)
+        h, state = self.rnn.step(x, state)                        # (B, d)
+        if self.adaptive:
+            return self.output.log_prob(h.unsqueeze(1)).squeeze(1), state
+        return self.output(h), state
 
 
 def sample(logits: Tensor, *, temperature: float = 1.0, top_k: Optional[int] = None,

@@ -161,6 +161,33 @@ class SRUppAttention(nn.Module):
         return self.linear3(self.dropout(y)), kv
 
 
+    def step(self, x: Tensor, kv_memory: Optional[Tensor],
+             key_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """One query, for decoding: :meth:`forward` with L = 1, minus its generality.
+
+        Args:
+            x: (B, n_in) this token's (pre-normed) input.
+            kv_memory: (B, M, 2·d′) keys and values of the memory, or None.
+            key_mask: bool (B, 1, 1, M + 1), True where a key may be attended
+                (the token itself always may), or None for every key.
+        Returns:
+            U (B, k·D), and [K | V] (B, M + 1, 2·d′) including this token.
+        """
+        B = x.shape[0]
+        q = self.linear1(x)                                              # (B, d′)
+        kv = append_steps(kv_memory, self.linear2(q).unsqueeze(1))        # (B, M+1, 2·d′)
+        H = self.num_heads
+        hd = q.shape[-1] // H
+        k, v = kv.chunk(2, dim=-1)                                       # (B, S, d′) each
+        qh = q.view(B, H, 1, hd)
+        kh, vh = (t.unflatten(-1, (H, hd)).transpose(1, 2) for t in (k, v))  # (B, H, S, hd)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=key_mask)  # (B, H, 1, hd)
+        y = q + self.alpha * o.view(B, H * hd)
+        if self.layer_norm is not None:
+            y = self.layer_norm(y)
+        return self.linear3(y), kv
+
+
 class SRUppProjectedLinear(nn.Module):
     """U = W2 dropout(LN(W1 x)): the SRU++ sub-layer of layers without attention."""
 

@@ -221,6 +221,84 @@ class SRUpp(StackBase):
         return _run_stack(self, list(self.layers), self.input_to_hidden, input, state,
                           mask_pad, attn_mask)
 
+    @torch.no_grad()
+    def step(self, input: Tensor, state: Optional[SRUppState] = None
+             ) -> Tuple[Tensor, SRUppState]:
+        """Advance the stack by one token, for decoding.
+
+        Gives the same result as ``forward`` on a one-step input (no padding,
+        no ``attn_mask``), without the general path's mask building and checks:
+        decoding at batch 1 is bound by per-call overhead, not arithmetic.
+        Runs without gradients; in training mode with dropout it defers to
+        ``forward`` (dropout masks make a step differ from the lean path anyway).
+
+        Args:
+            input: (B, n_in), one token per sequence.
+            state: the state of the previous call (None: zeros, no memory).
+        Returns:
+            h (B, D), and the new :class:`SRUppState` (memory and cached keys
+            and values extended by this token, cut to ``mem_len``).
+        """
+        if self.bidirectional:
+            raise ValueError("step() needs a unidirectional stack: a bidirectional layer "
+                             "reads the future")
+        if input.dim() != 2 or input.shape[1] != self.input_size:
+            raise ValueError(f"step() takes input (B, input_size={self.input_size}), "
+                             f"got {tuple(input.shape)}")
+        if isinstance(state, Tensor) or (self.training and any(
+                layer.highway_dropout > 0 or layer.transform.dropout.p > 0
+                for layer in self.layers)):
+            out, new = self(input.unsqueeze(0 if not self.batch_first else 1), state)
+            return out.squeeze(0 if not self.batch_first else 1), new
+        B = input.shape[0]
+        if state is None:
+            state = self.initial_state(B, device=input.device)
+        elif state.num_layers != self.num_layers or state.batch_size != B:
+            raise ValueError(f"state holds {state.num_layers} layers x batch {state.batch_size}; "
+                             f"this call has {self.num_layers} layers x batch {B}")
+        M = state.memory_length
+        mem_len = state.mem_len if state.mem_len is not None else self.mem_len
+        keep = mem_len != 0 and any(layer.use_attention for layer in self.layers)
+        # keys that may be attended: memory (unless padding) and the token itself
+        key_mask = None
+        if state.memory_mask_pad is not None:
+            own = torch.zeros(B, 1, dtype=torch.bool, device=input.device)
+            key_pad = torch.cat([state.memory_mask_pad, own], dim=1)        # (B, M + 1)
+            key_mask = (~key_pad).view(B, 1, 1, M + 1)
+        x = input if self.input_to_hidden is None else self.input_to_hidden(input)
+        cs, memory, kv_cache = [], [], []
+        for i, layer in enumerate(self.layers):
+            xin = layer.pre_norm(x).to(x.dtype)                              # (B, n_in)
+            mem_i = state.memory[i] if layer.use_attention else None
+            if layer.use_attention:
+                t = layer.transform
+                cached = state.kv_cache[i]
+                kv_mem = None
+                if mem_i is not None and M > 0:
+                    if (cached is not None and cached[1] == t.cache_key()
+                            and cached[0].shape[1] == M):
+                        kv_mem = cached[0]                                   # (B, M, 2·d′)
+                    else:
+                        kv_mem = t.linear2(t.linear1(mem_i.to(xin.dtype)))
+                U, kv = t.step(xin, kv_mem, key_mask)                         # (B, k·D)
+            else:
+                U, kv = layer.transform(xin.unsqueeze(1))[0].squeeze(1), None
+            h, c = layer.recur(U.unsqueeze(1), x.unsqueeze(1), state.c[i], None)
+            x = h.squeeze(1)                                                 # (B, D)
+            cs.append(c)
+            if keep and layer.use_attention:
+                new_mem = append_steps(mem_i, xin.unsqueeze(1))              # (B, M+1, n_in)
+                memory.append(_keep_last(new_mem, mem_len))
+                kv_cache.append((_keep_last(kv, mem_len), layer.transform.cache_key()))
+            else:
+                memory.append(None)
+                kv_cache.append(None)
+        new_mask = None
+        if keep and state.memory_mask_pad is not None:
+            new_mask = _keep_last(key_pad, mem_len)
+        return x, SRUppState(c=torch.stack(cs), memory=memory, memory_mask_pad=new_mask,
+                             mem_len=state.mem_len, kv_cache=kv_cache)
+
     def extra_repr(self) -> str:
         s = f"{self.input_size}, {self.hidden_size}, {self.proj_size}, num_layers={self.num_layers}"
         if self.causal:

@@ -40,6 +40,7 @@ MAX_WIDTH = 8192
 TOLERANCE = 0.10
 PROMPT_TOKENS = 64
 NEW_TOKENS = 256
+GENERATION_REPEATS = 3
 
 
 def default_recipe(data: str) -> Path:
@@ -191,22 +192,31 @@ def _valid_curve(run_dir: Path, key: str) -> List[tuple]:
     return out
 
 
-def _generation_speed(trainer) -> float:
-    """Tokens/s decoding NEW_TOKENS at batch 1 after a PROMPT_TOKENS validation prompt."""
+def _generation_speed(trainer, repeats: int = GENERATION_REPEATS) -> float:
+    """Tokens/s decoding NEW_TOKENS at batch 1 after a PROMPT_TOKENS validation prompt.
+
+    The median of ``repeats`` timed runs after one untimed warm-up: a single
+    run of a quarter-second is at the mercy of one scheduler hiccup.
+    """
+    import statistics
+
     import torch
 
     model = trainer.model
     model.eval()
     prompt = trainer.valid_ids[:PROMPT_TOKENS].tolist() or trainer.train_ids[:PROMPT_TOKENS].tolist()
-    gen = torch.Generator(device=trainer.device).manual_seed(0)
     sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
+    speeds = []
     with torch.no_grad():
-        sync()
-        start = time.perf_counter()
-        new = model.generate([prompt], NEW_TOKENS, temperature=1.0, generator=gen)[0]
-        sync()
-        seconds = time.perf_counter() - start
-    return len(new) / max(seconds, 1e-9)
+        for i in range(repeats + 1):
+            gen = torch.Generator(device=trainer.device).manual_seed(0)
+            sync()
+            start = time.perf_counter()
+            new = model.generate([prompt], NEW_TOKENS, temperature=1.0, generator=gen)[0]
+            sync()
+            if i:  # the first run warms caches and allocators
+                speeds.append(len(new) / max(time.perf_counter() - start, 1e-9))
+    return statistics.median(speeds)
 
 
 def run_one(sized: Sized, run_dir: Path, progress: bool) -> Dict[str, Any]:
