@@ -111,3 +111,18 @@ def test_per_model_overrides_apply_to_that_model_only(corpus):
     lstm = compare_mod.size_model("lstm", base, 256, 50_000, per["lstm"])
     srupp = compare_mod.size_model("srupp", base, 256, 50_000, per["srupp"])
     assert lstm.cfg.train.lr == 2e-3 and srupp.cfg.train.lr == base.train.lr
+
+
+def test_tuned_learning_rates_apply_unless_overridden(tmp_path, corpus, monkeypatch):
+    monkeypatch.setitem(compare_mod.TUNED_LR, str(corpus), {"srupp": 2e-3, "lstm": 4e-3})
+    out = tmp_path / "tuned"
+    # srupp-attn-last-1 inherits srupp's rate; lstm's own --set wins over the table
+    assert run(corpus, out, models="srupp,srupp-attn-last-1,lstm",
+               sets=["lstm:train.lr=1e-3"]) == 0
+    lrs = {m["name"]: m["lr"] for m in json.loads((out / "results.json").read_text())["models"]}
+    assert lrs == {"srupp": 2e-3, "srupp-attn-last-1": 2e-3, "lstm": 1e-3}
+    # a shared train.lr turns the table off for every model
+    out2 = tmp_path / "shared"
+    assert run(corpus, out2, models="srupp,lstm", sets=["train.lr=5e-3"]) == 0
+    lrs = {m["name"]: m["lr"] for m in json.loads((out2 / "results.json").read_text())["models"]}
+    assert lrs == {"srupp": 5e-3, "lstm": 5e-3}

@@ -398,13 +398,21 @@ Tensor maybe_nan(Tensor t, bool fill) {
   return t;
 }
 
+// Tasks this small run on the calling thread: waking a second thread costs about
+// 20 us, far more than one decoding step (L = 1) of a few thousand units takes.
+constexpr int64_t kMinParallelWork = 32768;  // element-steps (units x time) per thread
+
+int64_t task_grain(const Args& a) {
+  return std::max<int64_t>(1, kMinParallelWork / std::max<int64_t>(1, a.L * a.ch));
+}
+
 // ---------------------------------------------------------------------------------
 // Forward.
 
 template <typename TU, typename TX, int SKIP>
 void fwd_kernel(const Args& a) {
   const int64_t ntasks = a.B * a.dirs * a.chunks;
-  at::parallel_for(0, ntasks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, ntasks, task_grain(a), [&](int64_t begin, int64_t end) {
     alignas(64) float cst[kMaxChunk];
     const TU* U = static_cast<const TU*>(a.U);
     const TX* X = static_cast<const TX*>(a.x);
@@ -487,7 +495,7 @@ void fwd_kernel(const Args& a) {
 template <typename TU, typename TX, int SKIP>
 void bwd_kernel(const Args& a) {
   const int64_t ntasks = a.B * a.dirs * a.chunks;
-  at::parallel_for(0, ntasks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, ntasks, task_grain(a), [&](int64_t begin, int64_t end) {
     alignas(64) float carry[kMaxChunk];
     alignas(64) float acc[4][kMaxChunk];  // d v_f, d v_r, d b_f, d b_r
     const TU* U = static_cast<const TU*>(a.U);
