@@ -10,8 +10,8 @@ from srupp.train import compare as compare_mod
 FAST = ["train.batch_size=2", "train.unroll=16", "train.eval_every=20", "train.save_every=20",
         "train.log_every=10", "train.eval_max_batches=2", "eval.batch_size=2",
         "train.threads=1", "train.calibration_steps=5"]
-KEYS = {"name", "params", "tokens", "tokens_per_s", "final", "time_to_best_baseline",
-        "generate_tokens_per_s", "lr"}
+KEYS = {"name", "params", "tokens", "tokens_per_s", "train_seconds", "final",
+        "time_to_best_baseline", "time_to_transformer_final", "generate_tokens_per_s", "lr"}
 
 
 def run(corpus, out, *extra, models="srupp,lstm,transformer", budget="1", params="20000",
@@ -40,6 +40,9 @@ def test_compare_writes_results_and_skips_finished_models(tmp_path, corpus, monk
     baselines = [m for m in res["models"] if m["name"] != "srupp"]
     best = min(baselines, key=lambda m: m["final"])
     assert best["time_to_best_baseline"] is not None
+    tf = next(m for m in res["models"] if m["name"] == "transformer")
+    assert tf["time_to_transformer_final"] is not None
+    assert tf["time_to_transformer_final"] <= tf["train_seconds"] + 1e-6
     md = (out / "results.md").read_text()
     assert "| name | params | tokens |" in md and md.count("\n| ") >= 4
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,82 @@
+"""Time SDPA's backends on the attention shapes SRU++ uses, forward and backward.
+
+SRU++ attends in a small dimension (d′ = d/4, often one head) over short
+windows, a shape the fused (flash) CPU kernel was not tuned for. This prints
+one JSON object comparing SDPA's default choice with its MATH backend, in
+fp32 and bf16, all in one process and alternating round by round. Run it
+with nothing else on the machine:
+
+    .venv/bin/python benchmarks/attention.py [--B 16 --L 128 --d 248 --heads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--B", type=int, default=16)
+    ap.add_argument("--L", type=int, default=128)
+    ap.add_argument("--d", type=int, default=248, help="d′, summed over heads")
+    ap.add_argument("--heads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+    B, L, H = args.B, args.L, args.heads
+    hd = args.d // H
+    torch.manual_seed(0)
+
+    def make(dtype):
+        q, k, v = (torch.randn(B, H, L, hd, dtype=dtype, requires_grad=True) for _ in range(3))
+        g = torch.randn(B, H, L, hd, dtype=dtype)
+        return q, k, v, g
+
+    def case(dtype, backend):
+        q, k, v, g = make(dtype)
+
+        def fwd_bwd():
+            with sdpa_kernel(backend):
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            o.backward(g)
+            q.grad = k.grad = v.grad = None
+
+        def fwd():
+            with torch.no_grad(), sdpa_kernel(backend):
+                F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return fwd_bwd, fwd
+
+    backends = {"default": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                            SDPBackend.MATH],
+                "math": [SDPBackend.MATH]}
+    cases = {f"{name}_{dt}": case(dtype, b) for name, b in backends.items()
+             for dt, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    times = {k: {"train": [], "infer": []} for k in cases}
+    for fns in cases.values():  # warm-up
+        fns[0](), fns[1]()
+    for _ in range(args.rounds):
+        for k, (train, infer) in cases.items():
+            for mode, fn in (("train", train), ("infer", infer)):
+                start = time.perf_counter()
+                for _ in range(args.reps):
+                    fn()
+                times[k][mode].append((time.perf_counter() - start) / args.reps)
+    ms = {k: {m: statistics.median(v) * 1e3 for m, v in t.items()} for k, t in times.items()}
+    out = {"shape": {"B": B, "L": L, "d_proj": args.d, "heads": H}, "threads": torch.get_num_threads(),
+           "loadavg": os.getloadavg(), "ms": ms,
+           "math_speedup_over_default": {
+               dt: {m: ms[f"default_{dt}"][m] / ms[f"math_{dt}"][m] for m in ("train", "infer")}
+               for dt in ("fp32", "bf16")}}
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
