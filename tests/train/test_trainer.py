@@ -12,7 +12,7 @@ import torch
 
 from srupp.cli import main
 from srupp.train import Trainer
-from srupp.train.trainer import lr_factor
+from srupp.train.trainer import CALIBRATION_SKIP, lr_factor
 
 from lm_helpers import TINY, config, metrics
 
@@ -97,6 +97,33 @@ def test_time_budget_fixes_the_schedule_length(tmp_path, corpus):
     assert t.step >= 0.7 * t.total_steps
     state = torch.load(next(run.glob("ckpt-*")) / "trainer.pt", weights_only=True)
     assert state["total_steps"] == t.total_steps
+
+
+def test_schedule_is_refitted_when_calibration_was_slow(tmp_path, corpus, monkeypatch):
+    """Slow calibration steps would end the cosine long before the budget; the re-fit fixes it."""
+    run = tmp_path / "refit"
+    t = Trainer(config(corpus, "train.max_steps=100000", "train.max_seconds=4",
+                       "train.calibration_steps=10", "train.save_every=100000",
+                       "train.eval_every=100000", "train.log_every=10"), run, progress=False)
+    real_step = Trainer._train_step
+
+    def slow_at_first(self, it):
+        if CALIBRATION_SKIP <= self.step < CALIBRATION_SKIP + 10:  # the timed window only
+            time.sleep(0.1)
+        return real_step(self, it)
+
+    monkeypatch.setattr(Trainer, "_train_step", slow_at_first)
+    calibrated = []
+    real_refit = Trainer._refit
+    monkeypatch.setattr(Trainer, "_refit", lambda self: (calibrated.append(self.total_steps),
+                                                         real_refit(self)))
+    t.train()
+    assert t.refitted and len(calibrated) == 1
+    assert t.total_steps > 1.5 * calibrated[0]  # the calibrated length was far too short
+    # the budget is used instead of stopping at the first (slow) estimate
+    assert t.train_seconds >= 0.75 * 4
+    state = torch.load(next(run.glob("ckpt-*")) / "trainer.pt", weights_only=True)
+    assert state["refitted"] and state["total_steps"] == t.total_steps
 
 
 def test_schedule_shape():

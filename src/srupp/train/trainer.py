@@ -31,6 +31,10 @@ from .evaluate import autocast_context, evaluate
 
 
 CALIBRATION_SKIP = 5  # untimed warm-up steps before the calibration window
+# The first calibration sees only a few early steps, which can run slower or
+# faster than the rest (caches, allocator, a neighbour's load); the schedule
+# length is fitted once more, from every step since, at this fraction of the budget.
+REFIT_AT = 0.25
 
 
 def bf16_supported_on_cpu() -> bool:
@@ -116,6 +120,8 @@ class Trainer:
                                            decoupled_weight_decay=True)
         self.total_steps = t.max_steps  # fixed by calibration when max_seconds is set
         self.calibrated = t.max_seconds is None
+        self.refitted = t.max_seconds is None
+        self.calibrated_at = (0, 0.0)  # (step, train_seconds) when first calibrated
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda s: lr_factor(s, t.warmup_steps, self.total_steps, t.min_lr_ratio))
@@ -147,6 +153,8 @@ class Trainer:
             "step": self.step,
             "total_steps": self.total_steps,
             "calibrated": self.calibrated,
+            "refitted": self.refitted,
+            "calibrated_at": list(self.calibrated_at),
             "train_seconds": self.train_seconds,
             "best_bpc": self.best_bpc,
             "interval": dict(self.interval),
@@ -178,6 +186,8 @@ class Trainer:
         self.step = state["step"]
         self.total_steps = state["total_steps"]
         self.calibrated = state["calibrated"]
+        self.refitted = state.get("refitted", True)  # checkpoints from before the re-fit
+        self.calibrated_at = tuple(state.get("calibrated_at", (0, 0.0)))
         self.train_seconds = state["train_seconds"]
         self.best_bpc = state["best_bpc"]
         self.interval = dict(state["interval"])
@@ -271,11 +281,22 @@ class Trainer:
     def _calibrate(self, step_seconds: list) -> None:
         """Fix the schedule length so the cosine ends when the time budget does."""
         t = self.cfg.train
-        per_step = sorted(step_seconds)[len(step_seconds) // 2]
-        remaining = t.max_seconds - self.train_seconds
-        fits = self.step + int(0.97 * remaining / per_step)
-        self.total_steps = max(self.step + 1, min(t.max_steps, fits))
+        self._fit_schedule(sorted(step_seconds)[len(step_seconds) // 2])
         self.calibrated = True
+        self.calibrated_at = (self.step, self.train_seconds)
+
+    def _refit(self) -> None:
+        """Fit the schedule length again from the mean step time since calibration."""
+        step0, seconds0 = self.calibrated_at
+        if self.step > step0:
+            self._fit_schedule((self.train_seconds - seconds0) / (self.step - step0))
+        self.refitted = True
+
+    def _fit_schedule(self, per_step: float) -> None:
+        t = self.cfg.train
+        remaining = t.max_seconds - self.train_seconds
+        fits = self.step + int(0.97 * remaining / max(per_step, 1e-9))
+        self.total_steps = max(self.step + 1, min(t.max_steps, fits))
 
     def train(self) -> Dict[str, Any]:
         """Run to ``total_steps`` or the time budget; returns a summary. Ctrl-C saves and stops."""
@@ -304,6 +325,10 @@ class Trainer:
                     if len(calib_times) >= CALIBRATION_SKIP + t.calibration_steps:
                         self._calibrate(calib_times[CALIBRATION_SKIP:])
                         bar.total = self.total_steps
+                elif (not self.refitted and self.train_seconds >= REFIT_AT * t.max_seconds
+                      and self.step - self.calibrated_at[0] >= t.calibration_steps):
+                    self._refit()
+                    bar.total = self.total_steps
                 bar.update(1)
                 tok_s = self.interval["tokens"] / max(self.interval["seconds"], 1e-9)
                 now = time.monotonic()
