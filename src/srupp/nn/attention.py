@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..ops.sdpa import attention as _attention
 from .append import append_steps
+from .linear import Linear
 
 
 @dataclass
@@ -94,9 +96,9 @@ class SRUppAttention(nn.Module):
         factory = {"device": device, "dtype": dtype}
         self.num_heads = num_heads
         self.attn_dropout = float(attn_dropout)
-        self.linear1 = nn.Linear(in_features, proj_features, bias=False, **factory)
-        self.linear2 = nn.Linear(proj_features, 2 * proj_features, bias=False, **factory)
-        self.linear3 = nn.Linear(proj_features, out_features, bias=False, **factory)
+        self.linear1 = Linear(in_features, proj_features, bias=False, **factory)
+        self.linear2 = Linear(proj_features, 2 * proj_features, bias=False, **factory)
+        self.linear3 = Linear(proj_features, out_features, bias=False, **factory)
         self.alpha = nn.Parameter(torch.zeros(1, **factory))
         self.layer_norm = nn.LayerNorm(proj_features, **factory) if layer_norm else None
         self.dropout = nn.Dropout(dropout)
@@ -149,9 +151,8 @@ class SRUppAttention(nn.Module):
         attn = mask.mask
         if attn is not None and attn.dtype != torch.bool:
             attn = attn.to(qh.dtype)
-        o = F.scaled_dot_product_attention(
-            qh, kh, vh, attn_mask=attn, is_causal=mask.is_causal,
-            dropout_p=self.attn_dropout if self.training else 0.0)      # (B, H, L, hd)
+        o = _attention(qh, kh, vh, attn_mask=attn, is_causal=mask.is_causal,
+                       dropout_p=self.attn_dropout if self.training else 0.0)  # (B, H, L, hd)
         if mask.dead_rows is not None:
             o = o.masked_fill(mask.dead_rows, 0.0)
         o = o.transpose(1, 2).reshape(B, L, H * hd)                      # (B, L, d′)
@@ -195,8 +196,8 @@ class SRUppProjectedLinear(nn.Module):
                  dropout: float = 0.0, layer_norm: bool = True, device=None, dtype=None):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
-        self.linear1 = nn.Linear(in_features, proj_features, bias=False, **factory)
-        self.linear2 = nn.Linear(proj_features, out_features, bias=False, **factory)
+        self.linear1 = Linear(in_features, proj_features, bias=False, **factory)
+        self.linear2 = Linear(proj_features, out_features, bias=False, **factory)
         self.layer_norm = nn.LayerNorm(proj_features, **factory) if layer_norm else None
         self.dropout = nn.Dropout(dropout)
         self.reset_parameters()

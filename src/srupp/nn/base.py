@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from ..ops import sru_recurrence
 from ._inputs import autocast_dtype, state_dtype
+from .linear import Linear
 
 
 class RecurrentLayerBase(nn.Module):
@@ -143,7 +144,7 @@ class StackBase(nn.Module):
         self.input_to_hidden: Optional[nn.Linear] = None
         if proj_input_to_hidden_first and input_size != self.output_size:
             # one bias-free map n_in -> D, so that every layer has k = 3
-            self.input_to_hidden = nn.Linear(input_size, self.output_size, bias=False, **factory)
+            self.input_to_hidden = Linear(input_size, self.output_size, bias=False, **factory)
             nn.init.xavier_uniform_(self.input_to_hidden.weight)
             return self.output_size
         return input_size

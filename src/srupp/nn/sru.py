@@ -12,6 +12,7 @@ from torch.nn.utils.rnn import PackedSequence
 from ._inputs import (check_c0, check_input, merge_masks, normalize_mask_pad, pack_output,
                       unpack_input)
 from .base import RecurrentLayerBase, StackBase
+from .linear import Linear
 
 
 class SRUCell(RecurrentLayerBase):
@@ -77,11 +78,11 @@ class SRUCell(RecurrentLayerBase):
         self.batch_first = batch_first
         out = self.output_size * self.num_matrices
         if projection_size == 0:
-            self.transform = nn.Linear(input_size, out, bias=False, **factory)
+            self.transform = Linear(input_size, out, bias=False, **factory)
         else:
             self.transform = nn.Sequential(
-                nn.Linear(input_size, projection_size, bias=False, **factory),
-                nn.Linear(projection_size, out, bias=False, **factory))
+                Linear(input_size, projection_size, bias=False, **factory),
+                Linear(projection_size, out, bias=False, **factory))
         self.reset_parameters()
 
     def reset_parameters(self):

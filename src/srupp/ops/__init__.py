@@ -26,6 +26,12 @@ context manager, or with the environment variable ``SRUPP_BACKEND`` (read at the
 first dispatch unless :func:`set_backend` ran before). A forced "cpu" or "triton"
 backend raises if it can't run the given tensors (wrong device, or the kernel is
 unavailable), except that float64 inputs still go to the reference.
+
+Around the recurrence, the layers' projections and attention have their own
+fast paths with plain references beside them: :mod:`srupp.ops.matmul`
+(``linear``: oneDNN for large fp32 CPU products; ``SRUPP_MATMUL``) and
+:mod:`srupp.ops.sdpa` (``attention``: explicit bf16 matrix products on CPU
+for short windows; ``SRUPP_ATTENTION``).
 """
 
 from __future__ import annotations
@@ -37,12 +43,20 @@ from typing import Iterator, Optional
 import torch
 
 from . import cpu
+from .sdpa import (attention, attention_matmul, attention_reference,
+                        get_attention_backend, set_attention_backend, use_attention_backend)
 from .custom_ops import sru_bwd, sru_fwd
+from .matmul import (get_matmul_backend, linear, linear_onednn, linear_reference,
+                     set_matmul_backend, use_matmul_backend)
 from .reference import compute_dtype, sru_recurrence_reference
 
 __all__ = [
     "sru_recurrence", "sru_recurrence_reference", "compute_dtype",
     "set_backend", "get_backend", "use_backend", "BACKENDS",
+    "linear", "linear_reference", "linear_onednn",
+    "set_matmul_backend", "get_matmul_backend", "use_matmul_backend",
+    "attention", "attention_reference", "attention_matmul",
+    "set_attention_backend", "get_attention_backend", "use_attention_backend",
 ]
 
 BACKENDS = ("auto", "reference", "cpu", "triton")

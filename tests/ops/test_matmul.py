@@ -1,0 +1,138 @@
+"""srupp.ops.linear (oneDNN fp32 path) against its reference, F.linear.
+
+Both are IEEE fp32 GEMMs that differ only in summation order, so fp32 agreement
+is checked at the issue's tolerance (rtol=1e-5, atol=1e-6) on inputs scaled so
+outputs are O(1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import srupp.ops as ops
+from srupp.nn import SRUpp
+from srupp.nn.linear import Linear
+from srupp.ops import matmul
+
+FP32 = dict(rtol=1e-5, atol=1e-6)
+
+needs_onednn = pytest.mark.skipif(not matmul.onednn_available(),
+                                  reason="this torch build has no oneDNN fp32 linear op")
+
+
+def _pair(shape, K, N, seed=0, x_transposed=False):
+    g = torch.Generator().manual_seed(seed)
+    if x_transposed:  # a (B, L, K) view of a time-major (L, B, K) tensor, as layers see it
+        x = torch.randn(shape[1], shape[0], *shape[2:], K, generator=g).transpose(0, 1)
+    else:
+        x = torch.randn(*shape, K, generator=g)
+    x = (x / K ** 0.5).requires_grad_()
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).requires_grad_()
+    return x, w
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape,K,N,x_transposed", [
+    ((300,), 17, 5, False), ((1,), 8, 8, False),
+    ((2, 130), 64, 48, False), ((2, 130), 64, 48, True),
+    ((3, 7, 11), 33, 129, False), ((3, 7, 11), 33, 129, True),
+    ((4, 64), 512, 384, False), ((4, 64), 512, 384, True)])
+def test_onednn_matches_reference_outputs_and_grads(shape, K, N, x_transposed):
+    x, w = _pair(shape, K, N, x_transposed=x_transposed)
+    gout = torch.randn(*shape, N, generator=torch.Generator().manual_seed(1))
+    y = ops.linear_onednn(x, w)
+    gx, gw = torch.autograd.grad(y, (x, w), gout)
+    y_ref = F.linear(x, w)
+    gx_ref, gw_ref = torch.autograd.grad(y_ref, (x, w), gout)
+    torch.testing.assert_close(y, y_ref, **FP32)
+    torch.testing.assert_close(gx, gx_ref, **FP32)
+    torch.testing.assert_close(gw, gw_ref, **FP32)
+    assert gx.shape == x.shape and gw.shape == w.shape
+
+
+@needs_onednn
+def test_onednn_only_the_grads_asked_for():
+    x, w = _pair((256,), 32, 16)
+    (gw,) = torch.autograd.grad(ops.linear_onednn(x.detach(), w).sum(), (w,))
+    torch.testing.assert_close(gw, torch.autograd.grad(F.linear(x.detach(), w).sum(), (w,))[0],
+                               **FP32)
+    (gx,) = torch.autograd.grad(ops.linear_onednn(x, w.detach()).sum(), (x,))
+    torch.testing.assert_close(gx, torch.autograd.grad(F.linear(x, w.detach()).sum(), (x,))[0],
+                               **FP32)
+    with torch.no_grad():
+        torch.testing.assert_close(ops.linear_onednn(x, w), F.linear(x, w), **FP32)
+
+
+@needs_onednn
+def test_onednn_rejects_what_it_cannot_run():
+    x, w = _pair((4,), 8, 8)
+    with pytest.raises(RuntimeError, match="float32 CPU"):
+        ops.linear_onednn(x.double(), w.double())
+
+
+@needs_onednn
+def test_dispatch_rule(monkeypatch):
+    calls = []
+    real = matmul._onednn_mm
+    monkeypatch.setattr(matmul, "_onednn_mm", lambda a, w: calls.append(a.shape) or real(a, w))
+    w = torch.randn(16, 32)
+    ops.linear(torch.randn(matmul.MIN_ROWS, 32), w)               # large fp32: oneDNN
+    assert len(calls) == 1
+    ops.linear(torch.randn(matmul.MIN_ROWS - 1, 32), w)           # small: F.linear
+    ops.linear(torch.randn(512, 32).double(), w.double())         # fp64 (gradcheck): F.linear
+    with torch.autocast("cpu", dtype=torch.bfloat16):             # autocast casts: F.linear
+        out = ops.linear(torch.randn(512, 32), w)
+    assert out.dtype == torch.bfloat16
+    with ops.use_matmul_backend("aten"):
+        ops.linear(torch.randn(512, 32), w)
+    assert len(calls) == 1
+    with ops.use_matmul_backend("onednn"):
+        ops.linear(torch.randn(2, 32), w)                         # forced: even when small
+    assert len(calls) == 2
+
+
+def test_backend_setting_and_env(monkeypatch):
+    with pytest.raises(ValueError, match="unknown srupp matmul backend"):
+        ops.set_matmul_backend("mkl")
+    monkeypatch.setattr(matmul, "_backend", None)
+    monkeypatch.setenv("SRUPP_MATMUL", "aten")
+    assert ops.get_matmul_backend() == "aten"
+    monkeypatch.setattr(matmul, "_backend", None)
+    monkeypatch.setenv("SRUPP_MATMUL", "bogus")
+    with pytest.raises(ValueError, match="SRUPP_MATMUL|unknown srupp matmul backend"):
+        ops.get_matmul_backend()
+    monkeypatch.setattr(matmul, "_backend", None)
+
+
+def test_linear_module_is_a_drop_in_nn_linear():
+    torch.manual_seed(0)
+    lin = Linear(32, 16, bias=False)
+    ref = torch.nn.Linear(32, 16, bias=False)
+    ref.load_state_dict(lin.state_dict())
+    x = torch.randn(200, 32)
+    torch.testing.assert_close(lin(x), ref(x), **FP32)
+    biased = Linear(32, 16)
+    assert set(biased.state_dict()) == {"weight", "bias"}
+    torch.testing.assert_close(biased(x), F.linear(x, biased.weight, biased.bias), **FP32)
+
+
+@needs_onednn
+def test_srupp_stack_agrees_across_matmul_backends():
+    """The whole layer (fwd and every parameter and input gradient) with and without oneDNN."""
+    torch.manual_seed(0)
+    m = SRUpp(48, 48, 16, num_layers=2, causal=True)
+    x = torch.randn(40, 8, 48, requires_grad=True)   # 320 rows: above MIN_ROWS
+
+    def run():
+        out, state = m(x)
+        loss = (out * torch.linspace(-1, 1, out.shape[-1])).sum() + state.c.sum()
+        return [out, state.c, *torch.autograd.grad(loss, [x, *m.parameters()])]
+
+    with ops.use_matmul_backend("aten"):
+        ref = run()
+    with ops.use_matmul_backend("auto"):
+        got = run()
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
