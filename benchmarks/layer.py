@@ -115,9 +115,25 @@ def main():
         refs = result["tokens_per_s"]["reference_fp32"]
         for name, v in result["tokens_per_s"].items():
             result["ratio_to_reference"][name] = {k: round(v[k] / refs[k], 2) for k in v}
+        # The reference's speed drifts between rounds on a shared machine, so also
+        # give the ratio within each round (contenders alternate, so a round's
+        # figures were taken close together): median and range over rounds.
+        result["ratio_per_round"] = {}
+        ref_t = times["reference_fp32"]
+        for name, t in times.items():
+            if name == "reference_fp32":
+                continue
+            result["ratio_per_round"][name] = {}
+            for k in t:
+                r = sorted(a / b for a, b in zip(ref_t[k], t[k]))
+                result["ratio_per_round"][name][k] = {
+                    "median": round(statistics.median(r), 2), "min": round(r[0], 2),
+                    "max": round(r[-1], 2)}
     try:
-        from srupp.ops import get_backend
+        from srupp.ops import get_attention_backend, get_backend, get_matmul_backend
         result["config"]["srupp_backend"] = get_backend()
+        result["config"]["srupp_matmul"] = get_matmul_backend()
+        result["config"]["srupp_attention"] = get_attention_backend()
     except ImportError:
         pass
     print(json.dumps(result, indent=2))
