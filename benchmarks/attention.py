@@ -1,10 +1,11 @@
-"""Time SDPA's backends on the attention shapes SRU++ uses, forward and backward.
+"""Time the attention paths on the shapes SRU++ uses, forward and backward.
 
 SRU++ attends in a small dimension (d′ = d/4, often one head) over short
 windows, a shape the fused (flash) CPU kernel was not tuned for. This prints
-one JSON object comparing SDPA's default choice with its MATH backend, in
-fp32 and bf16, all in one process and alternating round by round. Run it
-with nothing else on the machine:
+one JSON object comparing SDPA's default choice, its MATH backend and srupp's
+explicit-matmul path (``srupp.ops.attention_matmul``, which ``srupp.ops.attention``
+picks for bf16 on CPU), in fp32 and bf16, all in one process and alternating
+round by round. Run it with nothing else on the machine:
 
     .venv/bin/python benchmarks/attention.py [--B 16 --L 128 --d 248 --heads 1]
 """
@@ -20,6 +21,8 @@ import time
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from srupp.ops import attention_matmul
 
 
 def main():
@@ -43,20 +46,24 @@ def main():
     def case(dtype, backend):
         q, k, v, g = make(dtype)
 
-        def fwd_bwd():
+        def attend():
+            if backend == "srupp_matmul":
+                return attention_matmul(q, k, v, is_causal=True)
             with sdpa_kernel(backend):
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            o.backward(g)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        def fwd_bwd():
+            attend().backward(g)
             q.grad = k.grad = v.grad = None
 
         def fwd():
-            with torch.no_grad(), sdpa_kernel(backend):
-                F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            with torch.no_grad():
+                attend()
         return fwd_bwd, fwd
 
     backends = {"default": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                             SDPBackend.MATH],
-                "math": [SDPBackend.MATH]}
+                "math": [SDPBackend.MATH], "srupp_matmul": "srupp_matmul"}
     cases = {f"{name}_{dt}": case(dtype, b) for name, b in backends.items()
              for dt, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
     times = {k: {"train": [], "infer": []} for k in cases}
@@ -74,6 +81,10 @@ def main():
            "loadavg": os.getloadavg(), "ms": ms,
            "math_speedup_over_default": {
                dt: {m: ms[f"default_{dt}"][m] / ms[f"math_{dt}"][m] for m in ("train", "infer")}
+               for dt in ("fp32", "bf16")},
+           "srupp_matmul_speedup_over_default": {
+               dt: {m: ms[f"default_{dt}"][m] / ms[f"srupp_matmul_{dt}"][m]
+                    for m in ("train", "infer")}
                for dt in ("fp32", "bf16")}}
     print(json.dumps(out, indent=2))
 

@@ -6,6 +6,10 @@ package (``sru==3.0.0.dev6``, always fp32). Run it with nothing else on the
 machine:
 
     .venv/bin/python benchmarks/layer.py [--rounds 5] [--L 256 --B 16 --d 512 --proj 128]
+
+By default the process first calls ``srupp.tune_cpu_allocator()`` (as the
+``srupp`` CLI does), which applies to all contenders alike; ``--no-tune-allocator``
+measures with glibc's defaults.
 """
 
 from __future__ import annotations
@@ -37,7 +41,14 @@ def main():
     ap.add_argument("--proj", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-tune-allocator", action="store_true",
+                    help="leave glibc's malloc at its defaults (see srupp.allocator); the "
+                         "setting is process-wide, so it applies to every contender alike")
     args = ap.parse_args()
+    tuned = False
+    if not args.no_tune_allocator:
+        from srupp import tune_cpu_allocator
+        tuned = tune_cpu_allocator()
     L, B, d, P = args.L, args.B, args.d, args.proj
     torch.manual_seed(0)
 
@@ -107,7 +118,8 @@ def main():
     tokens = L * B
     result = {"config": {"L": L, "B": B, "d": d, "proj_size": P, "num_layers": 2,
                          "threads": torch.get_num_threads(), "torch": torch.__version__,
-                         "rounds": args.rounds, "reps": args.reps},
+                         "rounds": args.rounds, "reps": args.reps,
+                         "allocator_tuned": tuned},
               "loadavg_1m": os.getloadavg()[0], "tokens_per_s": {}, "ratio_to_reference": {}}
     for name, t in times.items():
         result["tokens_per_s"][name] = {k: tokens / statistics.median(v) for k, v in t.items()}

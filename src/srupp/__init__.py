@@ -3,5 +3,6 @@
 __version__ = "0.1.0"
 
 from . import nn, ops  # noqa: E402
+from .allocator import tune_cpu_allocator  # noqa: E402
 
-__all__ = ["nn", "ops", "__version__"]
+__all__ = ["nn", "ops", "tune_cpu_allocator", "__version__"]

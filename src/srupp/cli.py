@@ -236,6 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    # This process is ours: keep freed activation buffers instead of re-faulting
+    # them every step (srupp.allocator; SRUPP_TUNE_ALLOCATOR=0 opts out).
+    from .allocator import tune_from_env
+    tune_from_env()
     try:
         return args.func(args)
     except UserError as e:
