@@ -122,6 +122,21 @@ def test_fp32_shapes(kernel, B, L, D, bidirectional):
         compare(got, want)
 
 
+@pytest.mark.parametrize("used", ["h", "c"])
+def test_loss_of_one_output_only(kernel, used):
+    """Autograd passes None (not zeros) for the unused output; gradients still match."""
+    inputs = make_inputs(3, 6, 21, mask="mixed", dropout=True)
+
+    def grads(fn):
+        leaves = [t.detach().clone().requires_grad_() for t in inputs[:5]]
+        h, c = fn(*leaves, scale_x=1.2, mask_pad=inputs[5], dropout_mask=inputs[6])
+        loss = (h * torch.linspace(-1, 1, h.shape[-1])).sum() if used == "h" else (c * c).sum()
+        return torch.autograd.grad(loss, leaves)
+
+    for a, b in zip(grads(sru_recurrence), grads(sru_recurrence_reference)):
+        torch.testing.assert_close(a, b, **FP32)
+
+
 def test_fp32_no_c0_and_frozen_params(kernel):
     U, x, wc, bias, _, mask, dm = make_inputs(3, 5, 21, mask="mixed", c0=False)
     Ul, xl = U.clone().requires_grad_(), x.clone().requires_grad_()
