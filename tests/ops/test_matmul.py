@@ -150,3 +150,25 @@ def test_onednn_is_bitwise_repeatable():
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert torch.equal(a, b)
+
+
+def test_export_sees_plain_aten_ops():
+    """torch.export (and compile) trace F.linear and SDPA, never the eager fast paths."""
+    torch.manual_seed(0)
+    m = SRUpp(32, 32, 8, num_layers=1, batch_first=True).eval()
+
+    class Wrap(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x):
+            return self.m(x)[0]
+
+    x = torch.randn(2, 100, 32)  # 200 rows: eager would take the oneDNN path
+    ep = torch.export.export(Wrap(), (x,))
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert "aten.linear.default" in targets
+    assert "aten.scaled_dot_product_attention.default" in targets
+    assert not any("mkldnn" in t for t in targets)
+    torch.testing.assert_close(ep.module()(x), Wrap()(x), **FP32)
