@@ -359,7 +359,7 @@ def test_build_failure_warns_once_and_falls_back(monkeypatch):
 def test_backend_switches(monkeypatch):
     with pytest.raises(ValueError):
         ops.set_backend("fortran")
-    monkeypatch.setattr(ops, "_backend", None)
+    monkeypatch.setattr(ops._setting, "value", None)
     monkeypatch.setenv("SRUPP_BACKEND", "reference")
     assert ops.get_backend() == "reference"
     with ops.use_backend("cpu"):

@@ -36,13 +36,12 @@ for short windows; ``SRUPP_ATTENTION``).
 
 from __future__ import annotations
 
-import contextlib
-import os
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
 from . import cpu
+from ._setting import BackendSetting
 from .sdpa import (attention, attention_matmul, attention_reference,
                         get_attention_backend, set_attention_backend, use_attention_backend)
 from .custom_ops import sru_bwd, sru_fwd
@@ -62,40 +61,22 @@ __all__ = [
 BACKENDS = ("auto", "reference", "cpu", "triton")
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
-_backend: Optional[str] = None  # None until set_backend() or the first dispatch reads the env
-
-
-def _check_backend(name: str) -> str:
-    name = str(name).strip().lower()
-    if name not in BACKENDS:
-        raise ValueError(f"unknown srupp backend {name!r}; choose one of {BACKENDS}")
-    return name
+_setting = BackendSetting("recurrence", "SRUPP_BACKEND", BACKENDS)
 
 
 def set_backend(name: str) -> None:
     """Force a backend: "reference", "cpu", "triton", or "auto" (the default)."""
-    global _backend
-    _backend = _check_backend(name)
+    _setting.set(name)
 
 
 def get_backend() -> str:
     """The backend setting (reading ``SRUPP_BACKEND`` the first time)."""
-    global _backend
-    if _backend is None:
-        _backend = _check_backend(os.environ.get("SRUPP_BACKEND", "auto") or "auto")
-    return _backend
+    return _setting.get()
 
 
-@contextlib.contextmanager
-def use_backend(name: str) -> Iterator[None]:
-    """Run the enclosed code with backend ``name``, then restore the previous setting."""
-    global _backend
-    previous = get_backend()
-    set_backend(name)
-    try:
-        yield
-    finally:
-        _backend = previous
+def use_backend(name: str):
+    """Context manager: run the enclosed code with backend ``name``, then restore the setting."""
+    return _setting.use(name)
 
 
 @torch.compiler.assume_constant_result

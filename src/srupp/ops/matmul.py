@@ -30,13 +30,13 @@ continuation compute bit for bit the same thing.
 
 from __future__ import annotations
 
-import contextlib
-import os
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from ._setting import BackendSetting
 
 __all__ = ["linear", "linear_reference", "linear_onednn", "onednn_available",
            "set_matmul_backend", "get_matmul_backend", "use_matmul_backend",
@@ -48,41 +48,22 @@ MATMUL_BACKENDS = ("auto", "aten", "onednn")
 # faster inner kernel (measured: 1 row 18 us against MKL's 6 us; even at 64 rows).
 MIN_ROWS = 128
 
-_backend: Optional[str] = None
-
-
-def _check(name: str) -> str:
-    name = str(name).strip().lower()
-    if name not in MATMUL_BACKENDS:
-        raise ValueError(f"unknown srupp matmul backend {name!r}; choose one of "
-                         f"{MATMUL_BACKENDS}")
-    return name
+_setting = BackendSetting("matmul", "SRUPP_MATMUL", MATMUL_BACKENDS)
 
 
 def set_matmul_backend(name: str) -> None:
     """Force the projection backend: "aten", "onednn", or "auto" (the default)."""
-    global _backend
-    _backend = _check(name)
+    _setting.set(name)
 
 
 def get_matmul_backend() -> str:
     """The setting (reading ``SRUPP_MATMUL`` the first time)."""
-    global _backend
-    if _backend is None:
-        _backend = _check(os.environ.get("SRUPP_MATMUL", "auto") or "auto")
-    return _backend
+    return _setting.get()
 
 
-@contextlib.contextmanager
-def use_matmul_backend(name: str) -> Iterator[None]:
-    """Run the enclosed code with matmul backend ``name``, then restore the setting."""
-    global _backend
-    previous = get_matmul_backend()
-    set_matmul_backend(name)
-    try:
-        yield
-    finally:
-        _backend = previous
+def use_matmul_backend(name: str):
+    """Context manager: run the enclosed code with matmul backend ``name``, then restore."""
+    return _setting.use(name)
 
 
 _onednn: Optional[bool] = None

@@ -30,14 +30,14 @@ forces one (a forced "matmul" still defers to SDPA for dropout).
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from ._setting import BackendSetting
 
 __all__ = ["attention", "attention_reference", "attention_matmul", "set_attention_backend",
            "get_attention_backend", "use_attention_backend", "ATTENTION_BACKENDS",
@@ -48,41 +48,22 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "matmul")
 # Largest P (B·H·L·S elements) the explicit path keeps for its backward.
 MAX_PROB_BYTES = 256 * 2**20
 
-_backend: Optional[str] = None
-
-
-def _check(name: str) -> str:
-    name = str(name).strip().lower()
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown srupp attention backend {name!r}; choose one of "
-                         f"{ATTENTION_BACKENDS}")
-    return name
+_setting = BackendSetting("attention", "SRUPP_ATTENTION", ATTENTION_BACKENDS)
 
 
 def set_attention_backend(name: str) -> None:
     """Force the attention backend: "sdpa", "matmul", or "auto" (the default)."""
-    global _backend
-    _backend = _check(name)
+    _setting.set(name)
 
 
 def get_attention_backend() -> str:
     """The setting (reading ``SRUPP_ATTENTION`` the first time)."""
-    global _backend
-    if _backend is None:
-        _backend = _check(os.environ.get("SRUPP_ATTENTION", "auto") or "auto")
-    return _backend
+    return _setting.get()
 
 
-@contextlib.contextmanager
-def use_attention_backend(name: str) -> Iterator[None]:
-    """Run the enclosed code with attention backend ``name``, then restore the setting."""
-    global _backend
-    previous = get_attention_backend()
-    set_attention_backend(name)
-    try:
-        yield
-    finally:
-        _backend = previous
+def use_attention_backend(name: str):
+    """Context manager: run the enclosed code with attention backend ``name``, then restore."""
+    return _setting.use(name)
 
 
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
