@@ -1,4 +1,9 @@
-"""srupp.tune_cpu_allocator: freed large buffers are reused, not faulted in again."""
+"""srupp.tune_cpu_allocator: large buffers come from a heap glibc keeps for reuse.
+
+The effect on a training step (page faults and system time) is measured in the
+README with getrusage; it depends on the kernel's memory management, so the
+test checks the mechanism, which is deterministic: where glibc serves a block.
+"""
 
 from __future__ import annotations
 
@@ -11,47 +16,58 @@ import pytest
 
 import srupp
 
-# Allocates and frees three 20 MB tensors per round: with glibc's defaults the
-# freed top of the heap exceeds the (adaptive) trim threshold and is handed back,
-# so every round faults it in again.
+# Whether a fresh 1 MiB malloc is served by mmap (glibc's default: its initial
+# threshold is 128 KiB) or from the heap (after tuning: threshold 32 MiB). Read
+# from mallinfo2's hblkhd (bytes in mmapped blocks) in a child that imports
+# nothing else, so no earlier allocation has moved glibc's adaptive threshold.
 _CHILD = r"""
-import json, resource, sys, torch
+import ctypes, ctypes.util, importlib.util, json, sys
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+        "uordblks", "fordblks", "keepcost")]
+
+libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
 if sys.argv[1] == "tuned":
-    import srupp
-    assert srupp.tune_cpu_allocator()
-def round_():
-    ts = [torch.empty(5 * 2**20).fill_(1.0) for _ in range(3)]   # 3 x 20 MiB
-    del ts
-big = torch.empty(6 * 2**20).fill_(1.0); del big               # raise the adaptive threshold
-for _ in range(2):
-    round_()
-r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(10):
-    round_()
-print(json.dumps((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0) / 10))
+    # the module alone (importing the package would import torch and allocate)
+    spec = importlib.util.spec_from_file_location("allocator", sys.argv[2])
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.tune_cpu_allocator()
+before = libc.mallinfo2().hblkhd
+p = libc.malloc(2**20)
+after = libc.mallinfo2().hblkhd
+libc.free(p)
+print(json.dumps(after - before))
 """
 
 
-def _glibc() -> bool:
+def _glibc(mallinfo2: bool = False) -> bool:
     if not sys.platform.startswith("linux"):
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    return hasattr(libc, "gnu_get_libc_version")
+    return hasattr(libc, "gnu_get_libc_version") and (not mallinfo2 or hasattr(libc, "mallinfo2"))
 
 
-def _faults(mode: str) -> float:
-    out = subprocess.run([sys.executable, "-c", _CHILD, mode], capture_output=True, text=True,
-                         check=True, timeout=120)
+def _mmapped_bytes(mode: str) -> int:
+    from srupp import allocator
+
+    out = subprocess.run([sys.executable, "-c", _CHILD, mode, allocator.__file__],
+                         capture_output=True, text=True, check=True, timeout=60)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(not _glibc(), reason="mallopt tuning applies to Linux glibc only")
-def test_tuning_removes_page_faults_of_reallocated_buffers():
-    plain, tuned = _faults("plain"), _faults("tuned")
-    # 3 x 20 MiB is 15,360 pages of 4 KiB; several thousand of them fault again each round
-    print(f"minor faults per round: default {plain}, tuned {tuned}")
-    assert plain > 1000, f"expected glibc to hand memory back by default, got {plain} faults"
-    assert tuned < plain / 10, (plain, tuned)
+@pytest.mark.skipif(not _glibc(mallinfo2=True), reason="mallopt tuning applies to Linux glibc (2.33+ for "
+                                         "mallinfo2, which this test reads)")
+def test_tuning_serves_large_blocks_from_the_reusable_heap():
+    # default: a 1 MiB block is its own mmap, unmapped (and later re-faulted) on free
+    assert _mmapped_bytes("plain") >= 2**20
+    # tuned: it comes from the heap, which is kept for reuse
+    assert _mmapped_bytes("tuned") == 0
 
 
 def test_idempotent_and_reports_what_it_did():
