@@ -172,3 +172,17 @@ def test_export_sees_plain_aten_ops():
     assert "aten.scaled_dot_product_attention.default" in targets
     assert not any("mkldnn" in t for t in targets)
     torch.testing.assert_close(ep.module()(x), Wrap()(x), **FP32)
+
+
+@needs_onednn
+def test_onednn_double_backward_matches_reference():
+    """create_graph=True (gradient penalties) works and agrees with F.linear."""
+    x, w = _pair((3, 70), 24, 16)
+
+    def penalty(fn):
+        y = fn(x, w)
+        gx, = torch.autograd.grad((y * y).sum(), x, create_graph=True)
+        return torch.autograd.grad(gx.square().sum(), (x, w))
+
+    for a, b in zip(penalty(ops.linear_onednn), penalty(F.linear)):
+        torch.testing.assert_close(a, b, **FP32)

@@ -101,13 +101,15 @@ class _OneDNNLinear(torch.autograd.Function):
         return _onednn_mm(x2, weight).view(*x.shape[:-1], weight.shape[0])  # (..., N)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: Tensor):
         x2, weight = ctx.saved_tensors
         g2 = grad.reshape(-1, grad.shape[-1])                 # (M, N)
         gx = gw = None
         if ctx.needs_input_grad[0]:
-            gx = _onednn_mm(g2, weight.t()).view(ctx.x_shape)  # (M, N) @ (N, K)
+            if torch.is_grad_enabled():  # create_graph: differentiable ops for a double backward
+                gx = g2.mm(weight).view(ctx.x_shape)
+            else:
+                gx = _onednn_mm(g2, weight.t()).view(ctx.x_shape)  # (M, N) @ (N, K)
         if ctx.needs_input_grad[1]:
             gw = g2.t().mm(x2)                                 # (N, M) @ (M, K) on MKL
         return gx, gw
