@@ -1,5 +1,6 @@
 """append_steps: equal to torch.cat, in place only when that is safe."""
 
+import pytest
 import torch
 
 from srupp.nn.append import append_steps
@@ -55,3 +56,20 @@ def test_dtype_of_the_new_steps_wins():
     with torch.no_grad():
         out = append_steps(torch.zeros(1, 2, 2, dtype=torch.float64), torch.ones(1, 1, 2))
     assert out.dtype == torch.float32 and out.shape == (1, 3, 2)
+
+
+@pytest.mark.parametrize("M,L,n", [(0, 5, None), (4, 5, None), (4, 5, 3), (4, 5, 5), (4, 3, 5),
+                                   (2, 3, 9), (6, 1, 4), (None, 5, 2), (None, 2, 5)])
+@pytest.mark.parametrize("grad", [False, True])
+def test_append_keep_last_equals_cat_then_cut(M, L, n, grad):
+    from srupp.nn.srupp import _append_keep_last, _keep_last
+
+    old = None if M is None else torch.randn(2, M, 3)
+    new = torch.randn(2, L, 3, requires_grad=grad)
+    with torch.set_grad_enabled(grad):
+        got = _append_keep_last(old, new, n)
+    want = _keep_last(new if old is None else torch.cat([old, new], 1), n)
+    assert torch.equal(got, want)
+    if grad:  # gradients reach the kept steps of new
+        (g,) = torch.autograd.grad(got.sum(), new)
+        assert g.sum() == min(L, want.shape[1]) * 2 * 3

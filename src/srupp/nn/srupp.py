@@ -287,8 +287,7 @@ class SRUpp(StackBase):
             x = h.squeeze(1)                                                 # (B, D)
             cs.append(c)
             if keep and layer.use_attention:
-                new_mem = append_steps(mem_i, xin.unsqueeze(1))              # (B, M+1, n_in)
-                memory.append(_keep_last(new_mem, mem_len))
+                memory.append(_append_keep_last(mem_i, xin.unsqueeze(1), mem_len))  # (B, ≤M+1, n_in)
                 kv_cache.append((_keep_last(kv, mem_len), layer.transform.cache_key()))
             else:
                 memory.append(None)
@@ -326,6 +325,24 @@ def _check_stack_options(proj_size, dropout, attn_dropout, num_heads, bidirectio
                          "direction reads the future")
     if mem_len is not None and mem_len < 0:
         raise ValueError(f"mem_len must be >= 0 or None, got {mem_len}")
+
+
+def _append_keep_last(old: Optional[Tensor], new: Tensor, n: Optional[int]) -> Tensor:
+    """The last n steps of [old; new] (batch-first, time in dim 1; all when n is None).
+
+    Copies only steps that are kept: when ``new`` alone has n steps the result is
+    a view of it, and otherwise only old's kept tail is appended. (Concatenating
+    everything and then cutting copied the whole (B, M + L, n_in) input of every
+    attention layer on every training step.)
+    """
+    L = new.shape[1]
+    if n is not None and L >= n:
+        return new[:, L - n:]
+    if old is None:
+        return new
+    if n is not None and old.shape[1] > n - L:
+        old = old[:, old.shape[1] - (n - L):]
+    return append_steps(old, new)
 
 
 def _keep_last(t: Optional[Tensor], n: Optional[int]) -> Optional[Tensor]:
@@ -411,9 +428,7 @@ def _run_stack(owner, layers: List[SRUppCell], input_to_hidden: Optional[nn.Line
         x, c, xin, kv = layer.layer_forward(x_i, c0[i], mask, mem_i, attn, kv_mem)
         cs.append(c)
         if keep_memory and layer.use_attention:
-            new_mem = xin.to(x_i.dtype) if mem_i is None else append_steps(
-                mem_i, xin.to(x_i.dtype))                    # (B, M + L, n_in)
-            memory.append(_keep_last(new_mem, mem_len))
+            memory.append(_append_keep_last(mem_i, xin.to(x_i.dtype), mem_len))  # (B, ≤M+L, n_in)
         else:
             memory.append(None)
         kv_cache.append((_keep_last(kv, mem_len), layer.transform.cache_key())
