@@ -11,6 +11,7 @@ import ctypes.util
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -86,3 +87,14 @@ def test_env_opt_out(monkeypatch):
     monkeypatch.setenv("SRUPP_TUNE_ALLOCATOR", "0")
     assert allocator.tune_from_env() is False
     assert allocator._applied is False
+
+
+def test_cli_applies_the_setting(monkeypatch, capsys):
+    from srupp import allocator
+    from srupp.cli import main
+
+    calls = []
+    monkeypatch.setattr(allocator, "tune_from_env", lambda: calls.append(1) or True)
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "shakespeare-cpu.toml"
+    assert main(["params", str(recipe)]) == 0
+    assert calls == [1]
