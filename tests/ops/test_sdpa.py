@@ -102,6 +102,7 @@ def test_dispatch_rule(monkeypatch):
     ops.attention(qb, kb, vb, is_causal=True)                       # bf16 CPU: matmul
     assert calls == [torch.bfloat16]
     ops.attention(qb, kb, vb, is_causal=True, dropout_p=0.1)        # dropout: SDPA
+    ops.attention(*(t.half() for t in (qb, kb, vb)), is_causal=True)  # fp16: SDPA (faster)
     monkeypatch.setattr(attn_mod, "MAX_PROB_BYTES", 10)
     ops.attention(qb, kb, vb, is_causal=True)                       # P too big: SDPA
     assert len(calls) == 1
