@@ -99,12 +99,17 @@ def test_dispatch_rule(monkeypatch):
     ops.attention(q, k, v, is_causal=True)                          # fp32: SDPA
     assert calls == []
     qb, kb, vb = (t.detach().bfloat16() for t in (q, k, v))
+    monkeypatch.setattr(attn_mod, "_native_bf16", True)              # as on this machine
     ops.attention(qb, kb, vb, is_causal=True)                       # bf16 CPU: matmul
     assert calls == [torch.bfloat16]
     ops.attention(qb, kb, vb, is_causal=True, dropout_p=0.1)        # dropout: SDPA
     ops.attention(*(t.half() for t in (qb, kb, vb)), is_causal=True)  # fp16: SDPA (faster)
     monkeypatch.setattr(attn_mod, "MAX_PROB_BYTES", 10)
     ops.attention(qb, kb, vb, is_causal=True)                       # P too big: SDPA
+    assert len(calls) == 1
+    monkeypatch.setattr(attn_mod, "MAX_PROB_BYTES", 2**28)
+    monkeypatch.setattr(attn_mod, "_native_bf16", False)
+    ops.attention(qb, kb, vb, is_causal=True)                       # emulated bf16: SDPA
     assert len(calls) == 1
     with ops.use_attention_backend("matmul"):
         ops.attention(q, k, v, is_causal=True)                      # forced, even fp32

@@ -22,7 +22,8 @@ Precision is that of any bf16 matmul attention (the scores are rounded to bf16
 before the softmax); the tests bound it against fp32.
 
 ``attention`` dispatches: the explicit path above ("matmul") when the inputs are
-bf16 CPU tensors, there is no attention dropout, P fits, and nothing is
+bf16 CPU tensors on a CPU with bf16 matrix instructions (AVX-512 BF16 or AMX,
+see :func:`native_bf16_matmul`), there is no attention dropout, P fits, and nothing is
 tracing the model (``torch.compile``/export see plain SDPA); SDPA ("sdpa")
 otherwise. ``SRUPP_ATTENTION=auto|sdpa|matmul`` or :func:`set_attention_backend`
 forces one (a forced "matmul" still defers to SDPA for dropout).
@@ -40,8 +41,8 @@ from torch import Tensor
 from ._setting import BackendSetting
 
 __all__ = ["attention", "attention_reference", "attention_matmul", "set_attention_backend",
-           "get_attention_backend", "use_attention_backend", "ATTENTION_BACKENDS",
-           "MAX_PROB_BYTES"]
+           "get_attention_backend", "use_attention_backend", "native_bf16_matmul",
+           "ATTENTION_BACKENDS", "MAX_PROB_BYTES"]
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "matmul")
 
@@ -135,6 +136,25 @@ def attention_matmul(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
     return _MatmulAttention.apply(q, k, v, attn_mask, is_causal)
 
 
+_native_bf16: Optional[bool] = None
+
+
+def native_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AVX-512 BF16 or AMX).
+
+    Without it, bf16 products are emulated and the explicit path loses its edge,
+    so the dispatcher keeps SDPA.
+    """
+    global _native_bf16
+    if _native_bf16 is None:
+        probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        try:
+            _native_bf16 = any(getattr(torch.cpu, p, lambda: False)() for p in probes)
+        except Exception:  # noqa: BLE001 - unknown means "no"
+            _native_bf16 = False
+    return _native_bf16
+
+
 def _tracing() -> bool:
     return (torch.compiler.is_compiling() or torch.jit.is_tracing()
             or torch.jit.is_scripting())
@@ -161,6 +181,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
     B, H, L, _ = q.shape
     small = B * H * L * k.shape[-2] * q.element_size() <= MAX_PROB_BYTES
     if (q.device.type == "cpu" and q.dtype == torch.bfloat16 and small
-            and q.dtype == k.dtype == v.dtype):
+            and q.dtype == k.dtype == v.dtype and native_bf16_matmul()):
         return _MatmulAttention.apply(q, k, v, attn_mask, is_causal)
     return attention_reference(q, k, v, attn_mask, is_causal, dropout_p)
