@@ -4,7 +4,8 @@ SRU++ attends in a small dimension (d′ = d/4, often one head) over short
 windows, a shape the fused (flash) CPU kernel was not tuned for. This prints
 one JSON object comparing SDPA's default choice, its MATH backend and srupp's
 explicit-matmul path (``srupp.ops.attention_matmul``, which ``srupp.ops.attention``
-picks for bf16 on CPU), in fp32 and bf16, all in one process and alternating
+picks for bf16 on CPU), in fp32 and bf16 (``--dtypes`` adds fp16), all in one
+process and alternating
 round by round. Run it with nothing else on the machine:
 
     .venv/bin/python benchmarks/attention.py [--B 16 --L 128 --d 248 --heads 1]
@@ -24,6 +25,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from srupp.ops import attention_matmul
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -33,7 +36,11 @@ def main():
     ap.add_argument("--heads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16")
     args = ap.parse_args()
+    dts = [d.strip() for d in args.dtypes.split(",")]
+    if not set(dts) <= set(DTYPES):
+        raise SystemExit(f"--dtypes takes {', '.join(DTYPES)}, got {args.dtypes}")
     B, L, H = args.B, args.L, args.heads
     hd = args.d // H
     torch.manual_seed(0)
@@ -65,7 +72,7 @@ def main():
                             SDPBackend.MATH],
                 "math": [SDPBackend.MATH], "srupp_matmul": "srupp_matmul"}
     cases = {f"{name}_{dt}": case(dtype, b) for name, b in backends.items()
-             for dt, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+             for dt, dtype in DTYPES.items() if dt in dts}
     times = {k: {"train": [], "infer": []} for k in cases}
     for fns in cases.values():  # warm-up
         fns[0](), fns[1]()
@@ -81,11 +88,11 @@ def main():
            "loadavg": os.getloadavg(), "ms": ms,
            "math_speedup_over_default": {
                dt: {m: ms[f"default_{dt}"][m] / ms[f"math_{dt}"][m] for m in ("train", "infer")}
-               for dt in ("fp32", "bf16")},
+               for dt in dts},
            "srupp_matmul_speedup_over_default": {
                dt: {m: ms[f"default_{dt}"][m] / ms[f"srupp_matmul_{dt}"][m]
                     for m in ("train", "infer")}
-               for dt in ("fp32", "bf16")}}
+               for dt in dts}}
     print(json.dumps(out, indent=2))
 
 

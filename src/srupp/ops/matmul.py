@@ -5,10 +5,10 @@ CPU a training step is about 70% matrix multiplication. PyTorch sends fp32
 CPU matmuls to MKL. oneDNN, which PyTorch already ships and uses for bf16, has
 its own fp32 GEMM, reachable through ``torch.ops.mkldnn._linear_pointwise``
 (the op inductor's CPU freezing pass lowers linear layers to). On this
-project's machine (AMD Zen 4, AVX-512) it ran SRU++'s shapes 1.1–1.5× faster
+project's machine (AMD Zen 4, AVX-512) it ran SRU++'s shapes 1.2–1.5× faster
 than MKL for ``x @ Wᵀ`` and for the input gradient ``g @ W``; for the weight
 gradient ``gᵀ @ x`` it was slower (it copies the transposes), so that one stays
-on MKL. Both are IEEE fp32 GEMMs:
+on MKL (``benchmarks/gemm.py``). Both are IEEE fp32 GEMMs:
 results differ only in summation order (about 1e-7 relative).
 
 ``linear(x, weight)`` is what the layers call. It dispatches:
