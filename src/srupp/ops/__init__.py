@@ -42,12 +42,12 @@ import torch
 
 from . import cpu
 from ._setting import BackendSetting
-from .sdpa import (attention, attention_matmul, attention_reference,
-                        get_attention_backend, set_attention_backend, use_attention_backend)
 from .custom_ops import sru_bwd, sru_fwd
 from .matmul import (get_matmul_backend, linear, linear_onednn, linear_reference,
                      set_matmul_backend, use_matmul_backend)
 from .reference import compute_dtype, sru_recurrence_reference
+from .sdpa import (attention, attention_matmul, attention_reference, get_attention_backend,
+                   set_attention_backend, use_attention_backend)
 
 __all__ = [
     "sru_recurrence", "sru_recurrence_reference", "compute_dtype",

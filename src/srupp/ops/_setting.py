@@ -1,8 +1,9 @@
-"""A backend choice set by a function, a context manager or an environment variable.
+"""What the ops' dispatchers share: their backend settings, and when to step aside.
 
 The recurrence (``SRUPP_BACKEND``), the projections (``SRUPP_MATMUL``) and the
-attention (``SRUPP_ATTENTION``) each have one. The environment variable is read
-at the first :meth:`get` unless :meth:`set` ran before.
+attention (``SRUPP_ATTENTION``) each have a :class:`BackendSetting`. The
+environment variable is read at the first :meth:`~BackendSetting.get` unless
+:meth:`~BackendSetting.set` ran before.
 """
 
 from __future__ import annotations
@@ -10,6 +11,18 @@ from __future__ import annotations
 import contextlib
 import os
 from typing import Iterator, Optional, Sequence
+
+import torch
+
+
+def tracing() -> bool:
+    """Whether torch.compile, torch.export or torch.jit is recording the model.
+
+    The eager fast paths (oneDNN projections, matmul attention) then step aside
+    for the plain ops those tools know.
+    """
+    return (torch.compiler.is_compiling() or torch.jit.is_tracing()
+            or torch.jit.is_scripting())
 
 
 class BackendSetting:

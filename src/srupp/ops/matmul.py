@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._setting import BackendSetting
+from ._setting import BackendSetting, tracing
 
 __all__ = ["linear", "linear_reference", "linear_onednn", "onednn_available",
            "set_matmul_backend", "get_matmul_backend", "use_matmul_backend",
@@ -127,11 +127,6 @@ def linear_onednn(x: Tensor, weight: Tensor) -> Tensor:
     return _OneDNNLinear.apply(x, weight)
 
 
-def _tracing() -> bool:
-    return (torch.compiler.is_compiling() or torch.jit.is_tracing()
-            or torch.jit.is_scripting())
-
-
 def linear(x: Tensor, weight: Tensor) -> Tensor:
     """Bias-free projection ``x @ weightᵀ`` on the best backend.
 
@@ -141,7 +136,7 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
         (..., N), like ``F.linear(x, weight)``.
     """
     name = get_matmul_backend()
-    if name == "aten" or _tracing():
+    if name == "aten" or tracing():
         return F.linear(x, weight)
     applies = (x.device.type == "cpu" and x.dtype == torch.float32
                and weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"))

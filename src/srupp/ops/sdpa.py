@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._setting import BackendSetting
+from ._setting import BackendSetting, tracing
 
 __all__ = ["attention", "attention_reference", "attention_matmul", "set_attention_backend",
            "get_attention_backend", "use_attention_backend", "native_bf16_matmul",
@@ -157,11 +157,6 @@ def native_bf16_matmul() -> bool:
     return _native_bf16
 
 
-def _tracing() -> bool:
-    return (torch.compiler.is_compiling() or torch.jit.is_tracing()
-            or torch.jit.is_scripting())
-
-
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
               is_causal: bool = False, dropout_p: float = 0.0) -> Tensor:
     """Scaled dot-product attention on the best backend for these tensors.
@@ -176,7 +171,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
         o (B, H, L, hd), in q's dtype.
     """
     name = get_attention_backend()
-    if name == "sdpa" or dropout_p > 0.0 or _tracing():
+    if name == "sdpa" or dropout_p > 0.0 or tracing():
         return attention_reference(q, k, v, attn_mask, is_causal, dropout_p)
     if name == "matmul":
         return attention_matmul(q, k, v, attn_mask, is_causal)
