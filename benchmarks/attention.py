@@ -2,13 +2,16 @@
 
 SRU++ attends in a small dimension (d′ = d/4, often one head) over short
 windows, a shape the fused (flash) CPU kernel was not tuned for. This prints
-one JSON object comparing SDPA's default choice, its MATH backend and srupp's
-explicit-matmul path (``srupp.ops.attention_matmul``, which ``srupp.ops.attention``
-picks for bf16 on CPU), in fp32 and bf16 (``--dtypes`` adds fp16), all in one
-process and alternating
-round by round. Run it with nothing else on the machine:
+one JSON object comparing, on causal attention, SDPA's default choice, its MATH
+backend and srupp's explicit-matmul causal path
+(``srupp.ops.attention_causal_matmul``, which ``srupp.ops.attention`` picks for
+fp32, and for bf16 where the CPU multiplies bf16 natively): with its default
+rows per block ("srupp_matmul"), as one block covering the whole square
+("srupp_one_block", no skipping), and with ``--blocks`` sizes of your choice.
+fp32 and bf16 by default (``--dtypes`` adds fp16), all in one process and
+alternating round by round. Run it with nothing else on the machine:
 
-    .venv/bin/python benchmarks/attention.py [--B 16 --L 128 --d 248 --heads 1]
+    .venv/bin/python benchmarks/attention.py [--B 16 --L 128 --d 248 --heads 1] [--blocks 64 32]
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from srupp.ops import attention_matmul
+from srupp.ops.sdpa import attention_causal_matmul
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -37,6 +40,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16")
+    ap.add_argument("--blocks", type=int, nargs="*", default=[],
+                    help="also time srupp's causal path with these rows per block")
     args = ap.parse_args()
     dts = [d.strip() for d in args.dtypes.split(",")]
     if not set(dts) <= set(DTYPES):
@@ -54,8 +59,10 @@ def main():
         q, k, v, g = make(dtype)
 
         def attend():
-            if backend == "srupp_matmul":
-                return attention_matmul(q, k, v, is_causal=True)
+            if backend == "srupp" or isinstance(backend, int):
+                # srupp's causal path; an int forces its rows per block
+                return attention_causal_matmul(
+                    q, k, v, block=backend if isinstance(backend, int) else None)
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
@@ -70,7 +77,10 @@ def main():
 
     backends = {"default": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                             SDPBackend.MATH],
-                "math": [SDPBackend.MATH], "srupp_matmul": "srupp_matmul"}
+                "math": [SDPBackend.MATH], "srupp_matmul": "srupp",
+                "srupp_one_block": L}
+    for b in args.blocks:
+        backends[f"srupp_block{b}"] = b
     cases = {f"{name}_{dt}": case(dtype, b) for name, b in backends.items()
              for dt, dtype in DTYPES.items() if dt in dts}
     times = {k: {"train": [], "infer": []} for k in cases}
@@ -89,10 +99,10 @@ def main():
            "math_speedup_over_default": {
                dt: {m: ms[f"default_{dt}"][m] / ms[f"math_{dt}"][m] for m in ("train", "infer")}
                for dt in dts},
-           "srupp_matmul_speedup_over_default": {
-               dt: {m: ms[f"default_{dt}"][m] / ms[f"srupp_matmul_{dt}"][m]
+           **{f"{name}_speedup_over_default": {
+               dt: {m: ms[f"default_{dt}"][m] / ms[f"{name}_{dt}"][m]
                     for m in ("train", "infer")}
-               for dt in dts}}
+               for dt in dts} for name in backends if name.startswith("srupp")}}
     print(json.dumps(out, indent=2))
 
 

@@ -1,4 +1,4 @@
-"""srupp.ops.sdpa's explicit-matmul path against its reference, SDPA.
+"""srupp.ops.sdpa's explicit-matmul paths (full and causal-blocked) against SDPA.
 
 Tolerances:
 - fp32 and fp64: the same math in a different order, rtol=1e-5, atol=1e-6
@@ -83,6 +83,11 @@ def test_bf16_path_within_bf16_error_of_fp32(kind):
     ref = _run(ops.attention_reference, q, k, v, go, mask, causal)
     qb, kb, vb = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
     got = _run(ops.attention_matmul, qb, kb, vb, go.bfloat16(), mask, causal)
+    if causal:  # the causal path with several blocks
+        blocked = _run(lambda q, k, v, *_: ops.attention_causal_matmul(q, k, v, 0, 7),
+                       qb, kb, vb, go.bfloat16(), None, None)
+        for a, b in zip(blocked, ref):
+            torch.testing.assert_close(a.float(), b, **BF16)
     fused = _run(ops.attention_reference, qb, kb, vb, go.bfloat16(), mask, causal)
     for a, f, b in zip(got, fused, ref):
         assert a.dtype == torch.bfloat16
@@ -90,36 +95,115 @@ def test_bf16_path_within_bf16_error_of_fp32(kind):
         torch.testing.assert_close(f.float(), b, **BF16)  # the fused kernel is no closer in kind
 
 
-def test_dispatch_rule(monkeypatch):
+def _spy(monkeypatch):
+    """Record (path, dtype) for each call of the explicit paths."""
     calls = []
-    real = attn_mod._MatmulAttention.apply
-    monkeypatch.setattr(attn_mod._MatmulAttention, "apply",
-                        lambda *a: calls.append(a[0].dtype) or real(*a))
-    q, k, v, _ = _qkv(2, 1, 8, 8, 4)
-    ops.attention(q, k, v, is_causal=True)                          # fp32: SDPA
-    assert calls == []
-    qb, kb, vb = (t.detach().bfloat16() for t in (q, k, v))
+    for name, cls in (("full", attn_mod._MatmulAttention),
+                      ("causal", attn_mod._CausalMatmulAttention)):
+        real = cls.apply
+        monkeypatch.setattr(cls, "apply",
+                            lambda *a, _n=name, _r=real: calls.append((_n, a[0].dtype)) or _r(*a))
+    return calls
+
+
+def test_dispatch_rule(monkeypatch):
+    calls = _spy(monkeypatch)
     monkeypatch.setattr(attn_mod, "_native_bf16", True)              # as on this machine
-    ops.attention(qb, kb, vb, is_causal=True)                       # bf16 CPU: matmul
-    assert calls == [torch.bfloat16]
+    q, k, v, _ = _qkv(2, 1, 8, 8, 4)
+    bool_mask = _masks(2, 8, 8)["bool"][0]
+    f32, bf16 = torch.float32, torch.bfloat16
+    ops.attention(q, k, v, is_causal=True)                          # fp32 causal: blocks
+    ops.attention(q, k, v, attn_mask=bool_mask)                     # fp32 masked: SDPA
+    assert calls == [("causal", f32)]
+    qb, kb, vb = (t.detach().bfloat16() for t in (q, k, v))
+    ops.attention(qb, kb, vb, is_causal=True)                       # bf16 causal: blocks
+    ops.attention(qb, kb, vb, attn_mask=bool_mask)                  # bf16 masked: matmul
+    assert calls[1:] == [("causal", bf16), ("full", bf16)]
+    calls.clear()
     ops.attention(qb, kb, vb, is_causal=True, dropout_p=0.1)        # dropout: SDPA
     ops.attention(*(t.half() for t in (qb, kb, vb)), is_causal=True)  # fp16: SDPA (faster)
     monkeypatch.setattr(attn_mod, "MAX_PROB_BYTES", 10)
     ops.attention(qb, kb, vb, is_causal=True)                       # P too big: SDPA
-    assert len(calls) == 1
+    ops.attention(q, k, v, is_causal=True)
     monkeypatch.setattr(attn_mod, "MAX_PROB_BYTES", 2**28)
     monkeypatch.setattr(attn_mod, "_native_bf16", False)
     ops.attention(qb, kb, vb, is_causal=True)                       # emulated bf16: SDPA
-    assert len(calls) == 1
+    assert calls == []
+    ops.attention(q, k, v, is_causal=True)                          # fp32 needs no bf16 units
+    assert calls == [("causal", f32)]
+    calls.clear()
+    # a causal mask over memory keys, promised through causal_offset
+    M = 3
+    qm, km, vm, _ = _qkv(2, 1, 5, 5 + M, 4)
+    causal_mem = (torch.arange(5 + M)[None] <= torch.arange(5)[:, None] + M).view(1, 1, 5, 8)
+    ops.attention(qm, km, vm, attn_mask=causal_mem, causal_offset=M)
+    assert calls == [("causal", f32)]
+    calls.clear()
     with ops.use_attention_backend("matmul"):
-        ops.attention(q, k, v, is_causal=True)                      # forced, even fp32
+        ops.attention(q, k, v, attn_mask=bool_mask)                 # forced, even fp32
     with ops.use_attention_backend("sdpa"):
         ops.attention(qb, kb, vb, is_causal=True)
-    assert calls == [torch.bfloat16, torch.float32]
+        ops.attention(qm, km, vm, attn_mask=causal_mem, causal_offset=M)
+    assert calls == [("full", f32)]
     with pytest.raises(ValueError, match="unknown srupp attention backend"):
         ops.set_attention_backend("flash")
     with pytest.raises(ValueError, match="is_causal needs"):
         ops.attention_matmul(q, k[:, :, :4], v[:, :, :4], is_causal=True)
+    with pytest.raises(ValueError, match="needs S = offset"):
+        ops.attention_causal_matmul(q, k, v, offset=2)
+
+
+def _causal_mask(L, M):
+    return (torch.arange(M + L)[None] <= torch.arange(L)[:, None] + M).view(1, 1, L, M + L)
+
+
+@pytest.mark.parametrize("B,H,L,M,block", [
+    (2, 1, 16, 0, 4),    # blocks that divide L
+    (2, 2, 13, 0, 5),    # a short last block
+    (3, 1, 9, 4, 4),     # memory keys before the queries' own
+    (1, 2, 7, 6, 64),    # one block
+    (2, 1, 1, 5, 4),     # one query (decoding a segment of one)
+    (2, 1, 6, 0, 1),     # one row per block
+])
+def test_causal_path_matches_sdpa_fp32(B, H, L, M, block):
+    q, k, v, go = _qkv(B, H, L, M + L, 8)
+    got = _run(lambda q, k, v, *_: ops.attention_causal_matmul(q, k, v, M, block),
+               q, k, v, go, None, None)
+    ref = _run(ops.attention_reference, q, k, v, go, _causal_mask(L, M), False)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, **FP32)
+
+
+def test_causal_path_gradcheck_fp64():
+    for L, M, block in [(5, 0, 2), (4, 3, 3), (6, 2, 6)]:
+        q, k, v, _ = _qkv(2, 2, L, M + L, 4, dtype=torch.float64)
+        assert torch.autograd.gradcheck(
+            lambda q, k, v: ops.attention_causal_matmul(q, k, v, M, block), (q, k, v))
+
+
+def _rel_rms(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_causal_blocks_add_little_bf16_error():
+    """Accumulating dK and dV over blocks rounds to bf16 once per block; bound its cost.
+
+    Measured at B=16, L=256, d′=128 (2 blocks): +5% / +9% relative RMS error of
+    dK / dV against one block. Here, with 4 blocks, it must stay under +50%.
+    """
+    B, H, L, hd = 4, 1, 128, 32
+    q, k, v, go = _qkv(B, H, L, L, hd, dtype=torch.float64, seed=3)
+    exact = _run(ops.attention_reference, q, k, v, go, None, True)
+    qb, kb, vb = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
+    err = {}
+    for block in (L, 32):
+        got = _run(lambda q, k, v, *_: ops.attention_causal_matmul(q, k, v, 0, block),
+                   qb, kb, vb, go.bfloat16(), None, None)
+        err[block] = [_rel_rms(a, e) for a, e in zip(got, exact)]
+    for one, blocked in zip(err[L], err[32]):
+        assert 0 < blocked < 1.5 * one, err
+    for a in err[32]:
+        assert a < 1e-2  # a few bf16 ulps (2^-8 = 3.9e-3) in relative RMS
 
 
 def _stack_grads(m, x, bf16, chunks=1):
@@ -162,3 +246,31 @@ def test_matmul_path_is_bitwise_repeatable():
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_srupp_fp32_same_on_every_attention_backend(chunks):
+    """fp32: the stack (segments with memory included) matches SDPA to rounding."""
+    torch.manual_seed(0)
+    m = SRUpp(32, 32, 16, num_layers=2, num_heads=2, causal=True)
+    with torch.no_grad():
+        for layer in m.layers:
+            layer.transform.alpha.fill_(0.5)
+    x = torch.randn(24, 4, 32, requires_grad=True)
+    with ops.use_attention_backend("sdpa"):
+        ref = _stack_grads(m, x, False, chunks)
+    got = _stack_grads(m, x, False, chunks)                  # auto: the causal blocks
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_causal_mask_over_memory_promises_its_offset():
+    from srupp.nn.attention import build_attention_mask
+    m = build_attention_mask(4, 3, causal=True, attn_mask=None, key_padding=None, device="cpu")
+    assert m.causal_offset == 3 and m.dead_rows is None
+    torch.testing.assert_close(m.mask, _causal_mask(4, 3), rtol=0, atol=0)
+    padded = build_attention_mask(4, 3, causal=True, attn_mask=None,
+                                  key_padding=torch.zeros(2, 7, dtype=torch.bool), device="cpu")
+    assert padded.causal_offset is None                        # padding: the mask is more
+    assert build_attention_mask(4, 0, causal=True, attn_mask=None, key_padding=None,
+                                device="cpu").is_causal

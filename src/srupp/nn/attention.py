@@ -34,11 +34,15 @@ class AttentionMask:
         (so softmax stays finite) and zeroed afterwards through ``dead_rows``.
     is_causal: use SDPA's own causal path (only when there is no memory).
     dead_rows: bool (B|1, 1, L, 1), True where a query may attend to nothing.
+    causal_offset: set when ``mask`` is exactly the causal mask over M memory keys
+        and the L queries' own (query i sees keys j <= M + i); then it is M, and
+        the explicit attention path skips the masked blocks instead of reading it.
     """
 
     mask: Optional[Tensor] = None
     is_causal: bool = False
     dead_rows: Optional[Tensor] = None
+    causal_offset: Optional[int] = None
 
 
 def build_attention_mask(L: int, M: int, *, causal: bool, attn_mask: Optional[Tensor],
@@ -66,6 +70,8 @@ def build_attention_mask(L: int, M: int, *, causal: bool, attn_mask: Optional[Te
         keep = (~key_padding).view(key_padding.shape[0], 1, 1, S)
         allowed = keep if allowed is None else allowed & keep
     if attn_mask is None:
+        if key_padding is None:  # causal over memory: every query sees its memory
+            return AttentionMask(mask=allowed, causal_offset=M)
         dead = ~allowed.any(dim=-1, keepdim=True)
         return AttentionMask(mask=allowed | dead, dead_rows=dead)
     bias = attn_mask.view(1, 1, L, S)
@@ -152,7 +158,8 @@ class SRUppAttention(nn.Module):
         if attn is not None and attn.dtype != torch.bool:
             attn = attn.to(qh.dtype)
         o = _attention(qh, kh, vh, attn_mask=attn, is_causal=mask.is_causal,
-                       dropout_p=self.attn_dropout if self.training else 0.0)  # (B, H, L, hd)
+                       dropout_p=self.attn_dropout if self.training else 0.0,
+                       causal_offset=mask.causal_offset)                 # (B, H, L, hd)
         if mask.dead_rows is not None:
             o = o.masked_fill(mask.dead_rows, 0.0)
         o = o.transpose(1, 2).reshape(B, L, H * hd)                      # (B, L, d′)

@@ -46,15 +46,15 @@ from .custom_ops import sru_bwd, sru_fwd
 from .matmul import (get_matmul_backend, linear, linear_onednn, linear_reference,
                      set_matmul_backend, use_matmul_backend)
 from .reference import compute_dtype, sru_recurrence_reference
-from .sdpa import (attention, attention_matmul, attention_reference, get_attention_backend,
-                   set_attention_backend, use_attention_backend)
+from .sdpa import (attention, attention_causal_matmul, attention_matmul, attention_reference,
+                   get_attention_backend, set_attention_backend, use_attention_backend)
 
 __all__ = [
     "sru_recurrence", "sru_recurrence_reference", "compute_dtype",
     "set_backend", "get_backend", "use_backend", "BACKENDS",
     "linear", "linear_reference", "linear_onednn",
     "set_matmul_backend", "get_matmul_backend", "use_matmul_backend",
-    "attention", "attention_reference", "attention_matmul",
+    "attention", "attention_reference", "attention_matmul", "attention_causal_matmul",
     "set_attention_backend", "get_attention_backend", "use_attention_backend",
 ]
 
