@@ -6,6 +6,7 @@ package (``sru==3.0.0.dev6``, always fp32). Run it with nothing else on the
 machine:
 
     .venv/bin/python benchmarks/layer.py [--rounds 5] [--L 256 --B 16 --d 512 --proj 128]
+        [--ablate-recurrence]
 
 By default the process first calls ``srupp.tune_cpu_allocator()`` (as the
 ``srupp`` CLI does), which applies to all contenders alike; ``--no-tune-allocator``
@@ -44,6 +45,9 @@ def main():
     ap.add_argument("--no-tune-allocator", action="store_true",
                     help="leave glibc's malloc at its defaults (see srupp.allocator); the "
                          "setting is process-wide, so it applies to every contender alike")
+    ap.add_argument("--ablate-recurrence", action="store_true",
+                    help="also time the srupp stack with its recurrence replaced by one "
+                         "element-wise op, to see what the layer around it costs")
     args = ap.parse_args()
     tuned = False
     if not args.no_tune_allocator:
@@ -77,6 +81,30 @@ def main():
 
     contenders["srupp_fp32"] = (srupp_train("fp32"), srupp_infer("fp32"))
     contenders["srupp_bf16"] = (srupp_train("bf16"), srupp_infer("bf16"))
+
+    if args.ablate_recurrence:
+        # The same stack with the recurrence replaced by one element-wise op
+        # (h = u0 + x): what everything around the recurrence costs.
+        import types
+
+        def no_recurrence(layer, U, x_in, c0, mask_pad):
+            return U[..., :layer.output_size] + x_in.to(U.dtype), c0
+
+        lean_model = SRUpp(d, d, P, num_layers=2, causal=True)
+        lean_model.load_state_dict(mine.state_dict())
+        for layer in lean_model.layers:
+            layer.recur = types.MethodType(no_recurrence, layer)
+
+        def lean(dtype, train):
+            def run():
+                with torch.set_grad_enabled(train), torch.autocast(
+                        "cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+                    out, _ = lean_model(x)
+                if train:
+                    out.float().sum().backward()
+            return run
+        for dt in ("fp32", "bf16"):
+            contenders[f"srupp_{dt}_no_recurrence"] = (lean(dt, True), lean(dt, False))
 
     have_ref = False
     try:

@@ -1,0 +1,104 @@
+"""The layer benchmark's training step under srupp's backend settings, side by side.
+
+Times training steps (forward and backward) of the 2-layer SRU++ of
+``benchmarks/layer.py`` (L=256, B=16, d=512, proj 128, causal) in fp32 and in
+bf16 autocast, alternating round by round in this one process between:
+
+- ``plain``: PyTorch's defaults (``SRUPP_MATMUL=aten``, ``SRUPP_ATTENTION=sdpa``);
+- ``one_block``: srupp's paths, but the causal attention as one block over the
+  whole square (no skipping of the masked blocks);
+- ``auto``: srupp's paths as shipped.
+
+Prints one JSON object: median ms per step, and per-round speedups of each
+setting over ``plain`` and of ``auto`` over ``one_block``. Run it with nothing
+else on the machine:
+
+    .venv/bin/python benchmarks/layer_ab.py [--rounds 7 --steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import time
+
+import torch
+
+import srupp.ops as ops
+from srupp import tune_cpu_allocator
+from srupp.nn import SRUpp
+from srupp.ops import sdpa
+
+
+@contextlib.contextmanager
+def setting(name: str):
+    if name == "plain":
+        with ops.use_matmul_backend("aten"), ops.use_attention_backend("sdpa"):
+            yield
+    elif name == "one_block":
+        real = sdpa.causal_block
+        sdpa.causal_block = lambda dtype: 1 << 30
+        try:
+            yield
+        finally:
+            sdpa.causal_block = real
+    else:
+        yield
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--L", type=int, default=256)
+    ap.add_argument("--B", type=int, default=16)
+    ap.add_argument("--d", type=int, default=512)
+    ap.add_argument("--proj", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per round and setting")
+    args = ap.parse_args()
+    tune_cpu_allocator()
+    torch.manual_seed(0)
+    model = SRUpp(args.d, args.d, args.proj, num_layers=2, causal=True)
+    x = torch.randn(args.L, args.B, args.d)
+
+    def step(bf16: bool):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out, _ = model(x)
+        out.float().sum().backward()
+
+    names = ("plain", "one_block", "auto")
+    times = {(p, n): [] for p in ("fp32", "bf16") for n in names}
+    for prec in ("fp32", "bf16"):
+        for _ in range(args.rounds):
+            for name in names:
+                with setting(name):
+                    step(prec == "bf16")  # warm-up under this setting
+                    start = time.perf_counter()
+                    for _ in range(args.steps):
+                        step(prec == "bf16")
+                    times[(prec, name)].append((time.perf_counter() - start) / args.steps)
+
+    def per_round(prec, fast, slow):
+        r = sorted(a / b for a, b in zip(times[(prec, slow)], times[(prec, fast)]))
+        return {"median": round(statistics.median(r), 3), "min": round(r[0], 3),
+                "max": round(r[-1], 3)}
+
+    out = {"config": {"L": args.L, "B": args.B, "d": args.d, "proj_size": args.proj,
+                      "rounds": args.rounds, "steps": args.steps,
+                      "threads": torch.get_num_threads()},
+           "loadavg_1m": os.getloadavg()[0],
+           "ms_per_step": {f"{p}/{n}": round(1e3 * statistics.median(v), 1)
+                           for (p, n), v in times.items()},
+           "speedup_per_round": {
+               f"{p}/{what}": per_round(p, fast, slow)
+               for p in ("fp32", "bf16")
+               for what, fast, slow in (("auto_over_plain", "auto", "plain"),
+                                        ("one_block_over_plain", "one_block", "plain"),
+                                        ("auto_over_one_block", "auto", "one_block"))}}
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
