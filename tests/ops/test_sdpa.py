@@ -218,15 +218,20 @@ def _stack_grads(m, x, bf16, chunks=1):
     return [out, *torch.autograd.grad(loss, [x, *m.parameters()])]
 
 
-@pytest.mark.parametrize("chunks", [1, 3])
-def test_srupp_bf16_agrees_across_attention_backends(chunks):
-    """Under bf16 autocast the layer's result barely depends on the attention path."""
+def _causal_stack():
+    """A small causal 2-head SRU++ stack whose attention counts, and its input (L, B, d)."""
     torch.manual_seed(0)
     m = SRUpp(32, 32, 16, num_layers=2, num_heads=2, causal=True)
     with torch.no_grad():
         for layer in m.layers:
             layer.transform.alpha.fill_(0.5)  # α starts at 0; make attention count
-    x = torch.randn(24, 4, 32, requires_grad=True)
+    return m, torch.randn(24, 4, 32, requires_grad=True)
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_srupp_bf16_agrees_across_attention_backends(chunks):
+    """Under bf16 autocast the layer's result barely depends on the attention path."""
+    m, x = _causal_stack()
     with ops.use_attention_backend("sdpa"):
         ref = _stack_grads(m, x, True, chunks)
     with ops.use_attention_backend("matmul"):
@@ -251,12 +256,7 @@ def test_matmul_path_is_bitwise_repeatable():
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_srupp_fp32_same_on_every_attention_backend(chunks):
     """fp32: the stack (segments with memory included) matches SDPA to rounding."""
-    torch.manual_seed(0)
-    m = SRUpp(32, 32, 16, num_layers=2, num_heads=2, causal=True)
-    with torch.no_grad():
-        for layer in m.layers:
-            layer.transform.alpha.fill_(0.5)
-    x = torch.randn(24, 4, 32, requires_grad=True)
+    m, x = _causal_stack()
     with ops.use_attention_backend("sdpa"):
         ref = _stack_grads(m, x, False, chunks)
     got = _stack_grads(m, x, False, chunks)                  # auto: the causal blocks

@@ -1,11 +1,11 @@
-"""Scaled dot-product attention, with a faster bf16 CPU path for short windows.
+"""Scaled dot-product attention, with faster CPU paths for SRU++'s short windows.
 
 SRU++ attends in a small width (d′ = d/4, often one head) over one segment and
 its memory. For those shapes PyTorch's fused CPU kernel
 (``F.scaled_dot_product_attention``'s flash path) is no faster in bf16 than in
 fp32, while plain batched matrix products in bf16 run at 2× the fp32 rate. So
-for bf16 CPU inputs the attention is computed as written in the paper,
-with the probabilities kept for the backward::
+the attention is computed as written in the paper, with the probabilities kept
+for the backward::
 
     S = (q · scale) Kᵀ + mask          (B, H, L, S)
     P = softmax(S)                      (B, H, L, S)
@@ -14,20 +14,30 @@ with the probabilities kept for the backward::
     backward:  dV = Pᵀ dO,  dP = dO Vᵀ,  dS = P ⊙ (dP − rowsum(dP ⊙ P)),
                dq = dS K · scale,  dK = dSᵀ q · scale
 
-Measured here with ``benchmarks/attention.py --L 256 --d 128`` (B=16, L=S=256,
-d′=128, causal, forward + backward): 8.6 ms against 17.7 ms for the fused kernel
-in bf16; in fp32 the fused kernel is as fast (17.6 against 19.5 ms), so fp32
-stays on it. The cost is memory: P is kept, B·H·L·S
-elements, so the path is used only while P fits in :data:`MAX_PROB_BYTES`.
-Precision is that of any bf16 matmul attention (the scores are rounded to bf16
-before the softmax); the tests bound it against fp32.
+in two forms:
 
-``attention`` dispatches: the explicit path above ("matmul") when the inputs are
-bf16 CPU tensors on a CPU with bf16 matrix instructions (AVX-512 BF16 or AMX,
-see :func:`native_bf16_matmul`), there is no attention dropout, P fits, and nothing is
-tracing the model (``torch.compile``/export see plain SDPA); SDPA ("sdpa")
-otherwise. ``SRUPP_ATTENTION=auto|sdpa|matmul`` or :func:`set_attention_backend`
-forces one (a forced "matmul" still defers to SDPA for dropout).
+- causal (``attention_causal_matmul``, fp32 and bf16): the queries go in row
+  blocks, each multiplied only against the keys it may see, so the products
+  above the diagonal are never computed. Measured with
+  ``benchmarks/attention.py --L 256 --d 128`` (B=16, L=S=256, d′=128, forward
+  and backward): 9.1 ms against SDPA's 12.2 ms in fp32, 5.2 ms against 12.2 ms
+  (SDPA) and 6.1 ms (one block) in bf16;
+- any other mask (``attention_matmul``, bf16 only): the whole square, about 2×
+  SDPA in bf16; in fp32 SDPA is as fast and is kept.
+
+The cost is memory: P is kept, B·H·L·S elements (about half that for causal),
+so these paths are used only while P fits in :data:`MAX_PROB_BYTES`. In bf16
+the precision is that of any bf16 matmul attention (the scores are rounded to
+bf16 before the softmax); the tests bound it against fp32.
+
+``attention`` dispatches: the explicit paths above for CPU tensors when there is
+no attention dropout, P fits, nothing is tracing the model (``torch.compile``
+and export see plain SDPA), and the dtype is fp32 (causal only) or bf16 on a
+CPU with bf16 matrix instructions (AVX-512 BF16 or AMX, see
+:func:`native_bf16_matmul`); SDPA ("sdpa") otherwise. A mask that is causal over
+memory keys reaches the blocked path through ``causal_offset``.
+``SRUPP_ATTENTION=auto|sdpa|matmul`` or :func:`set_attention_backend` forces
+one (a forced "matmul" still defers to SDPA for dropout).
 """
 
 from __future__ import annotations
