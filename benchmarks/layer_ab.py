@@ -7,13 +7,15 @@ bf16 autocast, alternating round by round in this one process between:
 - ``plain``: PyTorch's defaults (``SRUPP_MATMUL=aten``, ``SRUPP_ATTENTION=sdpa``);
 - ``one_block``: srupp's paths, but the causal attention as one block over the
   whole square (no skipping of the masked blocks);
-- ``auto``: srupp's paths as shipped.
+- ``auto``: srupp's paths as shipped;
+- ``compiled`` (with ``--compile``): the model under ``torch.compile`` (inductor),
+  where the dispatchers see a trace and pick ``F.linear`` and SDPA.
 
 Prints one JSON object: median ms per step, and per-round speedups of each
 setting over ``plain`` and of ``auto`` over ``one_block``. Run it with nothing
 else on the machine:
 
-    .venv/bin/python benchmarks/layer_ab.py [--rounds 7 --steps 3]
+    .venv/bin/python benchmarks/layer_ab.py [--rounds 7 --steps 3] [--compile]
 """
 
 from __future__ import annotations
@@ -57,24 +59,29 @@ def main():
     ap.add_argument("--proj", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per round and setting")
+    ap.add_argument("--compile", action="store_true", help="add the torch.compile'd model")
     args = ap.parse_args()
     tune_cpu_allocator()
     torch.manual_seed(0)
     model = SRUpp(args.d, args.d, args.proj, num_layers=2, causal=True)
     x = torch.randn(args.L, args.B, args.d)
 
+    compiled = torch.compile(model) if args.compile else None
+    current = {"model": model}
+
     def step(bf16: bool):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            out, _ = model(x)
+            out, _ = current["model"](x)
         out.float().sum().backward()
 
-    names = ("plain", "one_block", "auto")
+    names = ("plain", "one_block", "auto") + (("compiled",) if args.compile else ())
     times = {(p, n): [] for p in ("fp32", "bf16") for n in names}
     for prec in ("fp32", "bf16"):
         for _ in range(args.rounds):
             for name in names:
+                current["model"] = compiled if name == "compiled" else model
                 with setting(name):
-                    step(prec == "bf16")  # warm-up under this setting
+                    step(prec == "bf16")  # warm-up under this setting (compiles once)
                     start = time.perf_counter()
                     for _ in range(args.steps):
                         step(prec == "bf16")
@@ -96,7 +103,8 @@ def main():
                for p in ("fp32", "bf16")
                for what, fast, slow in (("auto_over_plain", "auto", "plain"),
                                         ("one_block_over_plain", "one_block", "plain"),
-                                        ("auto_over_one_block", "auto", "one_block"))}}
+                                        ("auto_over_one_block", "auto", "one_block"))
+               + ((("compiled_over_auto", "compiled", "auto"),) if args.compile else ())}}
     print(json.dumps(out, indent=2))
 
 
