@@ -139,6 +139,11 @@ def test_dispatch_rule(monkeypatch):
     ops.attention(qm, km, vm, attn_mask=causal_mem, causal_offset=M)
     assert calls == [("causal", f32)]
     calls.clear()
+    # is_causal with L != S means SDPA's top-left alignment: left to SDPA
+    qs, ks, vs, _ = _qkv(2, 1, 3, 5, 4)
+    torch.testing.assert_close(ops.attention(qs, ks, vs, is_causal=True),
+                               ops.attention_reference(qs, ks, vs, is_causal=True))
+    assert calls == []
     with ops.use_attention_backend("matmul"):
         ops.attention(q, k, v, attn_mask=bool_mask)                 # forced, even fp32
     with ops.use_attention_backend("sdpa"):

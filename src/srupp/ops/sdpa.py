@@ -299,7 +299,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
     name = get_attention_backend()
     if name == "sdpa" or dropout_p > 0.0 or tracing():
         return attention_reference(q, k, v, attn_mask, is_causal, dropout_p)
-    offset = 0 if is_causal else causal_offset
+    # is_causal with L != S is SDPA's top-left alignment, not a memory offset: SDPA's
+    offset = (0 if q.shape[-2] == k.shape[-2] else None) if is_causal else causal_offset
     if name == "matmul":
         if offset is not None:
             return attention_causal_matmul(q, k, v, offset)
