@@ -102,6 +102,8 @@ def main():
     ap.add_argument("--d", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-compile", action="store_true",
+                    help="leave out the torch.compile'd step (its first compile takes seconds)")
     ap.add_argument("--no-reference-timing", action="store_true",
                     help="check against the reference but do not time it (it is slow)")
     args = ap.parse_args()
@@ -132,7 +134,8 @@ def main():
             result["notes"].append("numba not installed: pip install numba")
             break
         forwards[name] = fn
-    forwards["compiled_step"] = compiled_step_forward()
+    if not args.no_compile:
+        forwards["compiled_step"] = compiled_step_forward()
     if not args.no_reference_timing:
         forwards["reference"] = reference
 
@@ -159,7 +162,8 @@ def main():
         h.backward(gh)
 
     train = [n for n in ("cpp", "compiled_step", "reference") if n in forwards]
-    fwd_bwd("compiled_step")  # compile the backward outside the timing
+    if "compiled_step" in forwards:
+        fwd_bwd("compiled_step")  # compile the backward outside the timing
     times = {f"{n}/forward": [] for n in forwards}
     times.update({f"{n}/forward+backward": [] for n in train})
     for _ in range(args.rounds):

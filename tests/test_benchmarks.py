@@ -1,0 +1,98 @@
+"""Every benchmark script runs end to end at tiny shapes and prints its JSON.
+
+These time nothing (timings are the scripts' job, on an idle machine); they
+keep the scripts from rotting: a benchmark that crashes only shows up when
+someone needs its figure. Each runs in a subprocess, as a user would run it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lm_helpers import TINY
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = str(ROOT / "recipes" / "shakespeare-cpu.toml")
+
+
+def run_benchmark(script: str, *args: str, timeout: float = 300) -> dict:
+    """Run benchmarks/<script> and return the last JSON object it printed."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stderr[-3000:]}"
+    out, decoder, pos, last = proc.stdout, json.JSONDecoder(), 0, None
+    while True:  # a script may print a note object before its result
+        start = out.find("{", pos)
+        if start < 0:
+            break
+        last, pos = decoder.raw_decode(out, start)
+    assert isinstance(last, dict), f"{script} printed no JSON object:\n{out[-2000:]}"
+    return last
+
+
+def test_recurrence():
+    r = run_benchmark("recurrence.py", "--quick", "--no-reference", "--repeats", "1",
+                      "--copy-mb", "4")
+    assert r["copy"]["GBps"] > 0
+    assert set(r["cpu_kernel"]) >= {"forward", "backward", "forward_inference"}
+
+
+def test_recurrence_tooling():
+    r = run_benchmark("recurrence_tooling.py", "--L", "6", "--B", "2", "--d", "16",
+                      "--rounds", "1", "--reps", "1", "--no-compile")
+    assert {"cpp/forward", "reference/forward", "cpp/forward+backward"} <= set(r["ms"])
+    assert max(r["max_abs_error"].values()) < 1e-4
+
+
+def test_layer_with_ablation():
+    r = run_benchmark("layer.py", "--L", "8", "--B", "2", "--d", "16", "--proj", "8",
+                      "--rounds", "1", "--reps", "1", "--ablate-recurrence")
+    assert {"srupp_fp32", "srupp_bf16", "srupp_fp32_no_recurrence", "lstm_fp32",
+            "transformer_fp32"} <= set(r["tokens_per_s"])
+
+
+def test_layer_ab():
+    r = run_benchmark("layer_ab.py", "--L", "8", "--B", "2", "--d", "16", "--proj", "8",
+                      "--rounds", "1", "--steps", "1")
+    assert set(r["ms_per_step"]) == {f"{p}/{n}" for p in ("fp32", "bf16")
+                                     for n in ("plain", "one_block", "auto")}
+
+
+def test_attention():
+    r = run_benchmark("attention.py", "--B", "2", "--L", "16", "--d", "8", "--rounds", "1",
+                      "--reps", "1", "--blocks", "4")
+    assert {"default_fp32", "srupp_matmul_bf16", "srupp_one_block_fp32",
+            "srupp_block4_bf16"} <= set(r["ms"])
+
+
+def test_gemm():
+    r = run_benchmark("gemm.py", "--rows", "64", "--rounds", "1", "--reps", "1")
+    assert r
+
+
+def test_allocator():
+    r = run_benchmark("allocator.py", "--rounds", "1", "--steps", "1", timeout=600)
+    assert r
+
+
+@pytest.mark.parametrize("script", ["lm_backends.py", "trainer_overhead.py"])
+def test_recipe_step_benchmarks(script, corpus):
+    r = run_benchmark(script, RECIPE, "--steps", "1", "--rounds", "1",
+                      "--set", *TINY, f"data.corpus={corpus}")
+    assert r
+
+
+def test_generation(tmp_path, corpus):
+    from lm_helpers import config
+    from srupp.train import Trainer
+
+    run = tmp_path / "run"
+    Trainer(config(corpus, "train.max_steps=2"), run, progress=False).train()
+    r = run_benchmark("generation.py", str(run), "--rounds", "1", "--prompt", "4",
+                      "--new", "3")
+    assert r["new_tokens"] == 3 and r["tokens_per_s"]["run"] > 0
