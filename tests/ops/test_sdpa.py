@@ -179,6 +179,14 @@ def test_causal_path_matches_sdpa_fp32(B, H, L, M, block):
         torch.testing.assert_close(a, b, **FP32)
 
 
+def test_causal_path_with_no_queries():
+    q, k, v, _ = _qkv(2, 1, 0, 3, 4)
+    o = ops.attention_causal_matmul(q, k, v, offset=3)
+    assert o.shape == (2, 1, 0, 4)
+    o.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.abs().sum() == 0
+
+
 def test_causal_path_gradcheck_fp64():
     for L, M, block in [(5, 0, 2), (4, 3, 3), (6, 2, 6)]:
         q, k, v, _ = _qkv(2, 2, L, M + L, 4, dtype=torch.float64)

@@ -238,6 +238,8 @@ def attention_causal_matmul(q: Tensor, k: Tensor, v: Tensor, offset: int = 0,
         block = causal_block(q.dtype)
     if block < 1:
         raise ValueError(f"block must be at least 1, got {block}")
+    if q.shape[-2] == 0:  # no queries, no blocks: SDPA returns the empty result
+        return F.scaled_dot_product_attention(q, k, v)
     return _CausalMatmulAttention.apply(q, k, v, offset, block)
 
 
