@@ -15,19 +15,11 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 import torch
+from _common import seconds_per_call
 
 from srupp.ops.matmul import _onednn_mm, onednn_available
-
-
-def seconds(fn, reps):
-    fn()
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps
 
 
 def main():
@@ -53,8 +45,8 @@ def main():
     times = {key: ([], []) for key in cases}
     for _ in range(args.rounds):
         for key, (mkl, dnn) in cases.items():
-            times[key][0].append(seconds(mkl, args.reps))
-            times[key][1].append(seconds(dnn, args.reps))
+            times[key][0].append(seconds_per_call(mkl, args.reps))
+            times[key][1].append(seconds_per_call(dnn, args.reps))
     out = {"rows": M, "threads": torch.get_num_threads(), "loadavg_1m": os.getloadavg()[0],
            "gflops": {}, "onednn_speedup": {}}
     for (name, op), (a, b) in times.items():

@@ -19,27 +19,16 @@ import argparse
 import json
 import os
 import statistics
-import time
 import warnings
 
 import torch
+from _common import add_layer_shape_args, seconds_per_call
 from torch import nn
-
-
-def timed(fn, reps: int) -> float:
-    fn()  # warm-up (first-use compilation, allocator)
-    start = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - start) / reps
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--L", type=int, default=256)
-    ap.add_argument("--B", type=int, default=16)
-    ap.add_argument("--d", type=int, default=512)
-    ap.add_argument("--proj", type=int, default=128)
+    add_layer_shape_args(ap)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-tune-allocator", action="store_true",
@@ -140,8 +129,8 @@ def main():
     times = {name: {"train": [], "infer": []} for name in contenders}
     for _ in range(args.rounds):
         for name, (train, infer) in contenders.items():
-            times[name]["train"].append(timed(train, args.reps))
-            times[name]["infer"].append(timed(infer, args.reps))
+            times[name]["train"].append(seconds_per_call(train, args.reps))
+            times[name]["infer"].append(seconds_per_call(infer, args.reps))
 
     tokens = L * B
     result = {"config": {"L": L, "B": B, "d": d, "proj_size": P, "num_layers": 2,

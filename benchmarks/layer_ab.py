@@ -28,6 +28,7 @@ import statistics
 import time
 
 import torch
+from _common import add_layer_shape_args
 
 import srupp.ops as ops
 from srupp import tune_cpu_allocator
@@ -53,10 +54,7 @@ def setting(name: str):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--L", type=int, default=256)
-    ap.add_argument("--B", type=int, default=16)
-    ap.add_argument("--d", type=int, default=512)
-    ap.add_argument("--proj", type=int, default=128)
+    add_layer_shape_args(ap)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=3, help="timed steps per round and setting")
     ap.add_argument("--compile", action="store_true", help="add the torch.compile'd model")

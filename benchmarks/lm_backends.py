@@ -18,13 +18,12 @@ import json
 import os
 import statistics
 import tempfile
-import time
 
 import torch
+from _common import bare_training_step, seconds_per_call
 
 import srupp.ops as ops
 from srupp.train import Trainer, build_config
-from srupp.train.evaluate import autocast_context
 
 SETTINGS = {"plain (aten, sdpa)": ("aten", "sdpa"), "srupp (auto, auto)": ("auto", "auto")}
 
@@ -40,32 +39,13 @@ def main():
         cfg = build_config(args.recipe, args.set + ["train.max_steps=1000000",
                                                     "train.max_seconds=none"])
         t = Trainer(cfg, d, progress=False)
-        model, opt = t.model, t.optimizer
-        it = t.batcher.iter_from(0)
-        state = None
-
-        def step():
-            nonlocal state
-            b = next(it)
-            with autocast_context(t.precision, "cpu"):
-                out = model(b.inputs, state, targets=b.targets)
-            out.loss.backward()
-            state = out.state.detach()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        def seconds_per_step():
-            step()  # one untimed step after switching
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                step()
-            return (time.perf_counter() - start) / args.steps
+        step = bare_training_step(t)
 
         times = {name: [] for name in SETTINGS}
         for _ in range(args.rounds):
             for name, (mm, att) in SETTINGS.items():
                 with ops.use_matmul_backend(mm), ops.use_attention_backend(att):
-                    times[name].append(seconds_per_step())
+                    times[name].append(seconds_per_call(step, args.steps))  # 1 untimed step first
         tokens = cfg.train.batch_size * cfg.train.unroll
         med = {k: statistics.median(v) for k, v in times.items()}
         base = med["plain (aten, sdpa)"]

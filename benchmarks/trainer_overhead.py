@@ -18,9 +18,9 @@ import tempfile
 import time
 
 import torch
+from _common import bare_training_step, seconds_per_call
 
 from srupp.train import Trainer, build_config
-from srupp.train.evaluate import autocast_context
 
 
 def trainer_seconds_per_step(recipe, sets, steps) -> tuple:
@@ -44,27 +44,8 @@ def trainer_seconds_per_step(recipe, sets, steps) -> tuple:
 
 
 def bare_seconds_per_step(t: Trainer, steps) -> float:
-    model, opt, cfg = t.model, t.optimizer, t.cfg.train
-    it = t.batcher.iter_from(0)
-    state = None
-
-    def step():
-        nonlocal state
-        b = next(it)
-        with autocast_context(t.precision, "cpu"):
-            out = model(b.inputs, state, targets=b.targets)
-        out.loss.backward()
-        state = out.state.detach()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    for _ in range(5):
-        step()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    return (time.perf_counter() - start) / steps
+    """Seconds per training step of the bare loop (the trainer's work minus the trainer)."""
+    return seconds_per_call(bare_training_step(t, t.cfg.train.grad_clip), steps, warmup=5)
 
 
 def main():
