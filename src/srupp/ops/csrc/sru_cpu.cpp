@@ -74,6 +74,21 @@ struct IO<float> {
   static inline void store(float* p, const Vec& v, int n) { v.store(p, n); }
 };
 
+// fp32 -> bf16, round to nearest even. With AVX512-BF16 (when -march=native finds
+// it) this is one instruction, vcvtneps2bf16, instead of ATen's ~8-instruction
+// emulation: the backward, which stores 3-4 bf16 gradients per element, ran 1.12x
+// faster (median of 15 alternating rounds, B=16, L=256, D=512). Results are
+// identical except that the instruction flushes fp32 denormals (< 1.2e-38) to 0.
+#if defined(CPU_CAPABILITY_AVX512)
+inline __m256i to_bf16(const Vec& v) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(__m512(v));
+#else
+  return at::vec::cvtfp32_bf16(__m512(v));
+#endif
+}
+#endif
+
 template <>
 struct IO<BFloat16> {
   static inline Vec load(const BFloat16* p) {
@@ -88,7 +103,7 @@ struct IO<BFloat16> {
   }
   static inline void store(BFloat16* p, const Vec& v) {
 #if defined(CPU_CAPABILITY_AVX512)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), at::vec::cvtfp32_bf16(__m512(v)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16(v));
 #elif defined(CPU_CAPABILITY_AVX2)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), at::vec::cvtfp32_bf16(__m256(v)));
 #else
@@ -116,7 +131,7 @@ inline void stream_vec(float* p, const Vec& v) {
 }
 inline void stream_vec(BFloat16* p, const Vec& v) {
 #if defined(CPU_CAPABILITY_AVX512)
-  _mm256_stream_si256(reinterpret_cast<__m256i*>(p), at::vec::cvtfp32_bf16(__m512(v)));
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(p), to_bf16(v));
 #elif defined(CPU_CAPABILITY_AVX2)
   _mm_stream_si128(reinterpret_cast<__m128i*>(p), at::vec::cvtfp32_bf16(__m256(v)));
 #else
