@@ -70,6 +70,14 @@ def test_attention():
             "srupp_block4_bf16"} <= set(r["ms"])
 
 
+def test_kernel_ab(tmp_path):
+    other = tmp_path / "sru_cpu.cpp"  # the same source: a second build, same results
+    other.write_text((ROOT / "src" / "srupp" / "ops" / "csrc" / "sru_cpu.cpp").read_text())
+    r = run_benchmark("kernel_ab.py", str(other), "--L", "4", "--B", "2", "--d", "16",
+                      "--rounds", "1", "--reps", "1", timeout=900)
+    assert r["max_abs_difference"] == {"float32": 0.0, "bfloat16": 0.0}
+
+
 def test_gemm():
     r = run_benchmark("gemm.py", "--rows", "64", "--rounds", "1", "--reps", "1")
     assert r

@@ -76,8 +76,8 @@ struct IO<float> {
 
 // fp32 -> bf16, round to nearest even. With AVX512-BF16 (when -march=native finds
 // it) this is one instruction, vcvtneps2bf16, instead of ATen's ~8-instruction
-// emulation: the backward, which stores 3-4 bf16 gradients per element, ran 1.12x
-// faster (median of 15 alternating rounds, B=16, L=256, D=512). Results are
+// emulation: the bf16 backward, which stores 3-4 gradients per element, ran
+// 1.09x faster (benchmarks/kernel_ab.py, B=16, L=256, D=512). Results are
 // identical except that the instruction flushes fp32 denormals (< 1.2e-38) to 0.
 #if defined(CPU_CAPABILITY_AVX512)
 inline __m256i to_bf16(const Vec& v) {
