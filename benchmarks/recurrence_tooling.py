@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from srupp.ops import cpu, sru_recurrence_reference
+from srupp.ops import cpu, sru_recurrence, sru_recurrence_reference, use_backend
 
 
 def numba_forward(fastmath: bool):
@@ -154,7 +154,6 @@ def main():
         Ur = U.detach().requires_grad_()
         xr = x.detach().requires_grad_()
         if name == "cpp":
-            from srupp.ops import use_backend, sru_recurrence
             with use_backend("cpu"):
                 h, _ = sru_recurrence(Ur, xr, wc, bias, c0)
         else:

@@ -25,6 +25,15 @@ def tracing() -> bool:
             or torch.jit.is_scripting())
 
 
+def cpu_supports(*features: str) -> bool:
+    """Whether ``torch.cpu`` reports any of these features ("avx512_bf16", "amx_tile",
+    ... as in its ``_is_<feature>_supported`` probes); False when it cannot tell."""
+    try:
+        return any(getattr(torch.cpu, f"_is_{f}_supported", lambda: False)() for f in features)
+    except Exception:  # noqa: BLE001 - unknown means "no"
+        return False
+
+
 class BackendSetting:
     """One named choice among ``choices``; "auto" is the default."""
 

@@ -89,24 +89,17 @@ def _flags(isa: str) -> list:
     return flags
 
 
-def _has_avx512_bf16() -> bool:
-    import torch
-
-    try:
-        return bool(torch.cpu._is_avx512_bf16_supported())
-    except Exception:  # noqa: BLE001 - unknown: assume not
-        return False
-
-
 def _build_extension():
     """Compile and import the extension (the tests replace this to simulate a failure)."""
     from torch.utils.cpp_extension import load as _load
+
+    from ._setting import cpu_supports
 
     isa = capability()
     ldflags = [] if sys.platform in ("win32", "darwin") else ["-fopenmp"]
     # -march=native may use AVX512-BF16 instructions: name the build after it too,
     # so a cache shared with a machine that lacks them is not reused there
-    bf16 = "_bf16" if isa == "avx512" and _has_avx512_bf16() else ""
+    bf16 = "_bf16" if isa == "avx512" and cpu_supports("avx512_bf16") else ""
     return _load(
         name=f"srupp_sru_cpu_{isa}{bf16}",
         sources=[str(_SOURCE)],

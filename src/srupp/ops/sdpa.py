@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._setting import BackendSetting, tracing
+from ._setting import BackendSetting, cpu_supports, tracing
 
 __all__ = ["attention", "attention_reference", "attention_matmul", "attention_causal_matmul",
            "causal_block", "set_attention_backend",
@@ -137,7 +137,7 @@ def causal_block(dtype: torch.dtype) -> int:
     more of the masked half but multiply smaller matrices, which bf16's faster
     products feel sooner. Both keep a block's scores near 256 bytes per key.
     """
-    return max(1, 256 // torch.empty((), dtype=dtype).element_size())
+    return max(1, 256 // dtype.itemsize)
 
 
 def _row_blocks(L: int, block: int):
@@ -273,11 +273,7 @@ def native_bf16_matmul() -> bool:
     """
     global _native_bf16
     if _native_bf16 is None:
-        probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-        try:
-            _native_bf16 = any(getattr(torch.cpu, p, lambda: False)() for p in probes)
-        except Exception:  # noqa: BLE001 - unknown means "no"
-            _native_bf16 = False
+        _native_bf16 = cpu_supports("avx512_bf16", "amx_tile")
     return _native_bf16
 
 
@@ -301,7 +297,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
     name = get_attention_backend()
     if name == "sdpa" or dropout_p > 0.0 or tracing():
         return attention_reference(q, k, v, attn_mask, is_causal, dropout_p)
-    # is_causal with L != S is SDPA's top-left alignment, not a memory offset: SDPA's
+    # the causal offset, if the mask is causal; is_causal with L != S is SDPA's
+    # top-left alignment, not a memory offset, so it is left to SDPA
     offset = (0 if q.shape[-2] == k.shape[-2] else None) if is_causal else causal_offset
     if name == "matmul":
         if offset is not None:
@@ -310,10 +307,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
     B, H, L, _ = q.shape
     small = B * H * L * k.shape[-2] * q.element_size() <= MAX_PROB_BYTES
     if q.device.type == "cpu" and small and q.dtype == k.dtype == v.dtype:
-        if q.dtype == torch.float32 and offset is not None:
+        native_bf16 = q.dtype == torch.bfloat16 and native_bf16_matmul()
+        if offset is not None and (q.dtype == torch.float32 or native_bf16):
             return attention_causal_matmul(q, k, v, offset)
-        if q.dtype == torch.bfloat16 and native_bf16_matmul():
-            if offset is not None:
-                return attention_causal_matmul(q, k, v, offset)
+        if native_bf16:
             return _MatmulAttention.apply(q, k, v, attn_mask)
     return attention_reference(q, k, v, attn_mask, is_causal, dropout_p)
