@@ -59,10 +59,8 @@ def main():
         q, k, v, g = make(dtype)
 
         def attend():
-            if backend == "srupp" or isinstance(backend, int):
-                # srupp's causal path; an int forces its rows per block
-                return attention_causal_matmul(
-                    q, k, v, block=backend if isinstance(backend, int) else None)
+            if not isinstance(backend, list):  # srupp's causal path, rows per block (None: default)
+                return attention_causal_matmul(q, k, v, block=backend)
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
@@ -77,7 +75,7 @@ def main():
 
     backends = {"default": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                             SDPBackend.MATH],
-                "math": [SDPBackend.MATH], "srupp_matmul": "srupp",
+                "math": [SDPBackend.MATH], "srupp_matmul": None,
                 "srupp_one_block": L}
     for b in args.blocks:
         backends[f"srupp_block{b}"] = b
