@@ -63,6 +63,25 @@ def test_layer_ab():
                                      for n in ("plain", "one_block", "auto")}
 
 
+def test_layer_floor():
+    L, B, d, P = 8, 2, 16, 8
+    r = run_benchmark("layer_floor.py", "--L", str(L), "--B", str(B), "--d", str(d),
+                      "--proj", str(P), "--rounds", "1", "--reps", "1", "--peak-n", "32")
+    # every call of the step was captured: 3 projections, 1 attention, 1 recurrence a layer
+    assert r["config"]["calls_per_step"] == {"projections": 6, "attention": 2,
+                                             "recurrence": 2}
+    # and the projections' products are exactly the step's: forward, input and weight
+    # gradient of W1 (d->P), W2 (P->2P), W3 (P->3d) in two layers, less layer 0's
+    # input gradient of W1 (its input needs none)
+    per_layer = d * P + P * 2 * P + P * 3 * d
+    expected = 2 * L * B * (2 * 3 * per_layer - d * P)
+    for prec in ("fp32", "bf16"):
+        p = r["precisions"][prec]
+        assert p["projection_flop"] == expected
+        assert p["floor_ms"] > 0 and p["step_ms"] > 0
+        assert "ceiling_ratio_to_reference" in p  # `make` installs the reference package
+
+
 def test_attention():
     r = run_benchmark("attention.py", "--B", "2", "--L", "16", "--d", "8", "--rounds", "1",
                       "--reps", "1", "--blocks", "4")
