@@ -53,3 +53,62 @@ def add_layer_shape_args(ap) -> None:
     ap.add_argument("--B", type=int, default=16, help="batch size")
     ap.add_argument("--d", type=int, default=512, help="input and hidden size")
     ap.add_argument("--proj", type=int, default=128, help="proj_size d′")
+
+
+def layer_model_and_input(args):
+    """The layer benchmark's model and input, from ``add_layer_shape_args``'s arguments:
+    a seeded 2-layer causal SRU++ and a time-major input x (L, B, d)."""
+    import torch
+
+    from srupp.nn import SRUpp
+
+    torch.manual_seed(0)
+    model = SRUpp(args.d, args.d, args.proj, num_layers=2, causal=True)
+    return model, torch.randn(args.L, args.B, args.d)
+
+
+def layer_training_step(model, x, bf16: bool) -> Callable[[], None]:
+    """One forward and backward of ``model`` on ``x`` (fp32, or under bf16 autocast);
+    the loss is the output's sum."""
+    import torch
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out, _ = model(x)
+        out.float().sum().backward()
+    return run
+
+
+def causal_mask(L: int):
+    """The additive causal mask (L, L) that the reference and ``nn.TransformerEncoder``
+    are called with (srupp builds its own from ``causal=True``: same computation)."""
+    import torch
+
+    return torch.triu(torch.full((L, L), float("-inf")), diagonal=1)
+
+
+def reference_layer(args):
+    """``sru==3.0.0.dev6``'s SRUpp at the layer benchmark's shape; raises ImportError
+    when it is not installed."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import sru
+    return sru.SRUpp(args.d, args.d, args.proj, num_layers=2)
+
+
+def reference_call(ref, x, causal, train: bool) -> Callable[[], None]:
+    """The reference's training step (forward and backward of the output's sum) or,
+    with ``train=False``, its inference under ``no_grad``; its warnings silenced."""
+    import warnings
+
+    import torch
+
+    def run():
+        with warnings.catch_warnings(), torch.set_grad_enabled(train):
+            warnings.simplefilter("ignore")
+            h, _, _ = ref(x, attn_mask=causal)
+        if train:
+            h.sum().backward()
+    return run

@@ -19,10 +19,10 @@ import argparse
 import json
 import os
 import statistics
-import warnings
 
 import torch
-from _common import add_layer_shape_args, seconds_per_call
+from _common import (add_layer_shape_args, causal_mask, layer_model_and_input,
+                     layer_training_step, reference_call, reference_layer, seconds_per_call)
 from torch import nn
 
 
@@ -43,76 +43,43 @@ def main():
         from srupp import tune_cpu_allocator
         tuned = tune_cpu_allocator()
     L, B, d, P = args.L, args.B, args.d, args.proj
-    torch.manual_seed(0)
-
-    from srupp.nn import SRUpp
-
-    # the reference expresses causality as an additive mask; srupp builds it itself
-    # (causal=True), which lets SDPA take its causal fast path. Same computation.
-    causal = torch.triu(torch.full((L, L), float("-inf")), diagonal=1)
-    mine = SRUpp(d, d, P, num_layers=2, causal=True)
-    x = torch.randn(L, B, d)
+    mine, x = layer_model_and_input(args)
     contenders = {}
 
-    def srupp_train(dtype):
+    def srupp_infer(model, bf16: bool):
         def run():
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
-                out, _ = mine(x)
-            out.float().sum().backward()
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                model(x)
         return run
 
-    def srupp_infer(dtype):
-        def run():
-            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16,
-                                                 enabled=dtype == "bf16"):
-                mine(x)
-        return run
-
-    contenders["srupp_fp32"] = (srupp_train("fp32"), srupp_infer("fp32"))
-    contenders["srupp_bf16"] = (srupp_train("bf16"), srupp_infer("bf16"))
+    for dt in ("fp32", "bf16"):
+        contenders[f"srupp_{dt}"] = (layer_training_step(mine, x, dt == "bf16"),
+                                     srupp_infer(mine, dt == "bf16"))
 
     if args.ablate_recurrence:
         # The same stack with the recurrence replaced by one element-wise op
         # (h = u0 + x): what everything around the recurrence costs.
+        import copy
         import types
 
         def no_recurrence(layer, U, x_in, c0, mask_pad):
             return U[..., :layer.output_size] + x_in.to(U.dtype), c0
 
-        lean_model = SRUpp(d, d, P, num_layers=2, causal=True)
-        lean_model.load_state_dict(mine.state_dict())
+        lean_model = copy.deepcopy(mine)
         for layer in lean_model.layers:
             layer.recur = types.MethodType(no_recurrence, layer)
 
-        def lean(dtype, train):
-            def run():
-                with torch.set_grad_enabled(train), torch.autocast(
-                        "cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
-                    out, _ = lean_model(x)
-                if train:
-                    out.float().sum().backward()
-            return run
         for dt in ("fp32", "bf16"):
-            contenders[f"srupp_{dt}_no_recurrence"] = (lean(dt, True), lean(dt, False))
+            contenders[f"srupp_{dt}_no_recurrence"] = (
+                layer_training_step(lean_model, x, dt == "bf16"),
+                srupp_infer(lean_model, dt == "bf16"))
 
     have_ref = False
+    causal = causal_mask(L)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import sru
-        ref = sru.SRUpp(d, d, P, num_layers=2)
-
-        def ref_train():
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                h, _, _ = ref(x, attn_mask=causal)
-            h.sum().backward()
-
-        def ref_infer():
-            with torch.no_grad():
-                ref(x, attn_mask=causal)
-
-        contenders["reference_fp32"] = (ref_train, ref_infer)
+        ref = reference_layer(args)
+        contenders["reference_fp32"] = (reference_call(ref, x, causal, train=True),
+                                        reference_call(ref, x, causal, train=False))
         have_ref = True
     except Exception as e:  # noqa: BLE001 - report why and go on
         print(json.dumps({"note": f"reference package unavailable: {e}"}))

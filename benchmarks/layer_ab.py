@@ -25,14 +25,13 @@ import contextlib
 import json
 import os
 import statistics
-import time
 
 import torch
-from _common import add_layer_shape_args
+from _common import (add_layer_shape_args, layer_model_and_input, layer_training_step,
+                     seconds_per_call)
 
 import srupp.ops as ops
 from srupp import tune_cpu_allocator
-from srupp.nn import SRUpp
 from srupp.ops import sdpa
 
 
@@ -60,30 +59,18 @@ def main():
     ap.add_argument("--compile", action="store_true", help="add the torch.compile'd model")
     args = ap.parse_args()
     tune_cpu_allocator()
-    torch.manual_seed(0)
-    model = SRUpp(args.d, args.d, args.proj, num_layers=2, causal=True)
-    x = torch.randn(args.L, args.B, args.d)
-
+    model, x = layer_model_and_input(args)
     compiled = torch.compile(model) if args.compile else None
-    current = {"model": model}
-
-    def step(bf16: bool):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            out, _ = current["model"](x)
-        out.float().sum().backward()
 
     names = ("plain", "one_block", "auto") + (("compiled",) if args.compile else ())
     times = {(p, n): [] for p in ("fp32", "bf16") for n in names}
     for prec in ("fp32", "bf16"):
         for _ in range(args.rounds):
             for name in names:
-                current["model"] = compiled if name == "compiled" else model
-                with setting(name):
-                    step(prec == "bf16")  # warm-up under this setting (compiles once)
-                    start = time.perf_counter()
-                    for _ in range(args.steps):
-                        step(prec == "bf16")
-                    times[(prec, name)].append((time.perf_counter() - start) / args.steps)
+                step = layer_training_step(compiled if name == "compiled" else model, x,
+                                           prec == "bf16")
+                with setting(name):  # one untimed step first (compiles once)
+                    times[(prec, name)].append(seconds_per_call(step, args.steps))
 
     def per_round(prec, fast, slow):
         r = sorted(a / b for a, b in zip(times[(prec, slow)], times[(prec, fast)]))

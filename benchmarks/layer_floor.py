@@ -30,14 +30,18 @@ import argparse
 import json
 import os
 import statistics
-import warnings
 from typing import Callable, Dict, List
 
 import torch
-from _common import add_layer_shape_args, seconds_per_call
+from _common import (add_layer_shape_args, causal_mask, layer_model_and_input,
+                     layer_training_step, reference_call, reference_layer, seconds_per_call)
+
+from torch.utils.flop_counter import FlopCounterMode
 
 import srupp.nn.attention as attention_module
 import srupp.nn.base as base_module
+from srupp import tune_cpu_allocator
+from srupp.ops import linear, use_matmul_backend
 
 PIECES = ("projections", "attention", "recurrence")
 
@@ -122,32 +126,14 @@ def main():
     ap.add_argument("--no-reference", action="store_true",
                     help="skip the reference package's step (no ceiling is computed)")
     args = ap.parse_args()
-    from srupp import tune_cpu_allocator
-    from srupp.nn import SRUpp
-
     tune_cpu_allocator()  # as benchmarks/layer.py and the srupp CLI
-    L, B, d, P = args.L, args.B, args.d, args.proj
-    torch.manual_seed(0)
-    model = SRUpp(d, d, P, num_layers=2, causal=True)
-    x = torch.randn(L, B, d)
-
-    def step(autocast: bool):
-        def run():
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                out, _ = model(x)
-            out.float().sum().backward()
-        return run
-
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from srupp.ops import linear, use_matmul_backend
-
+    model, x = layer_model_and_input(args)
     timed: Dict[str, Callable[[], None]] = {}
     projection_flops, calls = {}, {}
     n = args.peak_n
     for prec in ("fp32", "bf16"):
         ac = prec == "bf16"
-        timed[f"{prec}/step"] = step(ac)
+        timed[f"{prec}/step"] = layer_training_step(model, x, ac)
         for piece, runs in capture_pieces(model, x, ac).items():
             timed[f"{prec}/{piece}"] = (lambda runs=runs: [r() for r in runs])
             calls[piece] = len(runs)
@@ -163,18 +149,8 @@ def main():
     notes = []
     if not args.no_reference:
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                import sru
-            ref = sru.SRUpp(d, d, P, num_layers=2)
-            causal = torch.triu(torch.full((L, L), float("-inf")), diagonal=1)
-
-            def ref_step():
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    h, _, _ = ref(x, attn_mask=causal)
-                h.sum().backward()
-            timed["reference/step"] = ref_step
+            ref = reference_layer(args)
+            timed["reference/step"] = reference_call(ref, x, causal_mask(args.L), train=True)
         except Exception as e:  # noqa: BLE001 - report why and go on
             notes.append(f"reference package unavailable: {e}")
 
@@ -184,7 +160,8 @@ def main():
             times[name].append(seconds_per_call(fn, args.reps))
     ms = {k: round(statistics.median(v) * 1e3, 2) for k, v in times.items()}
 
-    result = {"config": {"L": L, "B": B, "d": d, "proj_size": P, "num_layers": 2,
+    result = {"config": {"L": args.L, "B": args.B, "d": args.d, "proj_size": args.proj,
+                         "num_layers": 2,
                          "threads": torch.get_num_threads(), "torch": torch.__version__,
                          "rounds": args.rounds, "reps": args.reps, "calls_per_step": calls},
               "loadavg_1m": os.getloadavg()[0], "ms": ms, "precisions": {}}

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import srupp.ops as ops
 from srupp.nn import SRUpp
