@@ -118,21 +118,34 @@ def test_too_little_data():
     StreamBatcher(torch.arange(16 * 17), batch_size=8, unroll=16, world_size=2)  # just enough
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(batch_size=0, unroll=4), "batch_size"),
-    (dict(batch_size=2, unroll=-1), "unroll"),
-    (dict(batch_size=2, unroll=4, rank=2, world_size=2), "rank"),
-    (dict(batch_size=2, unroll=4, world_size=0), "world_size"),
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(batch_size=0, unroll=4), ValueError, "batch_size"),
+    (dict(batch_size=2, unroll=-1), ValueError, "unroll"),
+    (dict(batch_size=2.0, unroll=4), TypeError, "batch_size"),
+    (dict(batch_size=2, unroll=True), TypeError, "unroll"),
+    (dict(batch_size=2, unroll=4, rank=2, world_size=2), ValueError, "rank"),
+    (dict(batch_size=2, unroll=4, world_size=0), ValueError, "world_size"),
 ])
-def test_bad_arguments(kwargs, match):
-    with pytest.raises(UserError, match=match):
+def test_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match) as e:
         StreamBatcher(torch.arange(100), **kwargs)
+    assert type(e.value) is error  # a plain API error, not the CLI's UserError
+
+
+def test_bad_steps():
+    b = StreamBatcher(torch.arange(100), 2, 4)
+    with pytest.raises(ValueError, match="non-negative"):
+        b.get_batch(-1)
+    with pytest.raises(TypeError, match="non-negative"):
+        b.get_batch(1.0)
+    with pytest.raises(ValueError, match="non-negative"):
+        next(b.iter_from(-3))
 
 
 def test_bad_ids():
-    with pytest.raises(UserError, match="1-D"):
+    with pytest.raises(ValueError, match="1-D"):
         StreamBatcher(torch.zeros(10, 10, dtype=torch.long), 2, 2)
-    with pytest.raises(UserError, match="integers"):
+    with pytest.raises(TypeError, match="integers"):
         StreamBatcher(torch.zeros(100), 2, 2)
     b = StreamBatcher(list(range(50)), 2, 3)            # lists are accepted
     assert b.get_batch(0)[0].tolist() == [[0, 1, 2], [25, 26, 27]]

@@ -115,7 +115,7 @@ def test_directory_splits(tmp_path):
     c = load_corpus(str(tmp_path))
     assert (c.train, c.valid, c.test) == ("tränïng text", "valid text", "test")
     assert c.split("valid") == "valid text"
-    with pytest.raises(UserError, match="unknown split"):
+    with pytest.raises(ValueError, match="unknown split"):
         c.split("dev")
 
 

@@ -127,6 +127,8 @@ def test_cache_dir_default(monkeypatch, tmp_path):
     monkeypatch.delenv("SRUPP_CACHE")
     monkeypatch.setenv("HOME", str(tmp_path))
     assert dl.cache_dir() == tmp_path / ".cache" / "srupp"
+    from srupp.data import corpora
+    assert dl.cache_dir is corpora.cache_dir  # one definition, for downloads and brown.txt
 
 
 def test_byte_tokenizer_round_trips_surrogateescape():

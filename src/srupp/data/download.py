@@ -29,14 +29,17 @@ bytes, one id per byte.
 
 Cache, download, verification
 -----------------------------
-Archives live in ``<cache>/<name>/`` where ``<cache>`` is ``$SRUPP_CACHE`` or
-``~/.cache/srupp``. A missing archive is downloaded with :mod:`urllib` into
-``<archive>.part`` (progress bar on stderr). An interrupted download keeps the
-``.part`` file and is resumed with an HTTP ``Range`` request, automatically
-``retries`` times and again on the next call; a server that ignores ``Range``
-(answers 200) makes it start over from zero. The finished file is moved into
-place with :func:`os.replace`, then verified: the expected members and their
-sizes, and every member's CRC-32 (:meth:`zipfile.ZipFile.testzip`). A file that
+Archives live in ``<cache>/<name>/``, where ``<cache>`` is
+:func:`~srupp.data.corpora.cache_dir` (``$SRUPP_CACHE`` or ``~/.cache/srupp``).
+A missing archive is downloaded with :mod:`urllib` into ``<archive>.part``
+(progress bar on stderr). An interrupted download keeps the ``.part`` file and
+is resumed with an HTTP ``Range`` request, automatically ``retries`` times and
+again on the next call; a server that ignores ``Range`` (answers 200) makes it
+start over from zero. The ``.part`` file is the download's own temporary file:
+unlike :mod:`srupp._files`' temporaries it outlives a failed run, so that the
+next one can resume. The finished file is moved into place with
+:func:`os.replace`, then verified: the expected members and their sizes, and
+every member's CRC-32 (:meth:`zipfile.ZipFile.testzip`). A file that
 fails is deleted and a :class:`~srupp.errors.UserError` names it, what was
 expected and what was found. After a successful check a small stamp file
 (``<archive>.verified``, the archive's size and mtime) spares re-checking the
@@ -65,9 +68,10 @@ from typing import Mapping
 
 from tqdm import tqdm
 
+from srupp._files import atomic_write_text
 from srupp.errors import UserError
 
-from .corpora import SPLITS, Corpus, _decode, register_corpus
+from .corpora import SPLITS, Corpus, _decode, cache_dir, register_corpus
 
 __all__ = [
     "DatasetSpec",
@@ -155,13 +159,8 @@ def _spec(name: str) -> DatasetSpec:
     try:
         return DATASETS[name]
     except KeyError:
-        raise UserError(f"unknown downloadable corpus {name!r}; choose one of: "
+        raise ValueError(f"unknown downloadable corpus {name!r}; choose one of: "
                         f"{', '.join(sorted(DATASETS))}") from None
-
-
-def cache_dir() -> Path:
-    """``$SRUPP_CACHE``, or ``~/.cache/srupp`` when it is unset or empty."""
-    return Path(os.environ.get("SRUPP_CACHE") or "~/.cache/srupp").expanduser()
 
 
 def archive_path(name: str) -> Path:
@@ -234,8 +233,9 @@ def download(url: str, dest: str | Path, *, retries: int = 3, timeout: float = T
     """Download ``url`` to ``dest`` via ``dest.part``, resuming a partial file.
 
     Interruptions mid-transfer are resumed up to ``retries`` times; then a
-    :class:`UserError` says to run again (the ``.part`` file is kept). Connection
-    failures and HTTP errors raise a :class:`UserError` naming the URL and
+    :class:`~srupp.errors.UserError` says to run again (the ``.part`` file is
+    kept). Connection failures and HTTP errors raise a
+    :class:`~srupp.errors.UserError` naming the URL and
     ``dest``, where the file can be put by hand. The finished file is moved to
     ``dest`` with :func:`os.replace`; it is not verified here.
     """
@@ -332,7 +332,7 @@ def verify_archive(path: str | Path, spec: DatasetSpec, *, delete_bad: bool = Tr
     """Check a corpus archive: members, their sizes and CRC-32s.
 
     On failure deletes the file (when ``delete_bad``) and raises a
-    :class:`UserError` naming it, what was expected and what was found. On
+    :class:`~srupp.errors.UserError` naming it, what was expected and what was found. On
     success writes the ``.verified`` stamp next to it (when that is possible),
     and a later call with an unchanged file returns at once.
     """
@@ -346,7 +346,7 @@ def verify_archive(path: str | Path, spec: DatasetSpec, *, delete_bad: bool = Tr
     problem = _archive_problem(path, spec)
     if problem is None:
         try:
-            stamp.write_text(json.dumps(_stamp_of(path)))
+            atomic_write_text(stamp, json.dumps(_stamp_of(path)))
         except OSError:
             pass
         return

@@ -62,18 +62,18 @@ def _ids_to_numpy(ids: IdsLike, vocab_size: int) -> np.ndarray:
     """Validate ``ids`` (1-D, integer, in range) and return them as int64 numpy."""
     if isinstance(ids, torch.Tensor):
         if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise UserError(f"decode needs integer token ids, got a {ids.dtype} tensor")
+            raise TypeError(f"decode needs integer token ids, got a {ids.dtype} tensor")
         arr = ids.detach().cpu().numpy()
     else:
         arr = np.asarray(ids)
         if arr.size == 0:
             arr = arr.astype(np.int64)
         if arr.dtype.kind not in "iu":
-            raise UserError(f"decode needs integer token ids, got values of type {arr.dtype}")
+            raise TypeError(f"decode needs integer token ids, got values of type {arr.dtype}")
     if arr.ndim == 0:
         arr = arr.reshape(1)
     if arr.ndim != 1:
-        raise UserError(f"decode takes a 1-D sequence of ids, got shape {tuple(arr.shape)}; "
+        raise ValueError(f"decode takes a 1-D sequence of ids, got shape {tuple(arr.shape)}; "
                         "decode each row separately")
     arr = arr.astype(np.int64, copy=False)
     if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
@@ -86,7 +86,7 @@ def _ids_to_numpy(ids: IdsLike, vocab_size: int) -> np.ndarray:
 
 def _check_text(text: str) -> None:
     if not isinstance(text, str):
-        raise UserError(f"expected text as str, got {type(text).__name__}")
+        raise TypeError(f"expected text as str, got {type(text).__name__}")
 
 
 class Tokenizer(ABC):
@@ -365,7 +365,7 @@ class WordTokenizer(Tokenizer):
             raise UserError("a word tokenizer's vocabulary has duplicate words; the saved "
                             "tokenizer is corrupt, rebuild it from the training text")
         if not isinstance(lowercase, bool):
-            raise UserError(f"word tokenizer option lowercase must be true or false, "
+            raise UserError(f"word tokenizer option lowercase must be True or False, "
                             f"got {lowercase!r}")
         self.vocab: tuple[str, ...] = tuple(vocab)
         self.lowercase = lowercase
@@ -441,7 +441,7 @@ class WordTokenizer(Tokenizer):
                               "use 1 (keep every word) or more")
         lowercase = options.get("lowercase", False)
         if not isinstance(lowercase, bool):
-            raise UserError(f"word tokenizer option lowercase must be true or false, "
+            raise UserError(f"word tokenizer option lowercase must be True or False, "
                             f"got {lowercase!r}")
         _check_text(train_text)
         if lowercase:
