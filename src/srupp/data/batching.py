@@ -83,7 +83,7 @@ class StreamBatcher:
         self.world_size = _positive_int("world_size", world_size)
         if not _is_int(rank) or not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be an integer in 0..{self.world_size - 1} "
-                            f"(world_size={self.world_size}), got {rank!r}")
+                             f"(world_size={self.world_size}), got {rank!r}")
         self.rank = int(rank)
 
         if not isinstance(ids, torch.Tensor):

@@ -160,7 +160,7 @@ def _spec(name: str) -> DatasetSpec:
         return DATASETS[name]
     except KeyError:
         raise ValueError(f"unknown downloadable corpus {name!r}; choose one of: "
-                        f"{', '.join(sorted(DATASETS))}") from None
+                         f"{', '.join(sorted(DATASETS))}") from None
 
 
 def archive_path(name: str) -> Path:

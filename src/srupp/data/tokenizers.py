@@ -74,7 +74,7 @@ def _ids_to_numpy(ids: IdsLike, vocab_size: int) -> np.ndarray:
         arr = arr.reshape(1)
     if arr.ndim != 1:
         raise ValueError(f"decode takes a 1-D sequence of ids, got shape {tuple(arr.shape)}; "
-                        "decode each row separately")
+                         "decode each row separately")
     arr = arr.astype(np.int64, copy=False)
     if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
         bad = arr[(arr < 0) | (arr >= vocab_size)][0]
