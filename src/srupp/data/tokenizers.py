@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Sequence, Union
 import numpy as np
 import torch
 
-from srupp.errors import UserError
+from srupp._extras import require
 
 __all__ = [
     "Tokenizer",
@@ -78,9 +78,9 @@ def _ids_to_numpy(ids: IdsLike, vocab_size: int) -> np.ndarray:
     arr = arr.astype(np.int64, copy=False)
     if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
         bad = arr[(arr < 0) | (arr >= vocab_size)][0]
-        raise UserError(f"token id {int(bad)} is outside this tokenizer's vocabulary "
-                        f"(0..{vocab_size - 1}); the ids come from a model or data made "
-                        "with a different tokenizer")
+        raise ValueError(f"token id {int(bad)} is outside this tokenizer's vocabulary "
+                         f"(0..{vocab_size - 1}); the ids come from a model or data made "
+                         "with a different tokenizer")
     return arr
 
 
@@ -164,10 +164,10 @@ class ByteTokenizer(Tokenizer):
         try:
             data = text.encode("utf-8", errors="surrogateescape")
         except UnicodeEncodeError as e:
-            raise UserError(f"the text has a lone surrogate {text[e.start]!r} at character "
-                            f"{e.start}, which is not valid Unicode; decode the source "
-                            "file as UTF-8 with errors='strict', 'replace' or "
-                            "'surrogateescape'") from None
+            raise ValueError(f"the text has a lone surrogate {text[e.start]!r} at character "
+                             f"{e.start}, which is not valid Unicode; decode the source "
+                             "file as UTF-8 with errors='strict', 'replace' or "
+                             "'surrogateescape'") from None
         return torch.from_numpy(np.frombuffer(data, dtype=np.uint8).astype(np.int64))
 
     def decode(self, ids: IdsLike) -> str:
@@ -188,7 +188,7 @@ class ByteTokenizer(Tokenizer):
     @classmethod
     def build(cls, train_text: str, **options: Any) -> "ByteTokenizer":
         if options:
-            raise UserError(f"the byte tokenizer takes no options, got: {', '.join(options)}")
+            raise ValueError(f"the byte tokenizer takes no options, got: {', '.join(options)}")
         return cls()
 
 
@@ -225,11 +225,11 @@ class CharTokenizer(Tokenizer):
         chars = list(chars)
         for c in chars:
             if not isinstance(c, str) or len(c) != 1:
-                raise UserError(f"a char tokenizer's vocabulary holds single characters, "
-                                f"got {c!r}; the saved tokenizer is corrupt")
+                raise ValueError(f"a char tokenizer's vocabulary holds single characters, "
+                                 f"got {c!r}; the saved tokenizer is corrupt")
         if len(set(chars)) != len(chars) or chars != sorted(chars):
-            raise UserError("a char tokenizer's characters must be distinct and sorted; "
-                            "the saved tokenizer is corrupt, rebuild it from the training text")
+            raise ValueError("a char tokenizer's characters must be distinct and sorted; "
+                             "the saved tokenizer is corrupt, rebuild it from the training text")
         self.chars: tuple[str, ...] = tuple(chars)
         self._cps = _code_points("".join(self.chars))  # sorted, uint32
         # encode table: code point -> id, dense up to the largest known code
@@ -272,18 +272,18 @@ class CharTokenizer(Tokenizer):
     def from_dict(cls, d: dict[str, Any]) -> "CharTokenizer":
         chars = d.get("chars")
         if not isinstance(chars, str):
-            raise UserError("a saved char tokenizer needs a 'chars' string; the saved "
-                            "tokenizer is corrupt, rebuild it from the training text")
+            raise ValueError("a saved char tokenizer needs a 'chars' string; the saved "
+                             "tokenizer is corrupt, rebuild it from the training text")
         return cls(chars)
 
     @classmethod
     def build(cls, train_text: str, **options: Any) -> "CharTokenizer":
         if options:
-            raise UserError(f"the char tokenizer takes no options, got: {', '.join(options)}")
+            raise ValueError(f"the char tokenizer takes no options, got: {', '.join(options)}")
         _check_text(train_text)
         if not train_text:
-            raise UserError("cannot build a char tokenizer from an empty training text; "
-                            "check that the corpus's train split is not empty")
+            raise ValueError("cannot build a char tokenizer from an empty training text; "
+                             "check that the corpus's train split is not empty")
         uniq = np.unique(_code_points(train_text))
         chars = uniq.astype("<u4").tobytes().decode("utf-32-le", errors="surrogatepass")
         return cls(chars)
@@ -309,15 +309,15 @@ def _lines(text: str) -> list[str]:
 def _check_options(kind: str, options: dict[str, Any], allowed: Sequence[str]) -> None:
     unknown = [k for k in options if k not in allowed]
     if unknown:
-        raise UserError(f"the {kind} tokenizer does not take option(s) {', '.join(unknown)}; "
-                        f"its options are: {', '.join(allowed)}")
+        raise ValueError(f"the {kind} tokenizer does not take option(s) {', '.join(unknown)}; "
+                         f"its options are: {', '.join(allowed)}")
 
 
 def _check_int(name: str, value: Any, minimum: int, kind: str, hint: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise UserError(f"{kind} tokenizer option {name} must be an integer, got {value!r}")
+        raise ValueError(f"{kind} tokenizer option {name} must be an integer, got {value!r}")
     if value < minimum:
-        raise UserError(f"{kind} tokenizer option {name}={value} is too small; {hint}")
+        raise ValueError(f"{kind} tokenizer option {name}={value} is too small; {hint}")
     return int(value)
 
 
@@ -355,18 +355,18 @@ class WordTokenizer(Tokenizer):
     def __init__(self, vocab: Sequence[str], lowercase: bool = False):
         vocab = list(vocab)
         if len(vocab) < 2 or tuple(vocab[:2]) != self.SPECIALS:
-            raise UserError("a word tokenizer's vocabulary must start with '<unk>', '<eos>'; "
-                            "the saved tokenizer is corrupt, rebuild it from the training text")
+            raise ValueError("a word tokenizer's vocabulary must start with '<unk>', '<eos>'; "
+                             "the saved tokenizer is corrupt, rebuild it from the training text")
         for w in vocab:
             if not isinstance(w, str) or not w or len(w.split()) != 1 or w.strip() != w:
-                raise UserError(f"a word tokenizer's vocabulary holds non-empty words without "
-                                f"whitespace, got {w!r}; the saved tokenizer is corrupt")
+                raise ValueError(f"a word tokenizer's vocabulary holds non-empty words without "
+                                 f"whitespace, got {w!r}; the saved tokenizer is corrupt")
         if len(set(vocab)) != len(vocab):
-            raise UserError("a word tokenizer's vocabulary has duplicate words; the saved "
-                            "tokenizer is corrupt, rebuild it from the training text")
+            raise ValueError("a word tokenizer's vocabulary has duplicate words; the saved "
+                             "tokenizer is corrupt, rebuild it from the training text")
         if not isinstance(lowercase, bool):
-            raise UserError(f"word tokenizer option lowercase must be True or False, "
-                            f"got {lowercase!r}")
+            raise ValueError(f"word tokenizer option lowercase must be True or False, "
+                             f"got {lowercase!r}")
         self.vocab: tuple[str, ...] = tuple(vocab)
         self.lowercase = lowercase
         self._ids: dict[str, int] = {w: i for i, w in enumerate(self.vocab)}
@@ -422,8 +422,8 @@ class WordTokenizer(Tokenizer):
     def from_dict(cls, d: dict[str, Any]) -> "WordTokenizer":
         vocab = d.get("vocab")
         if not isinstance(vocab, list):
-            raise UserError("a saved word tokenizer needs a 'vocab' list; the saved tokenizer "
-                            "is corrupt, rebuild it from the training text")
+            raise ValueError("a saved word tokenizer needs a 'vocab' list; the saved tokenizer "
+                             "is corrupt, rebuild it from the training text")
         return cls(vocab, lowercase=d.get("lowercase", False))
 
     @classmethod
@@ -441,8 +441,8 @@ class WordTokenizer(Tokenizer):
                               "use 1 (keep every word) or more")
         lowercase = options.get("lowercase", False)
         if not isinstance(lowercase, bool):
-            raise UserError(f"word tokenizer option lowercase must be True or False, "
-                            f"got {lowercase!r}")
+            raise ValueError(f"word tokenizer option lowercase must be True or False, "
+                             f"got {lowercase!r}")
         _check_text(train_text)
         if lowercase:
             train_text = train_text.lower()
@@ -450,8 +450,8 @@ class WordTokenizer(Tokenizer):
         for w in train_text.split():  # dicts keep first-occurrence order
             counts[w] = counts.get(w, 0) + 1
         if not counts:
-            raise UserError("cannot build a word tokenizer from a training text with no words; "
-                            "check that the corpus's train split is not empty or blank")
+            raise ValueError("cannot build a word tokenizer from a training text with no words; "
+                             "check that the corpus's train split is not empty or blank")
         for s in cls.SPECIALS:
             counts.pop(s, None)
         # sorted() is stable: equal counts keep first-occurrence order.
@@ -467,17 +467,12 @@ class WordTokenizer(Tokenizer):
 
 # ----------------------------------------------------------------------------- subword
 
-SENTENCEPIECE_INSTALL_HINT = "pip install sentencepiece"
 _SP_MODEL_TYPES = ("unigram", "bpe", "char", "word")
 
 
 def _import_sentencepiece() -> Any:
-    try:
-        import sentencepiece as spm
-    except ImportError:
-        raise UserError("the sentencepiece tokenizer needs the sentencepiece package: "
-                        f"{SENTENCEPIECE_INSTALL_HINT} (or pip install 'srupp[subword]')") from None
-    return spm
+    """The sentencepiece module, or MissingExtra naming ``pip install 'srupp[subword]'``."""
+    return require("sentencepiece", "subword", "the sentencepiece tokenizer")
 
 
 @register_tokenizer
@@ -504,18 +499,18 @@ class SentencePieceTokenizer(Tokenizer):
     def __init__(self, model_proto: bytes):
         spm = _import_sentencepiece()
         if not isinstance(model_proto, (bytes, bytearray)) or not model_proto:
-            raise UserError("a sentencepiece tokenizer needs a serialized model; the saved "
-                            "tokenizer is corrupt, rebuild it from the training text")
+            raise ValueError("a sentencepiece tokenizer needs a serialized model; the saved "
+                             "tokenizer is corrupt, rebuild it from the training text")
         sp = spm.SentencePieceProcessor()
         try:
             sp.LoadFromSerializedProto(bytes(model_proto))
         except (RuntimeError, OSError) as e:
-            raise UserError(f"cannot load the sentencepiece model ({e}); the saved tokenizer "
-                            "is corrupt, rebuild it from the training text") from None
+            raise ValueError(f"cannot load the sentencepiece model ({e}); the saved tokenizer "
+                             "is corrupt, rebuild it from the training text") from None
         if sp.unk_id() != self.unk_id or sp.eos_id() != self.eos_id:
-            raise UserError(f"this sentencepiece model has unk id {sp.unk_id()} and eos id "
-                            f"{sp.eos_id()}, srupp needs 0 and 1; build it with "
-                            "build_tokenizer('sentencepiece', ...)")
+            raise ValueError(f"this sentencepiece model has unk id {sp.unk_id()} and eos id "
+                             f"{sp.eos_id()}, srupp needs 0 and 1; build it with "
+                             "build_tokenizer('sentencepiece', ...)")
         self.model_proto = bytes(model_proto)
         self._sp = sp
 
@@ -561,13 +556,13 @@ class SentencePieceTokenizer(Tokenizer):
     def from_dict(cls, d: dict[str, Any]) -> "SentencePieceTokenizer":
         model = d.get("model")
         if not isinstance(model, str):
-            raise UserError("a saved sentencepiece tokenizer needs a 'model' string; the saved "
-                            "tokenizer is corrupt, rebuild it from the training text")
+            raise ValueError("a saved sentencepiece tokenizer needs a 'model' string; the saved "
+                             "tokenizer is corrupt, rebuild it from the training text")
         try:
             proto = base64.b64decode(model.encode("ascii"), validate=True)
         except (ValueError, UnicodeEncodeError):
-            raise UserError("a saved sentencepiece tokenizer's 'model' is not valid base64; "
-                            "the saved tokenizer is corrupt, rebuild it") from None
+            raise ValueError("a saved sentencepiece tokenizer's 'model' is not valid base64; "
+                             "the saved tokenizer is corrupt, rebuild it") from None
         return cls(proto)
 
     @classmethod
@@ -580,14 +575,14 @@ class SentencePieceTokenizer(Tokenizer):
                                 "sentencepiece", "use at least 3")
         model_type = options.get("model_type", "unigram")
         if model_type not in _SP_MODEL_TYPES:
-            raise UserError(f"sentencepiece model_type {model_type!r} is unknown; choose one of: "
-                            f"{', '.join(_SP_MODEL_TYPES)}")
+            raise ValueError(f"sentencepiece model_type {model_type!r} is unknown; choose one of: "
+                             f"{', '.join(_SP_MODEL_TYPES)}")
         _check_text(train_text)
         spm = _import_sentencepiece()
         sentences = [line for line in _lines(train_text) if line.strip()]
         if not sentences:
-            raise UserError("cannot build a sentencepiece tokenizer from a training text with "
-                            "no words; check that the corpus's train split is not empty")
+            raise ValueError("cannot build a sentencepiece tokenizer from a training text with "
+                             "no words; check that the corpus's train split is not empty")
         model = io.BytesIO()
         try:
             spm.SentencePieceTrainer.train(
@@ -599,8 +594,8 @@ class SentencePieceTokenizer(Tokenizer):
         except RuntimeError as e:
             msg = " ".join(str(e).split())
             msg = msg.split("] ", 1)[-1]  # drop sentencepiece's "INTERNAL: file.cc(n) [check]"
-            raise UserError(f"sentencepiece could not train on the training text: {msg}; "
-                            "adjust vocab_size") from None
+            raise ValueError(f"sentencepiece could not train on the training text: {msg}; "
+                             "adjust vocab_size") from None
         return cls(model.getvalue())
 
     def __repr__(self) -> str:
@@ -611,20 +606,20 @@ def build_tokenizer(kind: str, train_text: str, **options: Any) -> Tokenizer:
     """Build a tokenizer of ``kind`` (``"byte"``, ``"char"``, ``"word"`` or
     ``"sentencepiece"``) from the training split. ``options`` go to the kind's
     ``build`` (e.g. ``vocab_size``, ``min_freq``, ``lowercase`` for ``"word"``);
-    an option the kind does not take raises :class:`~srupp.errors.UserError`."""
+    an option the kind does not take raises ``ValueError``."""
     cls = TOKENIZERS.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise UserError(f"unknown tokenizer kind {kind!r}; choose one of: {_known_kinds()}")
+        raise ValueError(f"unknown tokenizer kind {kind!r}; choose one of: {_known_kinds()}")
     return cls.build(train_text, **options)
 
 
 def tokenizer_from_dict(d: dict[str, Any]) -> Tokenizer:
     """Rebuild a tokenizer saved with ``to_dict()``."""
     if not isinstance(d, dict) or "type" not in d:
-        raise UserError("a saved tokenizer must be a dict with a 'type' key "
-                        f"(one of: {_known_kinds()}); the checkpoint or file is corrupt")
+        raise ValueError("a saved tokenizer must be a dict with a 'type' key "
+                         f"(one of: {_known_kinds()}); the checkpoint or file is corrupt")
     cls = TOKENIZERS.get(d["type"])
     if cls is None:
-        raise UserError(f"unknown saved tokenizer type {d['type']!r}; known types: "
-                        f"{_known_kinds()} (was it saved by a newer srupp?)")
+        raise ValueError(f"unknown saved tokenizer type {d['type']!r}; known types: "
+                         f"{_known_kinds()} (was it saved by a newer srupp?)")
     return cls.from_dict(d)

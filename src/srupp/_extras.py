@@ -1,0 +1,38 @@
+"""Optional dependencies: import one, or say which ``pip install`` line adds it.
+
+The core package needs only torch, numpy, safetensors and tqdm. Everything
+else belongs to an extra of ``pyproject.toml`` (plots, subword, translation,
+triton, onnx, hf; ``all`` is every one of them), imported where it is used::
+
+    plt = require("matplotlib.pyplot", "plots", "srupp compare's curves.png")
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Optional
+
+
+class MissingExtra(ImportError, ValueError):
+    """An optional dependency is not installed; the message names the fix.
+
+    An ``ImportError`` (what it is) and a ``ValueError``, so the CLI prints it
+    as one line and exits with code 2, like any other fixable input.
+    """
+
+
+def require(module: str, extra: str, what: Optional[str] = None) -> ModuleType:
+    """Import ``module`` (dotted names allowed), or raise :class:`MissingExtra`.
+
+    ``extra`` is the ``srupp[extra]`` group that installs it; ``what`` names
+    the feature that needs it (default: srupp).
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        top = module.split(".")[0]
+        if e.name is not None and e.name != top and not e.name.startswith(top + "."):
+            raise  # the package is there; something it imports is broken
+        raise MissingExtra(f"{what or 'srupp'} needs {top}: pip install 'srupp[{extra}]'",
+                           name=top) from None
