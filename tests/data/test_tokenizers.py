@@ -14,7 +14,6 @@ from srupp.data import (
     build_tokenizer,
     tokenizer_from_dict,
 )
-from srupp.errors import UserError
 
 TEXTS = ["", "hello world\n", "naïve café — Ωμέγα, 日本語, emoji 😀👍🏽\r\n\ttab"]
 
@@ -84,32 +83,32 @@ def test_build_tokenizer_kinds_and_errors():
     char = build_tokenizer("char", "cab")
     assert isinstance(char, CharTokenizer) and char.chars == ("a", "b", "c")
     assert {"byte", "char"} <= set(TOKENIZERS)
-    with pytest.raises(UserError) as e:
+    with pytest.raises(ValueError) as e:
         build_tokenizer("bpe", "abc")
     msg = one_line_error(e)
     assert "'bpe'" in msg and "byte" in msg and "char" in msg
-    with pytest.raises(UserError, match="empty training text"):
+    with pytest.raises(ValueError, match="empty training text"):
         build_tokenizer("char", "")
 
 
 def test_from_dict_errors():
-    with pytest.raises(UserError, match="'type'"):
+    with pytest.raises(ValueError, match="'type'"):
         tokenizer_from_dict({"chars": "abc"})
-    with pytest.raises(UserError) as e:
+    with pytest.raises(ValueError) as e:
         tokenizer_from_dict({"type": "wordpiece"})
     assert "wordpiece" in one_line_error(e) and "char" in str(e.value)
-    with pytest.raises(UserError, match="'chars'"):
+    with pytest.raises(ValueError, match="'chars'"):
         tokenizer_from_dict({"type": "char"})
-    with pytest.raises(UserError, match="sorted"):
+    with pytest.raises(ValueError, match="sorted"):
         tokenizer_from_dict({"type": "char", "chars": "ba"})
 
 
 @pytest.mark.parametrize("tok", [ByteTokenizer(), CharTokenizer.build("abc")], ids=["byte", "char"])
 def test_decode_bad_ids(tok):
-    with pytest.raises(UserError) as e:
+    with pytest.raises(ValueError) as e:
         tok.decode([1, tok.vocab_size])
     assert str(tok.vocab_size) in one_line_error(e)
-    with pytest.raises(UserError, match="outside"):
+    with pytest.raises(ValueError, match="outside"):
         tok.decode(torch.tensor([-1]))
     with pytest.raises(ValueError, match="1-D"):
         tok.decode(torch.zeros(2, 2, dtype=torch.long))

@@ -1,6 +1,7 @@
 """Word-level and SentencePiece tokenizers."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -11,7 +12,6 @@ from srupp.data.tokenizers import (
     build_tokenizer,
     tokenizer_from_dict,
 )
-from srupp.errors import UserError
 
 TRAIN = "the cat sat on the mat\nthe dog sat\na cat ran\n"
 
@@ -101,13 +101,13 @@ def test_to_dict_from_dict():
     back = tokenizer_from_dict(d)
     assert isinstance(back, WordTokenizer) and back == tok
     assert back.encode(TRAIN).tolist() == tok.encode(TRAIN).tolist()
-    with pytest.raises(UserError, match="corrupt"):
+    with pytest.raises(ValueError, match="corrupt"):
         tokenizer_from_dict({"type": "word"})
-    with pytest.raises(UserError, match="<unk>"):
+    with pytest.raises(ValueError, match="<unk>"):
         tokenizer_from_dict({"type": "word", "vocab": ["a", "b"]})
-    with pytest.raises(UserError, match="duplicate"):
+    with pytest.raises(ValueError, match="duplicate"):
         tokenizer_from_dict({"type": "word", "vocab": ["<unk>", "<eos>", "a", "a"]})
-    with pytest.raises(UserError, match="whitespace"):
+    with pytest.raises(ValueError, match="whitespace"):
         tokenizer_from_dict({"type": "word", "vocab": ["<unk>", "<eos>", "a b"]})
 
 
@@ -121,18 +121,18 @@ def test_to_dict_from_dict():
     ({"vocab": 10}, "does not take option"),
 ])
 def test_build_option_errors(options, match):
-    with pytest.raises(UserError, match=match) as e:
+    with pytest.raises(ValueError, match=match) as e:
         build_tokenizer("word", TRAIN, **options)
     assert "\n" not in str(e.value)
 
 
 def test_errors():
-    with pytest.raises(UserError, match="no words"):
+    with pytest.raises(ValueError, match="no words"):
         build_tokenizer("word", "  \n\t\n")
-    with pytest.raises(UserError, match="no words"):
+    with pytest.raises(ValueError, match="no words"):
         build_tokenizer("word", "")
     tok = build_tokenizer("word", TRAIN)
-    with pytest.raises(UserError, match="outside"):
+    with pytest.raises(ValueError, match="outside"):
         tok.decode([tok.vocab_size])
     with pytest.raises(TypeError, match="str"):
         tok.encode(b"bytes")
@@ -169,19 +169,11 @@ SP_TRAIN = "\n".join(
 ) + "\n"
 
 
-def test_sentencepiece_missing_gives_user_error(monkeypatch):
-    import builtins
-
-    real_import = builtins.__import__
-
-    def fake_import(name, *args, **kwargs):
-        if name == "sentencepiece":
-            raise ImportError("no sentencepiece")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", fake_import)
-    with pytest.raises(UserError, match="pip install sentencepiece"):
+def test_sentencepiece_missing_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sentencepiece", None)  # makes the import fail
+    with pytest.raises(ValueError, match=r"pip install 'srupp\[subword\]'") as e:
         build_tokenizer("sentencepiece", SP_TRAIN, vocab_size=50)
+    assert "\n" not in str(e.value)
 
 
 @needs_sp
@@ -206,18 +198,18 @@ def test_sentencepiece_round_trip_and_save(model_type):
 
 @needs_sp
 def test_sentencepiece_errors():
-    with pytest.raises(UserError, match="does not take option"):
+    with pytest.raises(ValueError, match="does not take option"):
         build_tokenizer("sentencepiece", SP_TRAIN, lowercase=True)
-    with pytest.raises(UserError, match="model_type"):
+    with pytest.raises(ValueError, match="model_type"):
         build_tokenizer("sentencepiece", SP_TRAIN, model_type="wordpiece")
-    with pytest.raises(UserError, match="vocab_size"):
+    with pytest.raises(ValueError, match="vocab_size"):
         build_tokenizer("sentencepiece", SP_TRAIN, vocab_size=100_000)
-    with pytest.raises(UserError, match="at least 3"):
+    with pytest.raises(ValueError, match="at least 3"):
         build_tokenizer("sentencepiece", SP_TRAIN, vocab_size=2)
-    with pytest.raises(UserError, match="no words"):
+    with pytest.raises(ValueError, match="no words"):
         build_tokenizer("sentencepiece", "\n \n")
-    with pytest.raises(UserError, match="corrupt"):
+    with pytest.raises(ValueError, match="corrupt"):
         tokenizer_from_dict({"type": "sentencepiece"})
-    with pytest.raises(UserError):
+    with pytest.raises(ValueError):
         tokenizer_from_dict({"type": "sentencepiece", "model": "bm90IGEgbW9kZWw="})
 

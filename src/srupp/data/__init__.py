@@ -7,10 +7,10 @@ character, word and SentencePiece subword. :class:`StreamBatcher` cuts a token
 stream into Transformer-XL style batches whose streams continue from batch to
 batch.
 
-Problems with the data itself (a missing or damaged file, too little text, a
-saved state that does not fit) raise :class:`~srupp.errors.UserError`, a
-``ValueError`` whose message names the fix; wrong arguments raise plain
-``ValueError`` or ``TypeError``.
+Problems raise a plain ``ValueError`` (bad data: a missing or damaged file,
+too little text, a saved state that does not fit; or a bad argument value) or
+``TypeError`` (an argument of the wrong type), with a one-line message in the
+terms of this API that names the fix.
 """
 
 from .batching import Batch, StreamBatcher

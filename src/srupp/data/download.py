@@ -40,8 +40,8 @@ unlike :mod:`srupp._files`' temporaries it outlives a failed run, so that the
 next one can resume. The finished file is moved into place with
 :func:`os.replace`, then verified: the expected members and their sizes, and
 every member's CRC-32 (:meth:`zipfile.ZipFile.testzip`). A file that
-fails is deleted and a :class:`~srupp.errors.UserError` names it, what was
-expected and what was found. After a successful check a small stamp file
+fails is deleted and a ``ValueError`` names it, what was expected and what
+was found. After a successful check a small stamp file
 (``<archive>.verified``, the archive's size and mtime) spares re-checking the
 CRCs on every load; an archive put in the cache by hand is checked on first use.
 
@@ -69,7 +69,6 @@ from typing import Mapping
 from tqdm import tqdm
 
 from srupp._files import atomic_write_text
-from srupp.errors import UserError
 
 from .corpora import SPLITS, Corpus, _decode, cache_dir, register_corpus
 
@@ -233,9 +232,8 @@ def download(url: str, dest: str | Path, *, retries: int = 3, timeout: float = T
     """Download ``url`` to ``dest`` via ``dest.part``, resuming a partial file.
 
     Interruptions mid-transfer are resumed up to ``retries`` times; then a
-    :class:`~srupp.errors.UserError` says to run again (the ``.part`` file is
-    kept). Connection failures and HTTP errors raise a
-    :class:`~srupp.errors.UserError` naming the URL and
+    ``ValueError`` says to run again (the ``.part`` file is kept). Connection
+    failures and HTTP errors raise a ``ValueError`` naming the URL and
     ``dest``, where the file can be put by hand. The finished file is moved to
     ``dest`` with :func:`os.replace`; it is not verified here.
     """
@@ -244,8 +242,8 @@ def download(url: str, dest: str | Path, *, retries: int = 3, timeout: float = T
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UserError(f"cannot create the cache folder {str(dest.parent)!r}: "
-                        f"{e.strerror or e}; set SRUPP_CACHE to a writable folder") from None
+        raise ValueError(f"cannot create the cache folder {str(dest.parent)!r}: "
+                         f"{e.strerror or e}; set SRUPP_CACHE to a writable folder") from None
     by_hand = f"download it elsewhere and put it at {dest}"
     attempt = 0
     while True:
@@ -255,17 +253,17 @@ def download(url: str, dest: str | Path, *, retries: int = 3, timeout: float = T
         except _Interrupted as e:
             if attempt >= retries:
                 have = part.stat().st_size if part.exists() else 0
-                raise UserError(f"download of {url} was interrupted ({e}); {have:,} bytes are "
-                                f"kept in {part}: run again to resume, or {by_hand}") from None
+                raise ValueError(f"download of {url} was interrupted ({e}); {have:,} bytes are "
+                                 f"kept in {part}: run again to resume, or {by_hand}") from None
             attempt += 1
             time.sleep(RETRY_WAIT_S * attempt)
         except urllib.error.HTTPError as e:
-            raise UserError(f"cannot download {url}: HTTP {e.code} {e.reason}; "
-                            f"{by_hand}") from None
+            raise ValueError(f"cannot download {url}: HTTP {e.code} {e.reason}; "
+                             f"{by_hand}") from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as e:
             reason = getattr(e, "reason", None) or e
-            raise UserError(f"cannot download {url} (no network? {reason}); "
-                            f"{by_hand}") from None
+            raise ValueError(f"cannot download {url} (no network? {reason}); "
+                             f"{by_hand}") from None
     os.replace(part, dest)
     return dest
 
@@ -332,7 +330,7 @@ def verify_archive(path: str | Path, spec: DatasetSpec, *, delete_bad: bool = Tr
     """Check a corpus archive: members, their sizes and CRC-32s.
 
     On failure deletes the file (when ``delete_bad``) and raises a
-    :class:`~srupp.errors.UserError` naming it, what was expected and what was found. On
+    ``ValueError`` naming it, what was expected and what was found. On
     success writes the ``.verified`` stamp next to it (when that is possible),
     and a later call with an unchanged file returns at once.
     """
@@ -358,7 +356,7 @@ def verify_archive(path: str | Path, spec: DatasetSpec, *, delete_bad: bool = Tr
             action = "it was deleted; run again to download it afresh"
         except OSError as e:
             action = f"deleting it failed ({e.strerror or e}); delete it by hand"
-    raise UserError(f"archive {path} is damaged: {problem}; {action}")
+    raise ValueError(f"archive {path} is damaged: {problem}; {action}")
 
 
 def fetch(name: str, *, retries: int = 3, progress: bool = True) -> Path:
@@ -394,12 +392,12 @@ def _read_member(zf: zipfile.ZipFile, member: str, spec: DatasetSpec, where: Pat
     try:
         data = zf.read(member)
     except (KeyError, zipfile.BadZipFile, zlib.error, OSError) as e:
-        raise UserError(f"cannot read member {member!r} of {where}: {e}; delete the file "
-                        "and run again to download it afresh") from None
+        raise ValueError(f"cannot read member {member!r} of {where}: {e}; delete the file "
+                         "and run again to download it afresh") from None
     want = spec.sizes.get(member)
     if want is not None and len(data) != want:
-        raise UserError(f"member {member!r} of {where} should be {want:,} bytes but is "
-                        f"{len(data):,}; delete the file and run again")
+        raise ValueError(f"member {member!r} of {where} should be {want:,} bytes but is "
+                         f"{len(data):,}; delete the file and run again")
     return data
 
 
@@ -407,17 +405,17 @@ def _check_tokens(name: str, split: str, member: str, text: str, spec: DatasetSp
                   path: Path) -> None:
     words, lines = count_tokens(text)
     if words == 0:
-        raise UserError(f"corpus {name!r}: {member} ({split} split) in {path} has no tokens; "
-                        "it is not the expected archive: delete it and run again")
+        raise ValueError(f"corpus {name!r}: {member} ({split} split) in {path} has no tokens; "
+                         "it is not the expected archive: delete it and run again")
     want = (spec.token_counts or {}).get(split)
     if want is None:
         return
     got = words + lines
     if abs(got - want) > spec.token_tolerance * want:
-        raise UserError(f"corpus {name!r}: {member} ({split} split) has {got:,} tokens "
-                        f"({words:,} words + {lines:,} line ends), expected {want:,} "
-                        f"(within {spec.token_tolerance:.0%}); {path} is not the expected "
-                        "archive: delete it and run again")
+        raise ValueError(f"corpus {name!r}: {member} ({split} split) has {got:,} tokens "
+                         f"({words:,} words + {lines:,} line ends), expected {want:,} "
+                         f"(within {spec.token_tolerance:.0%}); {path} is not the expected "
+                         "archive: delete it and run again")
 
 
 def load_downloaded(name: str, source: str | Path | None = None, *,
@@ -436,13 +434,13 @@ def load_downloaded(name: str, source: str | Path | None = None, *,
         if path.is_dir():
             path = path / spec.archive
         if not path.is_file():
-            raise UserError(f"no {name} archive at {str(path)!r}; give the path of "
-                            f"{spec.archive} (from {spec.url})")
+            raise ValueError(f"no {name} archive at {str(path)!r}; give the path of "
+                             f"{spec.archive} (from {spec.url})")
         verify_archive(path, spec, delete_bad=False)
     try:
         zf = zipfile.ZipFile(path)
     except (zipfile.BadZipFile, OSError) as e:
-        raise UserError(f"cannot open {path}: {e}; delete it and run again") from None
+        raise ValueError(f"cannot open {path}: {e}; delete it and run again") from None
     with zf:
         blobs = [_read_member(zf, m, spec, path) for m in spec.members]
 
