@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Sequence, Union
 import numpy as np
 import torch
 
-from srupp.errors import UserError
+from srupp._extras import require
 
 __all__ = [
     "Tokenizer",
@@ -467,17 +467,12 @@ class WordTokenizer(Tokenizer):
 
 # ----------------------------------------------------------------------------- subword
 
-SENTENCEPIECE_INSTALL_HINT = "pip install sentencepiece"
 _SP_MODEL_TYPES = ("unigram", "bpe", "char", "word")
 
 
 def _import_sentencepiece() -> Any:
-    try:
-        import sentencepiece as spm
-    except ImportError:
-        raise UserError("the sentencepiece tokenizer needs the sentencepiece package: "
-                        f"{SENTENCEPIECE_INSTALL_HINT} (or pip install 'srupp[subword]')") from None
-    return spm
+    """The sentencepiece module, or MissingExtra naming ``pip install 'srupp[subword]'``."""
+    return require("sentencepiece", "subword", "the sentencepiece tokenizer")
 
 
 @register_tokenizer
