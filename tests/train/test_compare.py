@@ -1,11 +1,17 @@
-"""srupp compare: matched sizes, results files, per-model resume/skip, input errors."""
+"""srupp compare: matched sizes, results files, per-model resume/skip, input errors,
+its own directories only, settings recorded with each result, packaged recipes."""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
+from srupp._extras import MissingExtra
 from srupp.cli import main
 from srupp.train import compare as compare_mod
+
+ROOT = Path(__file__).resolve().parents[2]
 
 FAST = ["train.batch_size=2", "train.unroll=16", "train.eval_every=20", "train.save_every=20",
         "train.log_every=10", "train.eval_max_batches=2", "eval.batch_size=2",
@@ -53,7 +59,7 @@ def test_compare_writes_results_and_skips_finished_models(tmp_path, corpus, monk
         raise AssertionError("a finished model was trained again")
 
     monkeypatch.setattr("srupp.train.trainer.Trainer.__init__", no_training)
-    assert run(corpus, out, models="srupp,lstm") == 0
+    assert run(corpus, out, models="srupp,lstm", sets=["lstm:train.lr=1e-3"]) == 0
     assert {n: (out / n / "summary.json").stat().st_mtime_ns for n in mtimes} == mtimes
     again = json.loads((out / "results.json").read_text())
     assert [m["name"] for m in again["models"]] == ["srupp", "lstm"]
@@ -117,7 +123,8 @@ def test_per_model_overrides_apply_to_that_model_only(corpus):
 
 
 def test_tuned_learning_rates_apply_unless_overridden(tmp_path, corpus, monkeypatch):
-    monkeypatch.setitem(compare_mod.TUNED_LR, str(corpus), {"srupp": 2e-3, "lstm": 4e-3})
+    monkeypatch.setattr(compare_mod, "load_tuned_lr",
+                        lambda: {str(corpus): {"srupp": 2e-3, "lstm": 4e-3}})
     out = tmp_path / "tuned"
     # srupp-attn-last-1 inherits srupp's rate; lstm's own --set wins over the table
     assert run(corpus, out, models="srupp,srupp-attn-last-1,lstm",
@@ -129,3 +136,99 @@ def test_tuned_learning_rates_apply_unless_overridden(tmp_path, corpus, monkeypa
     assert run(corpus, out2, models="srupp,lstm", sets=["train.lr=5e-3"]) == 0
     lrs = {m["name"]: m["lr"] for m in json.loads((out2 / "results.json").read_text())["models"]}
     assert lrs == {"srupp": 5e-3, "lstm": 5e-3}
+
+
+def no_training(*a, **k):
+    raise AssertionError("compare trained a model")
+
+
+def test_a_directory_compare_did_not_create_is_never_removed(tmp_path, corpus, monkeypatch, capsys):
+    out = tmp_path / "cmp"
+    mine = out / "lstm"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("my own work")
+    monkeypatch.setattr("srupp.train.trainer.Trainer.__init__", no_training)
+    assert run(corpus, out, models="srupp,lstm") == 2
+    err = capsys.readouterr().err.strip()
+    assert str(mine) in err and "not created by srupp compare" in err and "--out" in err
+    assert "\n" not in err
+    assert (mine / "notes.txt").read_text() == "my own work"
+    assert sorted(p.name for p in out.iterdir()) == ["lstm"]  # srupp was not started either
+
+
+def test_compare_restarts_its_own_directory_that_never_reached_a_checkpoint(
+        tmp_path, corpus, monkeypatch):
+    out = tmp_path / "cmp"
+    seen = []
+
+    def interrupted(self, cfg, run_dir, *, resume=False, progress=True):
+        seen.append(resume)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("srupp.train.trainer.Trainer.__init__", interrupted)
+    assert run(corpus, out, models="lstm") == 130
+    settings = json.loads((out / "lstm" / "compare.json").read_text())
+    assert settings["params_target"] == 20000 and settings["config"]["train"]["max_seconds"] == 1
+    (out / "lstm" / "partial.txt").write_text("left by the interrupted start")
+    assert run(corpus, out, models="lstm") == 130
+    assert seen == [False, False]
+    assert sorted(p.name for p in (out / "lstm").iterdir()) == ["compare.json"]
+
+
+def test_a_result_made_with_other_settings_is_not_reported_as_new(
+        tmp_path, corpus, monkeypatch, capsys):
+    out = tmp_path / "cmp"
+    assert run(corpus, out, models="lstm") == 0
+    summary = out / "lstm" / "summary.json"
+    before = summary.read_bytes()
+    capsys.readouterr()
+    monkeypatch.setattr("srupp.train.trainer.Trainer.__init__", no_training)
+    for args, words in [({"params": "30000"}, "--params 20000 -> 30000"),
+                        ({"budget": "2"}, "--budget 1.0 -> 2.0"),
+                        ({"sets": ["lstm:train.lr=1e-3"]}, "train.lr 0.008 -> 0.001")]:
+        assert run(corpus, out, models="lstm", **args) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and words in err, err
+        assert f"{out / 'lstm'} holds lstm's result made with other settings" in err
+        assert "another --out" in err and f"delete {out / 'lstm'}" in err
+    assert summary.read_bytes() == before
+    # an unfinished run is not resumed under other settings either
+    summary.unlink()
+    assert run(corpus, out, models="lstm", budget="2") == 2
+    assert "lstm's unfinished run made with other settings" in capsys.readouterr().err
+
+
+def test_missing_matplotlib_names_the_extra_before_training(tmp_path, corpus, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setattr("srupp.train.trainer.Trainer.__init__", no_training)
+    with pytest.raises(MissingExtra, match=r"needs matplotlib: pip install 'srupp\[plots\]'"):
+        compare_mod.compare(str(corpus), 1, 20000, models="lstm", out=tmp_path / "cmp")
+    assert not (tmp_path / "cmp").exists()
+    with pytest.raises(ValueError, match=r"pip install 'srupp\[plots\]'"):
+        compare_mod.plot_curves(tmp_path / "c.png", {}, "bpc", {})
+
+
+def test_recipes_and_tuned_rates_are_package_data():
+    # one copy: the packaged recipe is the repository's recipes/ file
+    for data, name in [("shakespeare", "shakespeare-cpu.toml"), ("brown", "brown-cpu.toml")]:
+        path = compare_mod.default_recipe(data)
+        assert path.name == name and path.samefile(ROOT / "recipes" / name)
+    tuned = compare_mod.load_tuned_lr()
+    # the rates chosen by the README's "Learning-rate tuning" sweeps
+    assert tuned == {"shakespeare": {"srupp": 2e-2, "sru": 1.5e-2, "lstm": 5e-2, "gru": 1.5e-2,
+                                     "transformer": 8e-3}}
+    with pytest.raises(Exception, match="no packaged recipe 'nope.toml'"):
+        compare_mod.packaged_recipe("nope.toml")
+
+
+@pytest.mark.parametrize("text, words", [
+    ("[shakespeare]\nmamba = 1e-3\n", "unknown model 'mamba'"),
+    ("[shakespeare]\nlstm = -1\n", "lstm must be a positive number"),
+    ("shakespeare = 1\n", "must be a table"),
+    ("[shakespeare\n", "not valid TOML"),
+])
+def test_a_bad_tuned_rate_table_is_a_value_error(tmp_path, text, words):
+    path = tmp_path / "lr.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=words):
+        compare_mod.load_tuned_lr(path)

@@ -3,13 +3,30 @@
 Every model is sized to about the same number of parameters (its depth fixed,
 its width searched), trained for the same seconds on the same data, evaluated
 the same way, and timed generating at batch 1. The results go to
-``DIR/results.json``, ``DIR/results.md`` and ``DIR/curves.png``; each model
-trains into ``DIR/<name>/`` and a finished one (``summary.json``) is skipped
-when the command is run again.
+``DIR/results.json``, ``DIR/results.md`` and ``DIR/curves.png``.
+
+Each model trains into ``DIR/<name>/``. Before its trainer starts, compare
+creates that directory and writes ``compare.json`` into it: the settings the
+result is made with (the ``--params`` target and the model's whole resolved
+run config, which holds ``--budget``, the learning rate and every ``--set``).
+Run again, compare skips a finished model (``summary.json``) and resumes an
+unfinished one, but only when its settings are the same. Otherwise it refuses
+before training anything, naming what differs: old figures are never reported
+under new settings, and a result is never thrown away unasked (use another
+``--out``, or delete that model's directory to train it again). A directory
+without ``compare.json`` is not compare's: it is never touched, and compare
+refuses to use it. The one directory compare removes by itself is its own
+that never reached a checkpoint (nothing in it can be resumed).
+
+The default recipes and the tuned learning rates (``compare-tuned-lr.toml``,
+with how they were tuned) ship with the package: ``srupp/recipes``, which in
+a source checkout is the repository's ``recipes/`` directory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.resources
 import json
 import math
 import shutil
@@ -19,10 +36,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from .._extras import require
+from .._files import atomic_write_json, atomic_write_text
 from ..errors import UserError
 from .config import RunConfig, build_config
 
-RECIPES_DIR = Path(__file__).resolve().parents[3] / "recipes"
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 # name -> (model.type, fixed depth or None for the recipe's, extra model fields)
 MODELS: Dict[str, tuple] = {
@@ -40,17 +62,9 @@ MODELS: Dict[str, tuple] = {
     "srupp-attn-last-1": ("srupp", None, {"attention_last_n_layers": 1}),
 }
 DEFAULT_MODELS = ["srupp", "sru", "lstm", "gru", "transformer"]
-# Peak learning rates tuned on the validation split with 2-minute proxy runs
-# (``srupp compare --budget 120``), the same protocol for every model; the sweeps
-# are in the README. Used for these corpora unless --set gives train.lr
-# (shared, or NAME:train.lr=...). Models not listed keep the recipe's rate.
-# Two best proxy rates failed over the full 8 minutes at the peak rate: SRU's
-# 3e-2 diverged after one minute and GRU's 3e-2 spiked to 9 bpc after two, so
-# both use their second best, 1.5e-2 (README).
-TUNED_LR: Dict[str, Dict[str, float]] = {
-    "shakespeare": {"srupp": 2e-2, "sru": 1.5e-2, "lstm": 5e-2, "gru": 1.5e-2, "transformer": 8e-3},
-    # brown: not tuned yet; every model uses the brown-cpu recipe's 3e-3
-}
+# {corpus: {model name or type: peak learning rate}}, with their provenance
+TUNED_LR_FILE = "compare-tuned-lr.toml"
+SETTINGS_FILE = "compare.json"  # compare's mark on a model directory it created
 WIDTH_STEP = 8
 MAX_WIDTH = 8192
 TOLERANCE = 0.10
@@ -59,10 +73,41 @@ NEW_TOKENS = 256
 GENERATION_REPEATS = 3
 
 
+_extracted = contextlib.ExitStack()  # packaged files copied out of a zip, if ever
+
+
+def packaged_recipe(name: str) -> Path:
+    """The path of a recipe (or table) file shipped in ``srupp/recipes``."""
+    res = importlib.resources.files("srupp").joinpath("recipes", name)
+    if not res.is_file():
+        raise UserError(f"no packaged recipe {name!r}; the srupp installation lacks "
+                        f"srupp/recipes/{name} (reinstall srupp)")
+    return res if isinstance(res, Path) else _extracted.enter_context(importlib.resources.as_file(res))
+
+
 def default_recipe(data: str) -> Path:
     """brown-cpu for the Brown corpus, shakespeare-cpu (byte level) for everything else."""
-    name = "brown-cpu.toml" if data == "brown" else "shakespeare-cpu.toml"
-    return RECIPES_DIR / name
+    return packaged_recipe("brown-cpu.toml" if data == "brown" else "shakespeare-cpu.toml")
+
+
+def load_tuned_lr(path: Optional[Path] = None) -> Dict[str, Dict[str, float]]:
+    """``{corpus: {model name or type: lr}}`` from the packaged table (or ``path``)."""
+    path = Path(path) if path is not None else packaged_recipe(TUNED_LR_FILE)
+    try:
+        table = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid TOML: {e}") from None
+    known = set(MODELS) | {mtype for mtype, _, _ in MODELS.values()}
+    for corpus, rates in table.items():
+        if not isinstance(rates, dict):
+            raise ValueError(f"{path}: [{corpus}] must be a table of model = learning rate")
+        for name, lr in rates.items():
+            if name not in known:
+                raise ValueError(f"{path}: [{corpus}] names unknown model {name!r}; "
+                                 f"known: {', '.join(sorted(known))}")
+            if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+                raise ValueError(f"{path}: [{corpus}] {name} must be a positive number, got {lr!r}")
+    return {c: {n: float(v) for n, v in r.items()} for c, r in table.items()}
 
 
 def parse_models(spec: Optional[str]) -> List[str]:
@@ -236,19 +281,95 @@ def _generation_speed(trainer, repeats: int = GENERATION_REPEATS) -> float:
     return statistics.median(speeds)
 
 
-def run_one(sized: Sized, run_dir: Path, progress: bool) -> Dict[str, Any]:
-    """Train (or resume, or skip) one model; returns its summary.json content."""
-    from ..train.checkpoint import write_json_atomic
+def run_settings(sized: Sized, target: int, overrides: List[str]) -> Dict[str, Any]:
+    """What ``compare.json`` records: the settings one model's result is made with.
+
+    ``params_target`` and ``config`` (the resolved run config: width, budget,
+    learning rate, every override) decide whether a result can be reused;
+    ``overrides`` (this model's ``--set`` items) is kept for the reader.
+    """
+    settings = {"name": sized.name, "params_target": target, "overrides": list(overrides),
+                "config": sized.cfg.to_dict()}
+    return json.loads(json.dumps(settings))  # as it reads back from the file
+
+
+def _differences(old: Dict[str, Any], new: Dict[str, Any], show: int = 4) -> str:
+    """``--params 20000 -> 30000; model.d_model 64 -> 80`` (the first ``show`` of them)."""
+    def flat(cfg: Any) -> Dict[str, Any]:
+        if not isinstance(cfg, dict):
+            return {}
+        return {f"{s}.{k}": v for s, vals in cfg.items() if isinstance(vals, dict)
+                for k, v in vals.items()}
+
+    a, b = flat(old.get("config")), flat(new["config"])
+    out = []
+    if old.get("params_target") != new["params_target"]:
+        out.append(f"--params {old.get('params_target')} -> {new['params_target']}")
+    for key in sorted(a.keys() | b.keys()):
+        if a.get(key, "unset") != b.get(key, "unset"):
+            label = "--budget" if key == "train.max_seconds" else key
+            out.append(f"{label} {a.get(key, 'unset')} -> {b.get(key, 'unset')}")
+    more = f"; and {len(out) - show} more" if len(out) > show else ""
+    return "; ".join(out[:show]) + more
+
+
+def plan_run_dir(run_dir: Path, settings: Dict[str, Any]) -> str:
+    """What to do with one model's directory: "new", "restart", "resume" or "done".
+
+    Raises UserError, before anything is trained, for a directory compare did
+    not create (no ``compare.json``) and for a result or checkpoint made with
+    other settings.
+    """
+    if not run_dir.exists():
+        return "new"
+    marker = run_dir / SETTINGS_FILE
+    if not run_dir.is_dir() or not marker.is_file():
+        raise UserError(f"{run_dir} exists and was not created by srupp compare (no "
+                        f"{SETTINGS_FILE} in it); choose another --out, or move it away")
+    try:
+        old = json.loads(marker.read_text())
+        if not isinstance(old, dict):
+            raise ValueError("not a JSON object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UserError(f"{marker} is unreadable ({e}); choose another --out, or delete "
+                        f"{run_dir} to train {settings['name']} again") from None
+    if (run_dir / "summary.json").exists():
+        state = "done"
+    elif (run_dir / "last.json").exists():
+        state = "resume"
+    else:
+        return "restart"  # compare's own, never checkpointed: nothing to keep
+    if old.get("params_target") != settings["params_target"] or old.get("config") != settings["config"]:
+        what = "result" if state == "done" else "unfinished run"
+        raise UserError(f"{run_dir} holds {settings['name']}'s {what} made with other settings "
+                        f"({_differences(old, settings)}); choose another --out, or delete "
+                        f"{run_dir} to train {settings['name']} again with these")
+    return state
+
+
+def run_one(sized: Sized, run_dir: Path, settings: Dict[str, Any], state: str,
+            progress: bool) -> Dict[str, Any]:
+    """Train, resume or skip one model as ``state`` (from :func:`plan_run_dir`) says.
+
+    Returns its summary.json content.
+    """
     from .trainer import Trainer
 
     summary_path = run_dir / "summary.json"
-    if summary_path.exists():
-        print(f"srupp: {sized.name}: finished before, skipping ({summary_path})", file=sys.stderr)
+    if state == "done":
+        print(f"srupp: {sized.name}: finished before with the same settings, skipping "
+              f"({summary_path})", file=sys.stderr)
         return json.loads(summary_path.read_text())
-    resume = (run_dir / "last.json").exists()
-    if run_dir.exists() and not resume:
-        # started but never reached a checkpoint: start again cleanly
-        shutil.rmtree(run_dir)
+    if state == "restart":
+        shutil.rmtree(run_dir)  # compare.json shows compare created it; no checkpoint in it
+    if state in ("new", "restart"):
+        try:
+            run_dir.mkdir(parents=True)
+        except FileExistsError:
+            raise UserError(f"{run_dir} appeared while compare was running; choose another "
+                            f"--out") from None
+        atomic_write_json(run_dir / SETTINGS_FILE, settings)
+    resume = state == "resume"
     print(f"srupp: {sized.name}: {'resuming' if resume else 'training'} "
           f"{sized.params:,} parameters into {run_dir}", file=sys.stderr)
     trainer = Trainer(sized.cfg, run_dir, resume=resume, progress=progress)
@@ -261,11 +382,12 @@ def run_one(sized: Sized, run_dir: Path, progress: bool) -> Dict[str, Any]:
         "name": sized.name, "params": trainer.model.num_parameters(),
         "model": sized.cfg.model, "lr": t.lr, "step": trainer.step, "tokens": tokens,
         "train_seconds": result["train_seconds"],
-        "valid_bpc": result["valid_bpc"], "valid_ppl": result["valid_ppl"],
+        # valid_ppl always; valid_bpc only for byte and char tokenizers
+        **{k: result[k] for k in ("valid_bpc", "valid_ppl") if k in result},
         "tokenizer": trainer.tokenizer.to_dict()["type"],
         "generate_tokens_per_s": _generation_speed(trainer),
     }
-    write_json_atomic(summary_path, summary)
+    atomic_write_json(summary_path, summary)
     return summary
 
 
@@ -288,7 +410,7 @@ def write_markdown(path: Path, results: Dict[str, Any]) -> None:
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for m in results["models"]:
         lines.append("| " + " | ".join(_fmt(m[c]) for c in cols) + " |")
-    path.write_text("\n".join(lines) + "\n")
+    atomic_write_text(path, "\n".join(lines) + "\n")
 
 
 def plot_curves(path: Path, curves: Dict[str, List[tuple]], metric: str,
@@ -298,7 +420,7 @@ def plot_curves(path: Path, curves: Dict[str, List[tuple]], metric: str,
     The right panel separates learning per token from speed: a model that is
     ahead per token but behind per second is held back by its throughput.
     """
-    import matplotlib
+    matplotlib = require("matplotlib", "plots", "srupp compare's curves.png")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -338,6 +460,7 @@ def compare(data: str, budget: float, params: int, models: Optional[str] = None,
         raise UserError(f"--budget must be > 0 seconds, got {budget}")
     if params <= 0:
         raise UserError(f"--params must be > 0, got {params}")
+    require("matplotlib", "plots", "srupp compare's curves.png")  # before hours of training
     recipe_path = Path(recipe) if recipe else default_recipe(data)
     shared, per_model = split_overrides(list(overrides or []), names)
     base = build_config(recipe_path, shared +
@@ -353,7 +476,7 @@ def compare(data: str, budget: float, params: int, models: Optional[str] = None,
     key = f"valid_{metric}"
 
     if not any(o.split("=", 1)[0].strip() == "train.lr" for o in shared):
-        tuned = TUNED_LR.get(str(data), {})
+        tuned = load_tuned_lr().get(str(data), {})
         for n in names:
             base_name = n if n in tuned else MODELS[n][0]
             if base_name in tuned and not any(
@@ -363,17 +486,23 @@ def compare(data: str, budget: float, params: int, models: Optional[str] = None,
         model_run_config(base, {}, per_model[n])
     sized = [size_model(n, base, vocab, params, per_model[n]) for n in names]  # every error before training
     out = Path(out) if out else Path("runs") / f"compare-{Path(str(data)).stem}"
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; choose a directory")
+    settings = {s.name: run_settings(s, params, shared + per_model[s.name]) for s in sized}
+    states = {s.name: plan_run_dir(out / s.name, settings[s.name]) for s in sized}
     out.mkdir(parents=True, exist_ok=True)
 
-    summaries = {s.name: run_one(s, out / s.name, progress) for s in sized}
+    summaries = {s.name: run_one(s, out / s.name, settings[s.name], states[s.name], progress)
+                 for s in sized}
     curves = {n: _valid_curve(out / n, key) for n in names}
 
     baselines = [n for n in names if MODELS[n][0] != "srupp"]
-    target = min((summaries[n][key] for n in baselines), default=None)
+    target = min((summaries[n][key] for n in baselines if summaries[n].get(key) is not None),
+                 default=None)
     # the paper's claim: SRU++ reaches the Transformer's final quality in a
     # fraction of its time; compare each model's time to it with the
     # Transformer's own training seconds
-    tf_final = summaries["transformer"][key] if "transformer" in summaries else None
+    tf_final = summaries["transformer"].get(key) if "transformer" in summaries else None
 
     def first_time_at(n: str, level: Optional[float]) -> Optional[float]:
         if level is None:
@@ -386,12 +515,12 @@ def compare(data: str, budget: float, params: int, models: Optional[str] = None,
         rows.append({"name": n, "params": int(s["params"]), "tokens": int(s["tokens"]),
                      "tokens_per_s": s["tokens"] / max(s["train_seconds"], 1e-9),
                      "train_seconds": s["train_seconds"],
-                     "final": s[key], "time_to_best_baseline": first_time_at(n, target),
+                     "final": s.get(key), "time_to_best_baseline": first_time_at(n, target),
                      "time_to_transformer_final": first_time_at(n, tf_final),
                      "generate_tokens_per_s": s["generate_tokens_per_s"],
                      "lr": s.get("lr")})
     results = {"metric": metric, "models": rows}
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    atomic_write_json(out / "results.json", results)
     write_markdown(out / "results.md", results)
     tokens_per_step = {s.name: s.cfg.train.batch_size * s.cfg.train.unroll * s.cfg.train.grad_accum
                        for s in sized}
