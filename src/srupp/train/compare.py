@@ -54,7 +54,7 @@ MODELS: Dict[str, tuple] = {
     "gru": ("gru", 2, {}),
     # no segment memory: each 128-token window stands alone with learned positions
     # (GPT-style). With memory its absolute positions never repeat, and it trained
-    # far worse in the 2-minute tuning runs (3.69 against 3.27 bpc; README).
+    # far worse in the 2-minute tuning runs (3.69 against 3.27 bpc; docs/results.md).
     # max_positions covers the training window and the generation test (64 + 256
     # tokens) without spending parameters on positions that are never used.
     "transformer": ("transformer", 4, {"mem_len": 0, "max_positions": 512}),
