@@ -15,15 +15,23 @@ TEXT = ("When in the chronicle of wasted time\nI see descriptions of the fairest
         "And beauty making beautiful old rhyme\nIn praise of ladies dead and lovely knights,\n")
 
 # a model and run small enough for a few seconds of CPU
-TINY = ["model.d_model=16", "model.proj_size=8", "model.num_layers=2", "model.dropout=0.1",
-        "train.batch_size=2", "train.unroll=16", "train.warmup_steps=3", "train.lr=3e-3",
-        "train.log_every=2", "train.save_every=4", "train.eval_every=4",
-        "train.eval_max_batches=2", "eval.batch_size=2", "train.threads=1"]
+TINY_ANY = ["model.d_model=16", "model.num_layers=2", "model.dropout=0.1",
+            "train.batch_size=2", "train.unroll=16", "train.warmup_steps=3", "train.lr=3e-3",
+            "train.log_every=2", "train.save_every=4", "train.eval_every=4",
+            "train.eval_max_batches=2", "eval.batch_size=2", "train.threads=1"]
+TINY = TINY_ANY + ["model.proj_size=8"]  # an SRU++ model (the default model.type)
 
 
 def config(corpus, *extra):
     """The TINY run config on ``corpus``, with extra ``key=value`` overrides."""
     return build_config(None, TINY + [f"data.corpus={corpus}", *extra])
+
+
+def baseline_config(corpus, kind, *extra):
+    """TINY for the baseline ``kind`` (model.type): two heads for a transformer."""
+    heads = ["model.num_heads=2"] if kind == "transformer" else []
+    return build_config(None, TINY_ANY + [f"data.corpus={corpus}", f"model.type={kind}",
+                                          *heads, *extra])
 
 
 def metrics(run):

@@ -6,26 +6,27 @@ import pytest
 import torch
 
 from srupp.cli import main
-from srupp.errors import UserError
-from srupp.models import (CausalLM, LanguageModel, LMConfig, TensorState, build_model,
-                          load_model, state_from_dict)
-from srupp.models.baselines import (RNNLanguageModel, SRULanguageModel,
+from srupp.models import (CausalLM, LanguageModel, TensorState, TransformerConfig,
+                          build_model, config_from_dict, load_model, state_from_dict)
+from srupp.models.baselines import (GRULanguageModel, LSTMLanguageModel, SRULanguageModel,
                                     TransformerLanguageModel)
 from srupp.train import Trainer
 
-from lm_helpers import config, greedy_by_recomputing, metrics
+from lm_helpers import baseline_config, greedy_by_recomputing, metrics
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 BASELINES = ["sru", "lstm", "gru", "transformer"]
-CLASSES = {"srupp": LanguageModel, "sru": SRULanguageModel, "lstm": RNNLanguageModel,
-           "gru": RNNLanguageModel, "transformer": TransformerLanguageModel}
+CLASSES = {"srupp": LanguageModel, "sru": SRULanguageModel, "lstm": LSTMLanguageModel,
+           "gru": GRULanguageModel, "transformer": TransformerLanguageModel}
+OWN = {"srupp": dict(proj_size=4), "transformer": dict(num_heads=2)}  # fields of one type
+
 
 def make(kind, **kw):
     torch.manual_seed(0)
-    cfg = dict(vocab_size=11, d_model=8, proj_size=4, num_layers=2, dropout=0.0, mem_len=64,
-               type=kind, num_heads=2 if kind == "transformer" else 1)
+    cfg = dict(vocab_size=11, d_model=8, num_layers=2, dropout=0.0, mem_len=64, type=kind,
+               **OWN.get(kind, {}))
     cfg.update(kw)
-    return build_model(LMConfig(**cfg)).eval()
+    return build_model(cfg).eval()
 
 
 # ---------------------------------------------------------------- the models
@@ -75,8 +76,8 @@ def test_transformer_without_memory_restarts_segments_and_learned_positions():
     torch.testing.assert_close(m(t[:, 4:], a.state).logits, m(t[:, 4:]).logits, **TOL)
     prompt = [1, 5, 2, 7]  # generation keeps a KV cache all the same
     assert m.generate([prompt], 6, temperature=0)[0] == greedy_by_recomputing(m, prompt, 6)
-    with pytest.raises(UserError, match="mem_len=0"):
-        LMConfig(type="transformer", positions="learned", mem_len=8)
+    with pytest.raises(ValueError, match="mem_len=0"):
+        TransformerConfig(positions="learned", mem_len=8)
 
 
 def test_transformer_memory_is_a_window():
@@ -111,16 +112,16 @@ def test_save_load_round_trip_gives_the_saved_type(tmp_path, kind):
     m = make(kind)
     m.save_pretrained(tmp_path / "m")
     assert json.loads((tmp_path / "m" / "config.json").read_text())["type"] == kind
-    for loader in (LanguageModel.from_pretrained, load_model):
+    for loader in (CausalLM.from_pretrained, type(m).from_pretrained, load_model):
         back = loader(tmp_path / "m")
         assert type(back) is type(m) and not back.training
         t = torch.randint(0, 11, (2, 7))
         torch.testing.assert_close(back(t).logits, m(t).logits)
 
 
-def test_unknown_type_is_a_user_error(capsys):
-    with pytest.raises(UserError, match="srupp, sru, lstm, gru, transformer"):
-        LMConfig(type="rnn")
+def test_unknown_type_is_an_error(capsys):
+    with pytest.raises(ValueError, match="srupp, sru, lstm, gru, transformer"):
+        config_from_dict({"type": "rnn"})
     assert main(["params", "--set", "model.type=rnn"]) == 2
     err = capsys.readouterr().err
     assert "model.type" in err and err.count("\n") == 1 and "Traceback" not in err
@@ -128,8 +129,9 @@ def test_unknown_type_is_a_user_error(capsys):
 
 @pytest.mark.parametrize("kind", BASELINES)
 def test_cli_params(kind, capsys):
+    heads = ["model.num_heads=2"] if kind == "transformer" else []
     assert main(["params", "--set", f"model.type={kind}", "model.d_model=16",
-                 "model.num_layers=2", "model.num_heads=2"]) == 0
+                 "model.num_layers=2", *heads]) == 0
     p = json.loads(capsys.readouterr().out)
     assert p["type"] == kind and p["layers"] > 0
     assert p["params"] == p["embedding"] + p["layers"] + p["output"]
@@ -142,8 +144,8 @@ def test_training_lowers_the_loss(tmp_path, corpus, kind, steps):
     run = tmp_path / kind
     # RAdam's rectifier keeps early steps small, hence a high lr for a short run (plain
     # SRU, without attention, needs more steps on this tiny corpus)
-    Trainer(config(corpus, f"model.type={kind}", "model.num_heads=2", f"train.max_steps={steps}",
-                   "train.lr=3e-2", "train.eval_every=40", "train.save_every=40"),
+    Trainer(baseline_config(corpus, kind, f"train.max_steps={steps}", "train.lr=3e-2",
+                            "train.eval_every=40", "train.save_every=40"),
             run, progress=False).train()
     train = [r["train_loss"] for r in metrics(run) if "train_loss" in r]
     assert train[-1] < train[0] - 0.5, train
@@ -153,11 +155,10 @@ def test_training_lowers_the_loss(tmp_path, corpus, kind, steps):
 
 @pytest.mark.parametrize("kind", ["lstm", "transformer"])
 def test_interrupt_and_resume_gives_identical_losses(tmp_path, corpus, kind):
-    extra = (f"model.type={kind}", "model.num_heads=2", "train.max_steps=12")
     full = tmp_path / "full"
-    Trainer(config(corpus, *extra), full, progress=False).train()
+    Trainer(baseline_config(corpus, kind, "train.max_steps=12"), full, progress=False).train()
     part = tmp_path / "part"
-    t = Trainer(config(corpus, *extra), part, progress=False)
+    t = Trainer(baseline_config(corpus, kind, "train.max_steps=12"), part, progress=False)
     original = t._train_step
 
     def step_then_interrupt(it):
@@ -168,7 +169,8 @@ def test_interrupt_and_resume_gives_identical_losses(tmp_path, corpus, kind):
 
     t._train_step = step_then_interrupt
     assert t.train()["interrupted"]
-    resumed = Trainer(config(corpus, *extra), part, resume=True, progress=False)
+    resumed = Trainer(baseline_config(corpus, kind, "train.max_steps=12"), part, resume=True,
+                      progress=False)
     assert resumed.step == 7 and isinstance(resumed.carried, TensorState)
     resumed.train()
     keys = ("step", "train_loss", "lr", "valid_bpc", "valid_loss")

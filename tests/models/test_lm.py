@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from srupp.errors import UserError
-from srupp.models import LanguageModel, LMConfig, sample
+from srupp.models import LanguageModel, SRUppConfig, config_from_dict, sample
 
 from lm_helpers import greedy_by_recomputing
 
@@ -16,7 +16,7 @@ def make(**kw):
     torch.manual_seed(0)
     cfg = dict(vocab_size=11, d_model=8, proj_size=4, num_layers=2, dropout=0.0, mem_len=64)
     cfg.update(kw)
-    m = LanguageModel(LMConfig(**cfg)).eval()
+    m = LanguageModel(SRUppConfig(**cfg)).eval()
     with torch.no_grad():  # give attention a say (α starts at 0)
         for layer in m.rnn.layers:
             layer.transform.alpha.fill_(0.7)
@@ -117,8 +117,11 @@ def test_corrupt_or_missing_checkpoint_is_a_user_error(tmp_path):
         LanguageModel.from_pretrained(tmp_path / "nowhere")
 
 
-def test_bad_config_is_a_user_error():
-    with pytest.raises(UserError, match="num_heads"):
-        LMConfig(proj_size=6, num_heads=4)
-    with pytest.raises(UserError, match="unknown model config keys"):
-        LMConfig.from_dict({"d_modle": 3})
+def test_bad_arguments_are_plain_errors_in_the_python_api_s_names():
+    for bad, match in [(lambda: SRUppConfig(proj_size=6, num_heads=4),
+                        r"^num_heads \(4\) must divide proj_size \(6\)$"),
+                       (lambda: config_from_dict({"d_modle": 3}), "unknown config key 'd_modle'"),
+                       (lambda: make().generate([[]], 3), "every prompt needs a token")]:
+        with pytest.raises(ValueError, match=match) as e:
+            bad()
+        assert type(e.value) is ValueError and "model." not in str(e.value)

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from srupp.errors import UserError
-from srupp.models import LanguageModel, LMConfig
+from srupp.models import LanguageModel, SRUppConfig
 from srupp.train import evaluate
 
 from lm_helpers import greedy_by_recomputing
@@ -18,7 +17,7 @@ def make(**kw):
     cfg = dict(vocab_size=V, d_model=8, proj_size=4, num_layers=2, dropout=0.0, mem_len=64,
                adaptive_cutoffs=[10, 20], div_val=2, emb_dim=8, tie_embeddings=True)
     cfg.update(kw)
-    m = LanguageModel(LMConfig(**cfg)).eval()
+    m = LanguageModel(SRUppConfig(**cfg)).eval()
     with torch.no_grad():
         for layer in m.rnn.layers:
             layer.transform.alpha.fill_(0.7)
@@ -117,9 +116,9 @@ def test_save_and_load_keeps_ties(tmp_path):
     (dict(emb_dim=2, div_val=4), "emb_dim"),
     (dict(div_val=0), "div_val"),
 ])
-def test_bad_adaptive_config_is_a_user_error(kw, match):
+def test_bad_adaptive_config_is_a_value_error(kw, match):
     cfg = dict(vocab_size=V, d_model=8, proj_size=4, adaptive_cutoffs=[10, 20], div_val=2)
     cfg.update(kw)
-    with pytest.raises(UserError, match=match) as e:
-        LMConfig(**cfg)
+    with pytest.raises(ValueError, match=match) as e:
+        SRUppConfig(**cfg)
     assert "\n" not in str(e.value)

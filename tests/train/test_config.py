@@ -1,9 +1,13 @@
-"""Run config: list-valued fields from TOML and --set, data.vocab_size."""
+"""Run config: list-valued fields from TOML and --set, data.vocab_size, model keys per type."""
+
+from pathlib import Path
 
 import pytest
 
 from srupp.errors import UserError
 from srupp.train import build_config
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 
 def test_cutoffs_from_toml_list(tmp_path):
@@ -73,3 +77,41 @@ def test_an_adaptive_run_trains_and_evaluates(tmp_path):
     assert summary["step"] == 6 and summary["valid_bpc"] > 0
     res = t.validate()
     assert 0 < res["loss"] < 10
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("*.toml")
+                                          if "[model]" in p.read_text()))
+@pytest.mark.parametrize("kind", ["srupp", "lstm"])
+def test_every_recipe_builds_and_keys_of_another_type_are_errors(recipe, kind):
+    """A recipe's model keys are SRU++ ones: with model.type=lstm, the first is named."""
+    if kind == "srupp":
+        cfg = build_config(RECIPES / recipe)
+        assert cfg.model_config(cfg.data.vocab_size or 256).type == "srupp"
+        return
+    with pytest.raises(UserError, match=r"model\.\w+ applies to model\.type=srupp.*, not lstm"):
+        build_config(RECIPES / recipe, ["model.type=lstm"])
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["model.ffn_mult=3"], r"^model\.ffn_mult applies to model\.type=transformer, not srupp$"),
+    (["model.type=gru", "model.num_heads=2"],
+     r"^model\.num_heads applies to model\.type=srupp or transformer, not gru$"),
+    (["model.proj_size=8", "model.num_heads=3"],
+     r"^model\.num_heads \(3\) must divide model\.proj_size \(8\)$"),
+    (["model.type=transformer", "model.positions=learned"], r"model\.mem_len=0"),
+    (["model.type=rnn"], "model.type must be one of srupp, sru, lstm, gru, transformer"),
+])
+def test_model_errors_name_config_keys(overrides, match):
+    with pytest.raises(UserError, match=match):
+        build_config(None, overrides)
+
+
+def test_a_run_saved_with_fields_of_other_types_still_resumes():
+    """Before per-type configs a gru run could hold SRU++ keys, which its model never read."""
+    saved = build_config(None, ["model.type=gru"]).to_dict()
+    saved["model"].update(proj_size=8, num_heads=2, d_model=16)
+    cfg = build_config(None, ["train.max_steps=5"], base=saved)
+    assert cfg.model == {"type": "gru", "d_model": 16}
+    assert cfg.model_config(256).d_model == 16
+    with pytest.raises(UserError, match="model.num_heads applies"):  # given again: an error
+        build_config(None, ["model.num_heads=2"], base=saved)

@@ -5,7 +5,7 @@ output head (tied or adaptive), with a different body, selected by
 ``model.type`` (build them with :func:`srupp.models.build_model`):
 
     sru          a stack of plain SRU layers (srupp.nn.SRU), no attention
-    lstm, gru    torch.nn.LSTM / torch.nn.GRU
+    lstm, gru    torch.nn.LSTM, torch.nn.GRU
     transformer  decoder-only, pre-LN, causal scaled-dot-product attention, GELU MLP
 
 All carry a :class:`~srupp.models.state.TensorState` across segments.
@@ -24,21 +24,23 @@ positions that count only real tokens, so a padded row scores as it would alone.
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import ClassVar, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import UserError
 from ..nn import SRU
 from ..nn.append import append_steps
+from .config import GRUConfig, LSTMConfig, SRUConfig, TransformerConfig
 from .lm import CausalLM
 from .state import TensorState
 
 
 class SRULanguageModel(CausalLM):
     """embedding → SRU stack (optionally with ``projection_size``) → output."""
+
+    config_class = SRUConfig
 
     def build_body(self, factory: dict) -> None:
         c = self.config
@@ -66,19 +68,20 @@ class SRULanguageModel(CausalLM):
 
 
 class RNNLanguageModel(CausalLM):
-    """embedding → torch.nn.LSTM or torch.nn.GRU (``model.type``) → output."""
+    """embedding → a torch.nn RNN (``cell``) → output: what the LSTM and GRU models share."""
+
+    cell: ClassVar[type]             # torch.nn.LSTM or torch.nn.GRU
+    names: ClassVar[Tuple[str, ...]]  # the state's tensors, in the cell's hx order
 
     def build_body(self, factory: dict) -> None:
         c = self.config
-        cls = nn.LSTM if c.type == "lstm" else nn.GRU
-        self.names = ("h", "c") if c.type == "lstm" else ("h",)
-        self.rnn = cls(c.d_model, c.d_model, c.num_layers, batch_first=True,
+        self.rnn = self.cell(c.d_model, c.d_model, c.num_layers, batch_first=True,
                        dropout=c.dropout if c.num_layers > 1 else 0.0, **factory)
 
     def reset_body(self) -> None:
         """PyTorch's U(±1/√d), and for an LSTM a forget-gate bias of 1 (Jozefowicz et al.)."""
         self.rnn.reset_parameters()
-        if self.config.type == "lstm":
+        if self.cell is nn.LSTM:
             d = self.config.d_model
             with torch.no_grad():
                 for k in range(self.config.num_layers):
@@ -120,6 +123,18 @@ class RNNLanguageModel(CausalLM):
         z = lambda: torch.zeros(c.num_layers, batch_size, c.d_model, dtype=p.dtype,  # noqa: E731
                                 device=p.device)
         return TensorState({n: z() for n in self.names}, {n: 1 for n in self.names})
+
+
+class LSTMLanguageModel(RNNLanguageModel):
+    config_class = LSTMConfig
+    cell = nn.LSTM
+    names = ("h", "c")
+
+
+class GRULanguageModel(RNNLanguageModel):
+    config_class = GRUConfig
+    cell = nn.GRU
+    names = ("h",)
 
 
 class TransformerBlock(nn.Module):
@@ -171,9 +186,11 @@ def sinusoids(positions: Tensor, d: int) -> Tensor:
 class TransformerLanguageModel(CausalLM):
     """A decoder-only pre-LN transformer with optional segment memory (see the module doc)."""
 
+    config_class = TransformerConfig
+
     def build_body(self, factory: dict) -> None:
         c = self.config
-        self.positions = c.transformer_positions
+        self.positions = c.resolved_positions
         self.blocks = nn.ModuleList(
             TransformerBlock(c.d_model, c.num_heads, c.ffn_mult * c.d_model, c.dropout,
                              c.attn_dropout, factory) for _ in range(c.num_layers))
@@ -224,8 +241,8 @@ class TransformerLanguageModel(CausalLM):
             return sinusoids(positions, self.config.d_model).to(dtype)
         n = self.config.max_positions
         if positions.numel() and int(positions.max()) >= n:
-            raise UserError(f"the context reaches position {int(positions.max())}, past "
-                            f"model.max_positions ({n}) of the learned position table")
+            raise ValueError(f"the context reaches position {int(positions.max())}, past "
+                             f"max_positions ({n}) of the learned position table")
         return self.pos_embedding(positions)
 
     def body(self, x: Tensor, state: Optional[TensorState], mask_pad: Optional[Tensor]):

@@ -1,10 +1,13 @@
-"""The SRU++ language model: embedding → dropout → causal SRU++ stack → dropout → output.
+"""The language models' registry and shared base, and the SRU++ language model.
+
+SRU++: embedding → dropout → causal SRU++ stack → dropout → output.
 
 With ``adaptive_cutoffs`` the embedding is an adaptive input and the output a
 projected adaptive softmax (:mod:`srupp.nn.adaptive`), as in the paper's
 WikiText-103 and Billion Word models; otherwise a plain embedding and linear output.
 
-Read it top to bottom: the config, the model, then generation and saving.
+Read it top to bottom: the registry, what every model shares (:class:`CausalLM`:
+generation and saving), the SRU++ model, then building and loading any model.
 Shapes: B batch, L time, d model width, V vocabulary.
 """
 
@@ -13,118 +16,61 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, fields
+import uuid
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_model as load_weights
+from safetensors.torch import save_model
 from torch import Tensor, nn
 
+from .._files import atomic_path, atomic_write_json
 from ..errors import UserError
 from ..nn import SRUpp, SRUppState
-from ..nn.adaptive import AdaptiveInput, ProjectedAdaptiveLogSoftmax, check_cutoffs
+from ..nn.adaptive import AdaptiveInput, ProjectedAdaptiveLogSoftmax
+from .config import FLAT_FIELDS, LMConfig, SRUppConfig
 
-MODEL_TYPES = ("srupp", "sru", "lstm", "gru", "transformer")
+# The registry: model.type -> (config class, model class). Each CausalLM subclass that
+# names a ``config_class`` enters itself here when it is defined (see __init_subclass__).
+MODELS: Dict[str, Tuple[Type[LMConfig], Type["CausalLM"]]] = {}
 
 
-@dataclass
-class LMConfig:
-    """Shape of the language model. Defaults give a small byte-level model."""
+def model_class(model_type: str) -> type:
+    """The CausalLM subclass for a model type (srupp, sru, lstm, gru, transformer)."""
+    return _entry(model_type)[1]
 
-    vocab_size: int = 256                 # V; 256 for byte-level text
-    d_model: int = 256                    # d: embedding, hidden and output width
-    proj_size: int = 64                   # d′: attention width; the paper uses d/4
-    num_layers: int = 4                   # the paper uses 10
-    num_heads: int = 1                    # the paper uses single-head attention
-    dropout: float = 0.1                  # inside SRU++ layers and on the highway
-    emb_dropout: Optional[float] = None   # after the embedding and before the output; None = dropout
-    attn_dropout: float = 0.0             # on attention weights
-    highway_bias: float = -2.0            # initial b_r: start close to the skip path
-    attention_every_n_layers: int = 1     # attention in layers i with (i+1) % n == 0
-    attention_last_n_layers: int = -1     # or only in the last n layers (-1: off)
-    mem_len: Optional[int] = None         # past tokens each layer attends to; None: unbounded
-    tie_embeddings: bool = False          # share input and output embeddings (enwik8: untied)
-    layer_norm: bool = False              # layer-wise LayerNorm (the paper: only inside attention)
-    normalize_after: bool = False         # post-norm when layer_norm
-    adaptive_cutoffs: Optional[List[int]] = None  # adaptive input/softmax clusters; None: plain
-    div_val: int = 4                      # adaptive cluster i is emb_dim // div_val**i wide
-    emb_dim: Optional[int] = None         # n_e, adaptive cluster 0's width; None: d_model
-    tie_projections: bool = True          # with tie_embeddings, share the cluster projections too
-    type: str = "srupp"                   # srupp, or a baseline: sru, lstm, gru, transformer
-    projection_size: int = 0              # sru: factorise each layer's W through this width (0: off)
-    positions: Optional[str] = None       # transformer: learned|sinusoidal; None: sinusoidal if memory
-    max_positions: int = 2048             # transformer, learned positions: longest context
-    ffn_mult: int = 4                     # transformer: MLP width is ffn_mult·d_model
 
-    def __post_init__(self):
-        if self.type not in MODEL_TYPES:
-            raise UserError(f"model.type must be one of {', '.join(MODEL_TYPES)}; "
-                            f"got {self.type!r}")
-        for name in ("vocab_size", "d_model", "proj_size", "num_layers", "num_heads"):
-            if getattr(self, name) < 1:
-                raise UserError(f"model.{name} must be >= 1, got {getattr(self, name)}")
-        if self.type == "srupp" and self.proj_size % self.num_heads:
-            raise UserError(f"model.num_heads ({self.num_heads}) must divide "
-                            f"model.proj_size ({self.proj_size})")
-        for name in ("dropout", "attn_dropout"):
-            if not 0 <= getattr(self, name) < 1:
-                raise UserError(f"model.{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.emb_dropout is not None and not 0 <= self.emb_dropout < 1:
-            raise UserError(f"model.emb_dropout must be in [0, 1), got {self.emb_dropout}")
-        if self.mem_len is not None and self.mem_len < 0:
-            raise UserError(f"model.mem_len must be >= 0, got {self.mem_len}")
-        self._check_baseline()
-        if self.adaptive_cutoffs is None:
-            if self.emb_dim is not None or self.div_val != 4:
-                raise UserError("model.emb_dim and model.div_val only apply to adaptive "
-                                "embeddings: set model.adaptive_cutoffs too, or unset them")
-        else:
-            self.adaptive_cutoffs = check_cutoffs(self.adaptive_cutoffs, self.vocab_size,
-                                                  where="model.adaptive_cutoffs")
-            if self.div_val < 1:
-                raise UserError(f"model.div_val must be >= 1, got {self.div_val}")
-            if self.emb_dim is not None and self.emb_dim < 1:
-                raise UserError(f"model.emb_dim must be >= 1, got {self.emb_dim}")
-            n_e, last = self.emb_dim or self.d_model, len(self.adaptive_cutoffs)
-            if n_e // self.div_val ** last < 1:
-                raise UserError(f"model.emb_dim ({n_e}) // model.div_val**{last} is 0: the "
-                                f"last cluster would have no width; raise model.emb_dim or "
-                                f"lower model.div_val")
+def _entry(model_type: str):
+    if model_type not in MODELS:
+        raise ValueError(f"type must be one of {', '.join(MODELS)}; got {model_type!r}")
+    return MODELS[model_type]
 
-    def _check_baseline(self):
-        """The fields only baselines read."""
-        if self.projection_size < 0:
-            raise UserError(f"model.projection_size must be >= 0, got {self.projection_size}")
-        if self.type != "transformer":
-            return
-        if self.d_model % self.num_heads:
-            raise UserError(f"model.num_heads ({self.num_heads}) must divide "
-                            f"model.d_model ({self.d_model}) for a transformer")
-        for name in ("max_positions", "ffn_mult"):
-            if getattr(self, name) < 1:
-                raise UserError(f"model.{name} must be >= 1, got {getattr(self, name)}")
-        if self.positions not in (None, "learned", "sinusoidal"):
-            raise UserError(f"model.positions must be learned or sinusoidal, "
-                            f"got {self.positions!r}")
-        if self.positions == "learned" and self.mem_len != 0:
-            raise UserError("model.positions=learned needs model.mem_len=0: with memory, positions "
-                            "continue across segments past any table; use sinusoidal")
 
-    @property
-    def transformer_positions(self) -> str:
-        """The transformer's position encoding, with the default resolved."""
-        if self.positions is not None:
-            return self.positions
-        return "learned" if self.mem_len == 0 else "sinusoidal"
+def config_from_dict(d: dict) -> LMConfig:
+    """The config of ``d["type"]`` (default srupp) with the other entries as its fields.
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "LMConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise UserError(f"unknown model config keys {unknown}; known: {sorted(known)}")
-        return cls(**d)
+    A key that belongs to another model type is an error, except in a config
+    saved before the per-type configs (it holds every field of every type):
+    there the model of its type never read the other types' fields, so they
+    are dropped, whatever their values.
+    """
+    d = dict(d)
+    cls = _entry(d.pop("type", "srupp"))[0]
+    own = {f.name for f in fields(cls)}
+    flat = FLAT_FIELDS <= set(d) | {"type"}
+    for key in sorted(set(d) - own):
+        users = [t for t, (c, _) in MODELS.items() if key in {f.name for f in fields(c)}]
+        if not users:
+            raise ValueError(f"unknown config key {key!r}; a {cls.type} config has "
+                             f"{', '.join(sorted(own))}")
+        if not flat:
+            raise ValueError(f"{key} applies to type={' or '.join(users)}, not {cls.type}")
+        del d[key]
+    return cls(**d)
 
 
 @dataclass
@@ -147,11 +93,29 @@ class CausalLM(nn.Module):
 
     embedding → dropout → body → dropout → output. A subclass builds its body
     in :meth:`build_body`, initialises it in :meth:`reset_body`, runs it in
-    :meth:`body` and makes its empty state in :meth:`initial_state`.
+    :meth:`body` and makes its empty state in :meth:`initial_state`. A subclass
+    that sets ``config_class`` is the model of that config's ``type``.
     Build one with :func:`srupp.models.build_model`, which reads ``config.type``.
     """
 
+    config_class: Type[LMConfig]
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        config_class = cls.__dict__.get("config_class")
+        if config_class is not None:
+            if config_class.type in MODELS:
+                raise TypeError(f"two model classes for type {config_class.type!r}: "
+                                f"{MODELS[config_class.type][1].__name__} and {cls.__name__}")
+            MODELS[config_class.type] = (config_class, cls)
+
     def __init__(self, config: LMConfig, *, device=None, dtype=None):
+        want = getattr(type(self), "config_class", None)
+        if want is None or not isinstance(config, want):
+            raise TypeError(f"{type(self).__name__} takes a "
+                            f"{want.__name__ if want else 'model type config'}, got "
+                            f"{type(config).__name__}; srupp.models.build_model builds the "
+                            f"model of any config")
         super().__init__()
         self.config = config
         c = config
@@ -288,7 +252,7 @@ class CausalLM(nn.Module):
             B lists of new token ids (prompt excluded).
         """
         if len(prompts) == 0 or any(len(p) == 0 for p in prompts):
-            raise UserError("generate needs at least one prompt, and every prompt needs a token")
+            raise ValueError("generate needs at least one prompt, and every prompt needs a token")
         if stop_strings and decode is None:
             raise ValueError("stop_strings need decode= to turn ids into text")
         device = self.device
@@ -337,45 +301,48 @@ class CausalLM(nn.Module):
 
     # ---------------------------------------------------------------- saving
     def save_pretrained(self, directory: Union[str, os.PathLike]) -> None:
-        """Write ``config.json`` and ``model.safetensors`` into ``directory``."""
-        from safetensors.torch import save_model
+        """Write ``config.json`` and ``model.safetensors`` into ``directory``.
 
+        Each file is replaced atomically, and both carry the same new save id:
+        a save interrupted between the two leaves a pair that
+        :meth:`from_pretrained` refuses, never one it loads mixed.
+        """
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        _atomic_write_text(d / "config.json", json.dumps(asdict(self.config), indent=2))
-        tmp = d / "model.safetensors.tmp"
-        save_model(self, str(tmp))
-        os.replace(tmp, d / "model.safetensors")
+        save_id = uuid.uuid4().hex
+        with atomic_path(d / "model.safetensors") as tmp:
+            save_model(self, str(tmp), metadata={"save_id": save_id})
+        atomic_write_json(d / "config.json", {**self.config.to_dict(), "save_id": save_id})
 
     @classmethod
     def from_pretrained(cls, directory: Union[str, os.PathLike], *,
                         device=None) -> "CausalLM":
         """Load a model saved by :meth:`save_pretrained`, in eval mode.
 
-        The class follows the saved ``type`` (a LanguageModel for srupp, or a
-        baseline), whichever class this is called on.
-
+        On CausalLM the model is of the saved type; on a subclass it is that
+        class, or a ValueError names the saved type.
         Reads only JSON and safetensors: loading never executes code from the files.
         """
-        from safetensors import SafetensorError
-        from safetensors.torch import load_model
-
         d = Path(directory)
+        config, save_id = _read_config(d)
+        model_cls = MODELS[config.type][1]
+        if not issubclass(model_cls, cls):
+            raise ValueError(f"{d} holds a {config.type} model, which {cls.__name__} cannot "
+                             f"load; use {model_cls.__name__}.from_pretrained or "
+                             f"srupp.models.load_model")
+        model = model_cls(config, device=device)
+        weights = d / "model.safetensors"
         try:
-            config = LMConfig.from_dict(json.loads((d / "config.json").read_text()))
-        except FileNotFoundError:
-            raise UserError(f"{d} has no config.json: not a saved srupp model") from None
-        except (json.JSONDecodeError, TypeError) as e:
-            raise UserError(f"{d / 'config.json'} is corrupt ({e})") from None
-        from .build import build_model
-
-        model = build_model(config, device=device)
-        try:
-            load_model(model, str(d / "model.safetensors"), device=str(device or "cpu"))
+            with safe_open(str(weights), "pt") as f:
+                weights_id = (f.metadata() or {}).get("save_id")
+            if weights_id != save_id:
+                raise UserError(f"{d}: config.json and model.safetensors come from different "
+                                f"saves (a save was interrupted); save again")
+            load_weights(model, str(weights), device=str(device or "cpu"))
         except FileNotFoundError:
             raise UserError(f"{d} has no model.safetensors") from None
         except (SafetensorError, RuntimeError, OSError) as e:
-            raise UserError(f"{d / 'model.safetensors'} is truncated or corrupt "
+            raise UserError(f"{weights} is truncated or corrupt "
                             f"({str(e).splitlines()[0]})") from None
         return model.eval()  # like a freshly loaded model elsewhere: ready for inference
 
@@ -383,11 +350,10 @@ class CausalLM(nn.Module):
 class LanguageModel(CausalLM):
     """A causal SRU++ language model that carries its state across segments."""
 
+    config_class = SRUppConfig
+
     def build_body(self, factory: dict) -> None:
         c = self.config
-        if c.type != "srupp":
-            raise UserError(f"LanguageModel is the srupp model; build a {c.type!r} model with "
-                            f"srupp.models.build_model")
         self.rnn = SRUpp(
             c.d_model, c.d_model, c.proj_size, c.num_layers, dropout=c.dropout,
             attn_dropout=c.attn_dropout, num_heads=c.num_heads, highway_bias=c.highway_bias,
@@ -456,7 +422,50 @@ def _cut_at_stop(ids: List[int], decode: Callable, stops: Sequence[str]) -> List
     return ids[:n]
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def build_model(config: Union[LMConfig, dict], device=None, dtype=None) -> CausalLM:
+    """A freshly initialised model of ``config.type``; a dict is read by config_from_dict."""
+    if isinstance(config, dict):
+        config = config_from_dict(config)
+    return _entry(config.type)[1](config, device=device, dtype=dtype)
+
+
+def load_config(directory: Union[str, os.PathLike]) -> LMConfig:
+    """The config of a model saved by :meth:`CausalLM.save_pretrained` in ``directory``."""
+    return _read_config(Path(directory))[0]
+
+
+def _read_config(directory: Path) -> Tuple[LMConfig, Optional[str]]:
+    """The saved config and its save id (None in saves made before save ids)."""
+    path = directory / "config.json"
+    try:
+        d = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path.parent} has no config.json: not a saved srupp model") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is corrupt ({e})") from None
+    if not isinstance(d, dict):
+        raise UserError(f"{path} is corrupt (not a JSON object)")
+    save_id = d.pop("save_id", None)
+    try:
+        return config_from_dict(d), save_id
+    except (ValueError, TypeError) as e:
+        raise UserError(f"{path}: {e}") from None
+
+
+def load_model(directory: Union[str, os.PathLike], *, device=None) -> CausalLM:
+    """A model saved by ``save_pretrained``, of whatever type it was saved as, in eval mode."""
+    return CausalLM.from_pretrained(directory, device=device)
+
+
+def parameter_counts(config: Union[LMConfig, dict]) -> Dict[str, int]:
+    """The model's parameters: ``params`` in all = ``embedding`` + ``layers`` + ``output``.
+
+    Counted on the meta device, so nothing is allocated; tied output weights
+    count once, in the embedding.
+    """
+    with torch.device("meta"):
+        model = build_model(config)
+    count = lambda *ms: sum(p.numel() for m in ms for p in m.parameters())  # noqa: E731
+    total, emb = model.num_parameters(), count(model.embedding)
+    layers = count(*model.body_modules())
+    return {"params": total, "embedding": emb, "layers": layers, "output": total - emb - layers}

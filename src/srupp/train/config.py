@@ -1,19 +1,22 @@
 """Run configuration: a TOML recipe plus ``--set key=value`` overrides.
 
 A recipe has four tables, ``[model]``, ``[data]``, ``[train]`` and ``[eval]``;
-every key is optional. Each field below says why it exists.
+every key is optional. Each field below says why it exists; the ``[model]``
+keys are the fields of the config of ``model.type`` (:mod:`srupp.models.config`),
+and a key of another model type is an error.
 """
 
 from __future__ import annotations
 
 import difflib
+import re
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union, get_args, get_origin, get_type_hints
 
 from ..errors import UserError
-from ..models.lm import LMConfig
+from ..models import MODELS, LMConfig, config_from_dict
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -117,28 +120,42 @@ class EvalConfig:
 
 @dataclass
 class RunConfig:
-    model: Dict[str, Any] = field(default_factory=dict)  # LMConfig fields; vocab_size comes from data
+    model: Dict[str, Any] = field(default_factory=dict)  # model.type's fields (vocab_size: data's)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def model_config(self, vocab_size: int) -> LMConfig:
-        """The LMConfig for this run: mem_len defaults to train.unroll (one previous segment)."""
+        """The model's config for this run: mem_len defaults to train.unroll (one segment)."""
         cfg = dict(self.model)
         cfg["vocab_size"] = vocab_size
         if cfg.get("mem_len") is None:
             cfg["mem_len"] = self.train.unroll
-        return LMConfig.from_dict(cfg)
+        return _model_config(cfg)
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
 
 
-SECTIONS = {"data": DataConfig, "train": TrainConfig, "eval": EvalConfig, "model": LMConfig}
+SECTIONS = ("data", "train", "eval", "model")
+# {key: type} of each section; model: the fields of every model type's config
+TYPES = {"data": get_type_hints(DataConfig), "train": get_type_hints(TrainConfig),
+         "eval": get_type_hints(EvalConfig),
+         "model": {**{k: t for config_class, _ in MODELS.values()
+                      for k, t in get_type_hints(config_class).items()}, "type": str}}
 
 
 def all_keys() -> List[str]:
-    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in fields(cls)]
+    return [f"{s}.{k}" for s in SECTIONS for k in TYPES[s]]
+
+
+def _model_config(d: Dict[str, Any]) -> LMConfig:
+    """config_from_dict, with its errors in config keys (num_heads -> model.num_heads)."""
+    try:
+        return config_from_dict(d)
+    except (ValueError, TypeError) as e:
+        names = "|".join(sorted(TYPES["model"], key=len, reverse=True))
+        raise UserError(re.sub(rf"(?<![\w.'])({names})\b", r"model.\1", str(e))) from None
 
 
 def _unknown(key: str) -> UserError:
@@ -190,10 +207,6 @@ def _coerce(key: str, value: Any, typ) -> Any:
     return value
 
 
-def _types(cls) -> Dict[str, Any]:
-    return get_type_hints(cls)
-
-
 def _probe_vocab(tree: Dict[str, Dict[str, Any]]) -> int:
     """A vocabulary size to validate the model fields with before any data is read."""
     if tree["data"].get("vocab_size") is not None:
@@ -202,6 +215,20 @@ def _probe_vocab(tree: Dict[str, Dict[str, Any]]) -> int:
     if isinstance(cutoffs, list) and cutoffs and all(isinstance(c, int) for c in cutoffs):
         return max(256, max(cutoffs) + 1)
     return 256
+
+
+def _drop_other_types_keys(model: Dict[str, Any], saved: set) -> None:
+    """Drop the keys of a saved run (``saved``) that do not apply to its model.type.
+
+    Runs saved before the per-type configs could hold the fields of other
+    model types, which their model never read. Such keys from a recipe or
+    ``--set`` are errors (config_from_dict's).
+    """
+    config_class = MODELS.get(model.get("type", "srupp"), (None,))[0]
+    if config_class is not None:
+        own = {f.name for f in fields(config_class)}
+        for key in saved - own - {"type"}:
+            del model[key]
 
 
 def build_config(recipe: Optional[Union[str, Path]] = None,
@@ -221,6 +248,7 @@ def build_config(recipe: Optional[Union[str, Path]] = None,
             if s not in SECTIONS:
                 raise _unknown(s)
             tree[s].update(vals)
+    saved = set(tree["model"])  # model keys of a saved run, until a recipe or --set gives them
     if recipe is not None:
         path = Path(recipe)
         if not path.is_file():
@@ -234,6 +262,8 @@ def build_config(recipe: Optional[Union[str, Path]] = None,
                 raise UserError(f"recipe {path}: unknown section [{s}]; "
                                 f"sections are {sorted(SECTIONS)}")
             tree[s].update(vals)
+            if s == "model":
+                saved -= set(vals)
     for item in overrides or []:
         if "=" not in item:
             raise UserError(f"--set expects key=value, got {item!r}")
@@ -245,15 +275,17 @@ def build_config(recipe: Optional[Union[str, Path]] = None,
         if s not in SECTIONS:
             raise _unknown(key)
         tree[s][name] = value
-    for s, cls in SECTIONS.items():
-        types = _types(cls)
+        if s == "model":
+            saved.discard(name)
+    for s in SECTIONS:
         for name, value in list(tree[s].items()):
-            if name not in types:
+            if name not in TYPES[s]:
                 raise _unknown(f"{s}.{name}")
-            tree[s][name] = _coerce(f"{s}.{name}", value, types[name])
+            tree[s][name] = _coerce(f"{s}.{name}", value, TYPES[s][name])
+    _drop_other_types_keys(tree["model"], saved)
     tree["model"].pop("vocab_size", None)  # always taken from the tokenizer
     # validate the model fields now; the vocabulary is only known once the tokenizer is
     # built, so vocabulary-dependent checks use data.vocab_size, or else just pass
-    LMConfig(**{**tree["model"], "vocab_size": _probe_vocab(tree)})
+    _model_config({**tree["model"], "vocab_size": _probe_vocab(tree)})
     return RunConfig(model=tree["model"], data=DataConfig(**tree["data"]),
                      train=TrainConfig(**tree["train"]), eval=EvalConfig(**tree["eval"]))

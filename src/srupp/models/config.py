@@ -1,0 +1,174 @@
+"""The model configs: the fields every language model shares, then one dataclass per model type.
+
+Each model class names its config class (:mod:`srupp.models.lm` keeps the
+registry ``type -> (config class, model class)``); a config holds only the
+fields its model reads. Defaults give a small byte-level model. Bad values
+raise ValueError in the terms of these fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import ClassVar, List, Optional
+
+from ..nn.adaptive import check_cutoffs
+
+# Every field LMConfig had when it was one flat union of all model types. A
+# config.json saved then holds all of them (see srupp.models.lm.config_from_dict).
+FLAT_FIELDS = frozenset((
+    "vocab_size", "d_model", "proj_size", "num_layers", "num_heads", "dropout", "emb_dropout",
+    "attn_dropout", "highway_bias", "attention_every_n_layers", "attention_last_n_layers",
+    "mem_len", "tie_embeddings", "layer_norm", "normalize_after", "adaptive_cutoffs",
+    "div_val", "emb_dim", "tie_projections", "type", "projection_size", "positions",
+    "max_positions", "ffn_mult"))
+
+
+def _at_least(config, minimum: int, *names: str) -> None:
+    for name in names:
+        if getattr(config, name) < minimum:
+            raise ValueError(f"{name} must be >= {minimum}, got {getattr(config, name)}")
+
+
+def _probability(config, *names: str) -> None:
+    for name in names:
+        p = getattr(config, name)
+        if p is not None and not 0 <= p < 1:
+            raise ValueError(f"{name} must be in [0, 1), got {p}")
+
+
+@dataclass
+class LMConfig:
+    """What every model shares: vocabulary, width, depth, dropout, memory and embeddings.
+
+    Not built directly: use the config of a model type (SRUppConfig, ...).
+    """
+
+    type: ClassVar[str] = ""                      # the model type; set by each subclass
+
+    vocab_size: int = 256                 # V; 256 for byte-level text
+    d_model: int = 256                    # d: embedding, hidden and output width
+    num_layers: int = 4                   # the paper uses 10
+    dropout: float = 0.1                  # inside the body (layers, highway, residual branches)
+    emb_dropout: Optional[float] = None   # after the embedding, before the output; None = dropout
+    mem_len: Optional[int] = None         # tokens of past segments attention sees; None: all
+    tie_embeddings: bool = False          # share input and output embeddings (enwik8: untied)
+    adaptive_cutoffs: Optional[List[int]] = None  # adaptive input/softmax clusters; None: plain
+    div_val: int = 4                      # adaptive cluster i is emb_dim // div_val**i wide
+    emb_dim: Optional[int] = None         # n_e, adaptive cluster 0's width; None: d_model
+    tie_projections: bool = True          # with tie_embeddings, share the cluster projections too
+
+    def __post_init__(self):
+        if not self.type:
+            raise TypeError("LMConfig holds the fields every model shares; build the config "
+                            "of a model type (SRUppConfig, SRUConfig, LSTMConfig, GRUConfig, "
+                            "TransformerConfig) or use config_from_dict({'type': ...})")
+        _at_least(self, 1, "vocab_size", "d_model", "num_layers")
+        _probability(self, "dropout", "emb_dropout")
+        if self.mem_len is not None and self.mem_len < 0:
+            raise ValueError(f"mem_len must be >= 0 or None, got {self.mem_len}")
+        if self.adaptive_cutoffs is None:
+            if self.emb_dim is not None or self.div_val != 4:
+                raise ValueError("emb_dim and div_val only apply to adaptive embeddings: "
+                                 "set adaptive_cutoffs too, or leave them at their defaults")
+            return
+        self.adaptive_cutoffs = check_cutoffs(self.adaptive_cutoffs, self.vocab_size,
+                                              where="adaptive_cutoffs")
+        _at_least(self, 1, "div_val")
+        if self.emb_dim is not None:
+            _at_least(self, 1, "emb_dim")
+        n_e, last = self.emb_dim or self.d_model, len(self.adaptive_cutoffs)
+        if n_e // self.div_val ** last < 1:
+            raise ValueError(f"emb_dim ({n_e}) // div_val**{last} is 0: the last cluster would "
+                             f"have no width; raise emb_dim or lower div_val")
+
+    def to_dict(self) -> dict:
+        """The fields, and ``type``: what config_from_dict reads back."""
+        return {"type": self.type, **asdict(self)}
+
+
+@dataclass
+class SRUppConfig(LMConfig):
+    """The SRU++ model: SRU layers whose input projection attends to the past."""
+
+    type: ClassVar[str] = "srupp"
+
+    proj_size: int = 64                   # d′: attention width; the paper uses d/4
+    num_heads: int = 1                    # the paper uses single-head attention
+    attn_dropout: float = 0.0             # on attention weights
+    highway_bias: float = -2.0            # initial b_r: start close to the skip path
+    attention_every_n_layers: int = 1     # attention in layers i with (i+1) % n == 0
+    attention_last_n_layers: int = -1     # or only in the last n layers (-1: off)
+    layer_norm: bool = False              # layer-wise LayerNorm (the paper: only inside attention)
+    normalize_after: bool = False         # post-norm when layer_norm
+
+    def __post_init__(self):
+        super().__post_init__()
+        _at_least(self, 1, "proj_size", "num_heads")
+        if self.proj_size % self.num_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must divide "
+                             f"proj_size ({self.proj_size})")
+        _probability(self, "attn_dropout")
+
+
+@dataclass
+class SRUConfig(LMConfig):
+    """A stack of plain SRU layers, without attention."""
+
+    type: ClassVar[str] = "sru"
+
+    projection_size: int = 0              # factorise each layer's W through this width (0: off)
+    highway_bias: float = -2.0            # initial b_r: start close to the skip path
+    layer_norm: bool = False              # layer-wise LayerNorm
+    normalize_after: bool = False         # post-norm when layer_norm
+
+    def __post_init__(self):
+        super().__post_init__()
+        _at_least(self, 0, "projection_size")
+
+
+@dataclass
+class LSTMConfig(LMConfig):
+    """torch.nn.LSTM: the shared fields say everything."""
+
+    type: ClassVar[str] = "lstm"
+
+
+@dataclass
+class GRUConfig(LMConfig):
+    """torch.nn.GRU: the shared fields say everything."""
+
+    type: ClassVar[str] = "gru"
+
+
+@dataclass
+class TransformerConfig(LMConfig):
+    """A decoder-only pre-LN transformer, with optional segment memory (mem_len)."""
+
+    type: ClassVar[str] = "transformer"
+
+    num_heads: int = 1                    # must divide d_model
+    attn_dropout: float = 0.0             # on attention weights
+    positions: Optional[str] = None       # learned|sinusoidal; None: learned without memory
+    max_positions: int = 2048             # the learned table's length: the longest context
+    ffn_mult: int = 4                     # the MLP is ffn_mult·d_model wide
+
+    def __post_init__(self):
+        super().__post_init__()
+        _at_least(self, 1, "num_heads", "max_positions", "ffn_mult")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must divide "
+                             f"d_model ({self.d_model})")
+        _probability(self, "attn_dropout")
+        if self.positions not in (None, "learned", "sinusoidal"):
+            raise ValueError(f"positions must be 'learned', 'sinusoidal' or None, "
+                             f"got {self.positions!r}")
+        if self.positions == "learned" and self.mem_len != 0:
+            raise ValueError("positions='learned' needs mem_len=0: with memory, the position "
+                             "count runs on across segments past any table; use sinusoidal")
+
+    @property
+    def resolved_positions(self) -> str:
+        """positions, with None resolved: learned without memory, else sinusoidal."""
+        if self.positions is not None:
+            return self.positions
+        return "learned" if self.mem_len == 0 else "sinusoidal"
