@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 from typing import Callable, Dict, List
 
 import torch
@@ -38,8 +39,8 @@ from _common import (add_layer_shape_args, causal_mask, layer_model_and_input,
 
 from torch.utils.flop_counter import FlopCounterMode
 
-import srupp.nn.attention as attention_module
-import srupp.nn.base as base_module
+import srupp.nn
+import srupp.ops as ops
 from srupp import tune_cpu_allocator
 from srupp.ops import linear, use_matmul_backend
 
@@ -87,30 +88,31 @@ def capture_pieces(model, x: torch.Tensor, autocast: bool) -> Dict[str, List[Cal
     """Run one training step of ``model`` on ``x`` and return, per piece, one replay
     closure for every call the step made."""
     calls: Dict[str, list] = {p: [] for p in PIECES}
-    hooks = []
-    for layer in model.layers:
-        t = layer.transform
-        for lin in (t.linear1, t.linear2, t.linear3):
-            hooks.append(lin.register_forward_pre_hook(
-                lambda mod, inp: calls["projections"].append((mod, inp, {}))))
+    hooks = [mod.register_forward_pre_hook(
+                 lambda mod, inp: calls["projections"].append((mod, inp, {})))
+             for mod in model.modules() if isinstance(mod, torch.nn.Linear)]
 
-    orig_attention, orig_recurrence = attention_module._attention, base_module.sru_recurrence
-
-    def attention_spy(*a, **k):
-        calls["attention"].append((orig_attention, a, k))
-        return orig_attention(*a, **k)
-
-    def recurrence_spy(*a, **k):
-        calls["recurrence"].append((orig_recurrence, a, k))
-        return orig_recurrence(*a, **k)
-
-    attention_module._attention, base_module.sru_recurrence = attention_spy, recurrence_spy
+    # The layers call srupp.ops.attention and srupp.ops.sru_recurrence through
+    # names bound in srupp.nn's modules: wrap every such binding, whichever
+    # module of the package it is in.
+    sites = []
+    for piece, fn in (("attention", ops.attention), ("recurrence", ops.sru_recurrence)):
+        def spy(*a, _piece=piece, _fn=fn, **k):
+            calls[_piece].append((_fn, a, k))
+            return _fn(*a, **k)
+        for name, module in list(sys.modules.items()):
+            if name == srupp.nn.__name__ or name.startswith(srupp.nn.__name__ + "."):
+                sites += [(module, attr, fn, spy) for attr, value in list(vars(module).items())
+                          if value is fn]
+    for module, attr, _, spy in sites:
+        setattr(module, attr, spy)
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out, _ = model(x)
         out.float().sum().backward()
     finally:
-        attention_module._attention, base_module.sru_recurrence = orig_attention, orig_recurrence
+        for module, attr, fn, _ in sites:
+            setattr(module, attr, fn)
         for h in hooks:
             h.remove()
     return {p: [_replay(fn, a, k, autocast) for fn, a, k in calls[p]] for p in PIECES}
