@@ -115,3 +115,5 @@ def test_a_run_saved_with_fields_of_other_types_still_resumes():
     assert cfg.model_config(256).d_model == 16
     with pytest.raises(UserError, match="model.num_heads applies"):  # given again: an error
         build_config(None, ["model.num_heads=2"], base=saved)
+    with pytest.raises(UserError, match="unknown config key 'model.d_modle'"):
+        build_config(None, base={"model": {"type": "gru", "d_modle": 16}})

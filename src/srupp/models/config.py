@@ -15,12 +15,11 @@ from ..nn.adaptive import check_cutoffs
 
 # Every field LMConfig had when it was one flat union of all model types. A
 # config.json saved then holds all of them (see srupp.models.lm.config_from_dict).
-FLAT_FIELDS = frozenset((
-    "vocab_size", "d_model", "proj_size", "num_layers", "num_heads", "dropout", "emb_dropout",
-    "attn_dropout", "highway_bias", "attention_every_n_layers", "attention_last_n_layers",
-    "mem_len", "tie_embeddings", "layer_norm", "normalize_after", "adaptive_cutoffs",
-    "div_val", "emb_dim", "tie_projections", "type", "projection_size", "positions",
-    "max_positions", "ffn_mult"))
+FLAT_FIELDS = frozenset(
+    "vocab_size d_model proj_size num_layers num_heads dropout emb_dropout attn_dropout "
+    "highway_bias attention_every_n_layers attention_last_n_layers mem_len tie_embeddings "
+    "layer_norm normalize_after adaptive_cutoffs div_val emb_dim tie_projections type "
+    "projection_size positions max_positions ffn_mult".split())
 
 
 def _at_least(config, minimum: int, *names: str) -> None:

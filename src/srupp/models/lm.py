@@ -41,13 +41,9 @@ MODELS: Dict[str, Tuple[Type[LMConfig], Type["CausalLM"]]] = {}
 
 def model_class(model_type: str) -> type:
     """The CausalLM subclass for a model type (srupp, sru, lstm, gru, transformer)."""
-    return _entry(model_type)[1]
-
-
-def _entry(model_type: str):
     if model_type not in MODELS:
         raise ValueError(f"type must be one of {', '.join(MODELS)}; got {model_type!r}")
-    return MODELS[model_type]
+    return MODELS[model_type][1]
 
 
 def config_from_dict(d: dict) -> LMConfig:
@@ -59,7 +55,7 @@ def config_from_dict(d: dict) -> LMConfig:
     are dropped, whatever their values.
     """
     d = dict(d)
-    cls = _entry(d.pop("type", "srupp"))[0]
+    cls = model_class(d.pop("type", "srupp")).config_class
     own = {f.name for f in fields(cls)}
     flat = FLAT_FIELDS <= set(d) | {"type"}
     for key in sorted(set(d) - own):
@@ -426,7 +422,7 @@ def build_model(config: Union[LMConfig, dict], device=None, dtype=None) -> Causa
     """A freshly initialised model of ``config.type``; a dict is read by config_from_dict."""
     if isinstance(config, dict):
         config = config_from_dict(config)
-    return _entry(config.type)[1](config, device=device, dtype=dtype)
+    return model_class(config.type)(config, device=device, dtype=dtype)
 
 
 def load_config(directory: Union[str, os.PathLike]) -> LMConfig:

@@ -217,17 +217,17 @@ def _probe_vocab(tree: Dict[str, Dict[str, Any]]) -> int:
     return 256
 
 
-def _drop_other_types_keys(model: Dict[str, Any], saved: set) -> None:
-    """Drop the keys of a saved run (``saved``) that do not apply to its model.type.
+def _drop_other_types_keys(model: Dict[str, Any]) -> None:
+    """Drop a saved run's model keys that do not apply to its model.type.
 
     Runs saved before the per-type configs could hold the fields of other
     model types, which their model never read. Such keys from a recipe or
     ``--set`` are errors (config_from_dict's).
     """
-    config_class = MODELS.get(model.get("type", "srupp"), (None,))[0]
-    if config_class is not None:
-        own = {f.name for f in fields(config_class)}
-        for key in saved - own - {"type"}:
+    mtype = model.get("type", "srupp")
+    if mtype in MODELS:
+        own = {f.name for f in fields(MODELS[mtype][0])} | {"type"}
+        for key in set(model) & set(TYPES["model"]) - own:
             del model[key]
 
 
@@ -248,7 +248,7 @@ def build_config(recipe: Optional[Union[str, Path]] = None,
             if s not in SECTIONS:
                 raise _unknown(s)
             tree[s].update(vals)
-    saved = set(tree["model"])  # model keys of a saved run, until a recipe or --set gives them
+        _drop_other_types_keys(tree["model"])
     if recipe is not None:
         path = Path(recipe)
         if not path.is_file():
@@ -262,8 +262,6 @@ def build_config(recipe: Optional[Union[str, Path]] = None,
                 raise UserError(f"recipe {path}: unknown section [{s}]; "
                                 f"sections are {sorted(SECTIONS)}")
             tree[s].update(vals)
-            if s == "model":
-                saved -= set(vals)
     for item in overrides or []:
         if "=" not in item:
             raise UserError(f"--set expects key=value, got {item!r}")
@@ -275,14 +273,11 @@ def build_config(recipe: Optional[Union[str, Path]] = None,
         if s not in SECTIONS:
             raise _unknown(key)
         tree[s][name] = value
-        if s == "model":
-            saved.discard(name)
     for s in SECTIONS:
         for name, value in list(tree[s].items()):
             if name not in TYPES[s]:
                 raise _unknown(f"{s}.{name}")
             tree[s][name] = _coerce(f"{s}.{name}", value, TYPES[s][name])
-    _drop_other_types_keys(tree["model"], saved)
     tree["model"].pop("vocab_size", None)  # always taken from the tokenizer
     # validate the model fields now; the vocabulary is only known once the tokenizer is
     # built, so vocabulary-dependent checks use data.vocab_size, or else just pass
