@@ -124,3 +124,26 @@ def test_compare_and_params_work_from_the_installed_wheel(installed, tmp_path):
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert abs(json.loads(done.stdout)["params"] / 108e6 - 1) < 0.03
+
+
+def test_extras_match_what_the_code_asks_for():
+    import re
+
+    from srupp._extras import EXTRA_OF
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    name = lambda req: re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower()  # noqa: E731
+    assert sorted(name(r) for r in project["dependencies"]) == [
+        "numpy", "safetensors", "tomli", "torch", "tqdm"]
+    extras = project["optional-dependencies"]
+    for module, extra in EXTRA_OF.items():
+        assert module in {name(r) for r in extras[extra]}, (module, extra)
+    groups = set(extras) - {"all", "test"}
+    assert set(EXTRA_OF.values()) == groups
+    (everything,) = extras["all"]
+    assert set(re.fullmatch(r"srupp\[(.*)\]", everything).group(1).split(",")) == groups

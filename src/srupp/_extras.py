@@ -14,6 +14,19 @@ from types import ModuleType
 from typing import Optional
 
 
+# The optional modules srupp imports, and the extra that installs each; the
+# same groups as pyproject.toml's [project.optional-dependencies] (tested).
+EXTRA_OF = {
+    "matplotlib": "plots",
+    "sentencepiece": "subword",
+    "sacrebleu": "translation",
+    "triton": "triton",
+    "onnx": "onnx",
+    "onnxruntime": "onnx",
+    "transformers": "hf",
+}
+
+
 class MissingExtra(ImportError, ValueError):
     """An optional dependency is not installed; the message names the fix.
 
@@ -22,11 +35,18 @@ class MissingExtra(ImportError, ValueError):
     """
 
 
-def require(module: str, extra: str, what: Optional[str] = None) -> ModuleType:
+def install_hint(module: str, extra: Optional[str] = None) -> str:
+    """``pip install 'srupp[plots]'`` for ``matplotlib.pyplot``, say."""
+    top = module.split(".")[0]
+    extra = extra or EXTRA_OF.get(top)
+    return f"pip install 'srupp[{extra}]'" if extra else f"pip install {top}"
+
+
+def require(module: str, extra: Optional[str] = None, what: Optional[str] = None) -> ModuleType:
     """Import ``module`` (dotted names allowed), or raise :class:`MissingExtra`.
 
-    ``extra`` is the ``srupp[extra]`` group that installs it; ``what`` names
-    the feature that needs it (default: srupp).
+    ``extra`` is the ``srupp[extra]`` group that installs it (default: from
+    :data:`EXTRA_OF`); ``what`` names the feature that needs it (default: srupp).
     """
     try:
         return importlib.import_module(module)
@@ -34,5 +54,5 @@ def require(module: str, extra: str, what: Optional[str] = None) -> ModuleType:
         top = module.split(".")[0]
         if e.name is not None and e.name != top and not e.name.startswith(top + "."):
             raise  # the package is there; something it imports is broken
-        raise MissingExtra(f"{what or 'srupp'} needs {top}: pip install 'srupp[{extra}]'",
+        raise MissingExtra(f"{what or 'srupp'} needs {top}: {install_hint(module, extra)}",
                            name=top) from None
