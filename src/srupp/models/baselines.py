@@ -76,7 +76,7 @@ class RNNLanguageModel(CausalLM):
     def build_body(self, factory: dict) -> None:
         c = self.config
         self.rnn = self.cell(c.d_model, c.d_model, c.num_layers, batch_first=True,
-                       dropout=c.dropout if c.num_layers > 1 else 0.0, **factory)
+                             dropout=c.dropout if c.num_layers > 1 else 0.0, **factory)
 
     def reset_body(self) -> None:
         """PyTorch's U(±1/√d), and for an LSTM a forget-gate bias of 1 (Jozefowicz et al.)."""
