@@ -81,15 +81,23 @@ def test_an_adaptive_run_trains_and_evaluates(tmp_path):
 
 @pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("*.toml")
                                           if "[model]" in p.read_text()))
-@pytest.mark.parametrize("kind", ["srupp", "lstm"])
-def test_every_recipe_builds_and_keys_of_another_type_are_errors(recipe, kind):
-    """A recipe's model keys are SRU++ ones: with model.type=lstm, the first is named."""
-    if kind == "srupp":
-        cfg = build_config(RECIPES / recipe)
-        assert cfg.model_config(cfg.data.vocab_size or 256).type == "srupp"
-        return
-    with pytest.raises(UserError, match=r"model\.\w+ applies to model\.type=srupp.*, not lstm"):
-        build_config(RECIPES / recipe, ["model.type=lstm"])
+def test_every_recipe_builds_and_its_srupp_keys_yield_to_a_set_type(recipe):
+    """--set model.type=lstm on an SRU++ recipe drops the recipe's SRU++-only keys."""
+    cfg = build_config(RECIPES / recipe)
+    assert cfg.model_config(cfg.data.vocab_size or 256).type == "srupp"
+    lstm = build_config(RECIPES / recipe, ["model.type=lstm"])
+    assert lstm.model_config(cfg.data.vocab_size or 256).type == "lstm"
+    assert "proj_size" not in lstm.model
+    assert lstm.model.get("d_model") == cfg.model.get("d_model")  # shared keys stay
+
+
+def test_a_recipe_that_names_its_type_keeps_keys_of_another_type_errors(tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[model]\ntype = "lstm"\nproj_size = 8\n')
+    with pytest.raises(UserError, match=r"^model\.proj_size applies to model\.type=srupp, not lstm$"):
+        build_config(recipe)
+    with pytest.raises(UserError, match=r"model\.proj_size applies"):  # given with --set too
+        build_config(RECIPES / "shakespeare-cpu.toml", ["model.type=lstm", "model.proj_size=8"])
 
 
 @pytest.mark.parametrize("overrides,match", [

@@ -217,17 +217,18 @@ def _probe_vocab(tree: Dict[str, Dict[str, Any]]) -> int:
     return 256
 
 
-def _drop_other_types_keys(model: Dict[str, Any]) -> None:
-    """Drop a saved run's model keys that do not apply to its model.type.
+def _drop_other_types_keys(model: Dict[str, Any], keep: frozenset = frozenset()) -> None:
+    """Drop model keys that do not apply to model.type, except those in ``keep``.
 
-    Runs saved before the per-type configs could hold the fields of other
-    model types, which their model never read. Such keys from a recipe or
-    ``--set`` are errors (config_from_dict's).
+    Used for a saved run's config (runs saved before the per-type configs
+    could hold the fields of other model types, which their model never read)
+    and for a recipe's keys once ``--set model.type=...`` changed the type.
+    Keys left in ``keep`` (given with ``--set``) are errors (config_from_dict's).
     """
     mtype = model.get("type", "srupp")
     if mtype in MODELS:
         own = {f.name for f in fields(MODELS[mtype][0])} | {"type"}
-        for key in set(model) & set(TYPES["model"]) - own:
+        for key in set(model) & set(TYPES["model"]) - own - keep:
             del model[key]
 
 
@@ -262,6 +263,7 @@ def build_config(recipe: Optional[Union[str, Path]] = None,
                 raise UserError(f"recipe {path}: unknown section [{s}]; "
                                 f"sections are {sorted(SECTIONS)}")
             tree[s].update(vals)
+    set_model_keys = set()
     for item in overrides or []:
         if "=" not in item:
             raise UserError(f"--set expects key=value, got {item!r}")
@@ -273,6 +275,12 @@ def build_config(recipe: Optional[Union[str, Path]] = None,
         if s not in SECTIONS:
             raise _unknown(key)
         tree[s][name] = value
+        if s == "model":
+            set_model_keys.add(name)
+    if "type" in set_model_keys:
+        # --set model.type=lstm on an SRU++ recipe: the recipe's SRU++-only keys
+        # no longer apply; keys given with --set still must
+        _drop_other_types_keys(tree["model"], keep=frozenset(set_model_keys))
     for s in SECTIONS:
         for name, value in list(tree[s].items()):
             if name not in TYPES[s]:
