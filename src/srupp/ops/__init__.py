@@ -1,7 +1,8 @@
 """Element-wise recurrence kernels.
 
-``sru_recurrence`` is the one entry point the layers call. It dispatches to a
-backend:
+``sru_recurrence`` is the one entry point the layers call. It checks its
+arguments once (all backends reject the same bad input with the same
+ValueError / TypeError), then dispatches to a backend:
 
 ``"reference"``
     :func:`sru_recurrence_reference`, the plain PyTorch loop over time (the
@@ -45,7 +46,7 @@ from ._setting import BackendSetting
 from .custom_ops import sru_bwd, sru_fwd
 from .matmul import (get_matmul_backend, linear, linear_onednn, linear_reference,
                      set_matmul_backend, use_matmul_backend)
-from .reference import compute_dtype, sru_recurrence_reference
+from .reference import check_args, compute_dtype, sru_recurrence_reference
 from .sdpa import (attention, attention_causal_matmul, attention_matmul, attention_reference,
                    get_attention_backend, set_attention_backend, use_attention_backend)
 
@@ -136,13 +137,10 @@ def sru_recurrence(U, x, weight_c, bias, c0=None, *, scale_x=1.0, mask_pad=None,
     Same arguments, shapes and results as :func:`sru_recurrence_reference`:
     U (B, L, k, D), x (B, L, D) or None, weight_c and bias (2, D), c0 (B, D),
     mask_pad (B, L) bool, dropout_mask (B, D); returns h (B, L, D) and c_last (B, D).
+    Raises ValueError / TypeError for arguments that don't fit (see
+    :func:`~srupp.ops.reference.check_args`), whatever the backend.
     """
-    if U.dim() != 4 or U.shape[2] not in (3, 4):
-        raise ValueError(f"U must have k = 3 or 4 planes in dim 2, got shape {tuple(U.shape)}")
-    if U.shape[2] == 4 and x is not None:
-        raise ValueError("with k = 4 the skip term is U[:, :, 3]; pass x=None")
-    if bidirectional and U.shape[3] % 2:
-        raise ValueError(f"bidirectional needs an even number of units D, got D = {U.shape[3]}")
+    check_args(U, x, weight_c, bias, c0, mask_pad, dropout_mask, bidirectional)
     if _select(U, x, weight_c, bias, c0, dropout_mask) == "reference":
         return sru_recurrence_reference(
             U, x, weight_c, bias, c0, scale_x=scale_x, mask_pad=mask_pad,

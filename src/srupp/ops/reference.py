@@ -11,11 +11,26 @@ Layout (batch-first, the layout the layers keep their activations in):
     weight_c   (2, D)        peepholes [v_f; v_r]
     bias       (2, D)        [b_f; b_r]
     c0         (B, D)        initial state
-    mask_pad   (B, L) bool   True marks padding
+    mask_pad   (B, L) bool   True marks padding (integer: nonzero marks it)
     dropout_mask (B, D)      variational mask on the highway, shared over time
 
 With ``bidirectional=True`` the units split in two halves of d = D / 2: the
 first runs t = 0 .. L-1, the second t = L-1 .. 0.
+
+The equations, per unit and step, are the SRU recurrence (Lei et al., "Simple
+Recurrent Units for Highly Parallelizable Recurrence", EMNLP 2018, section 2;
+SRU++, Lei, EMNLP 2021, keeps it), with s_t the skip term (``scale_x · x_t``, or
+``u3_t`` when k = 4) and m the dropout mask (1 without one):
+
+    f_t = σ(u1_t + v_f ⊙ c_{t-1} + b_f)
+    r_t = σ(u2_t + v_r ⊙ c_{t-1} + b_r)
+    c_t = f_t ⊙ c_{t-1} + (1 − f_t) ⊙ u0_t
+    h_t = s_t + m ⊙ r_t ⊙ (c_t − s_t)       (h_t = m ⊙ r_t ⊙ c_t without a skip term)
+
+At padding (``mask_pad`` True) c_t = c_{t-1} and h_t = 0.
+
+:func:`check_args` is the contract every backend shares: :func:`srupp.ops.sru_recurrence`
+and :func:`sru_recurrence_reference` call it before anything runs.
 """
 
 from __future__ import annotations
@@ -24,6 +39,57 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+
+
+# sru_recurrence's arguments after U: their shapes, and which may be None
+_SHAPES = {"x": "(B, L, D)", "weight_c": "(2, D)", "bias": "(2, D)", "c0": "(B, D)",
+           "mask_pad": "(B, L)", "dropout_mask": "(B, D)"}
+_OPTIONAL = frozenset(("x", "c0", "mask_pad", "dropout_mask"))
+
+
+def check_args(U, x, weight_c, bias, c0, mask_pad, dropout_mask, bidirectional) -> None:
+    """Raise unless the arguments fit the recurrence: TypeError for a wrong type or
+    dtype, ValueError for a wrong shape or device, naming the argument.
+
+    U (B, L, k, D) with k = 3 or 4; x (B, L, D) or None (None when k = 4);
+    weight_c and bias (2, D); c0 (B, D) or None; mask_pad (B, L) or None;
+    dropout_mask (B, D) or None. U, x, weight_c, bias, c0 and dropout_mask are
+    floating point; mask_pad is bool, or integer with nonzero meaning padding.
+    All on U's device. Bidirectional needs an even D.
+
+    Shapes can't tell (B, L) from (L, B) when B == L: a time-major mask_pad of a
+    square batch passes, and is read as batch-major.
+    """
+    if not isinstance(U, Tensor):
+        raise TypeError(f"U must be a Tensor, got {type(U).__name__}")
+    if U.dim() != 4 or U.shape[2] not in (3, 4):
+        raise ValueError(f"U must have shape (B, L, k, D) with k = 3 or 4, got {tuple(U.shape)}")
+    if not U.dtype.is_floating_point:
+        raise TypeError(f"U must be floating point, got {U.dtype}")
+    B, L, k, D = U.shape
+    if k == 4 and x is not None:
+        raise ValueError("with k = 4 the skip term is U[:, :, 3]; pass x=None")
+    if bidirectional and D % 2:
+        raise ValueError(f"bidirectional needs an even number of units D, got D = {D}")
+    device = U.device
+    for name, t, shape in (("x", x, (B, L, D)), ("weight_c", weight_c, (2, D)),
+                           ("bias", bias, (2, D)), ("c0", c0, (B, D)),
+                           ("mask_pad", mask_pad, (B, L)), ("dropout_mask", dropout_mask, (B, D))):
+        if t is None and name in _OPTIONAL:
+            continue
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+        if t.shape != shape:
+            raise ValueError(f"{name} must have shape {_SHAPES[name]} = {shape}, "
+                             f"got {tuple(t.shape)}")
+        if name != "mask_pad":
+            if not t.dtype.is_floating_point:
+                raise TypeError(f"{name} must be floating point, got {t.dtype}")
+        elif t.dtype.is_floating_point or t.dtype.is_complex:
+            raise TypeError(f"mask_pad must be bool (True marks padding) or integer, "
+                            f"got {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but U is on {device}")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -98,7 +164,8 @@ def sru_recurrence_reference(
         bias: (2, D) gate biases [b_f; b_r].
         c0: (B, D) initial state, or None for zeros.
         scale_x: constant multiplying ``x`` in the skip term.
-        mask_pad: (B, L) bool, True at padding: the state is held and h is 0.
+        mask_pad: (B, L) bool (or integer, nonzero = padding), True at padding: the
+            state is held and h is 0.
         dropout_mask: (B, D) variational dropout mask applied to the highway.
         bidirectional: the second half of the units runs backwards in time.
 
@@ -107,13 +174,8 @@ def sru_recurrence_reference(
         c_last: (B, D) in the compute dtype (fp32 for half inputs, else U's
             dtype). For bidirectional layers it is [c_fwd(L-1), c_bwd(0)].
     """
+    check_args(U, x, weight_c, bias, c0, mask_pad, dropout_mask, bidirectional)
     B, L, k, D = U.shape
-    if k not in (3, 4):
-        raise ValueError(f"U must have k = 3 or 4 planes in dim 2, got shape {tuple(U.shape)}")
-    if bidirectional and D % 2:
-        raise ValueError(f"bidirectional needs an even number of units D, got {D}")
-    if k == 4 and x is not None:
-        raise ValueError("with k = 4 the skip term is U[:, :, 3]; pass x=None")
     cdt = compute_dtype(U.dtype)
     Uc = U.to(cdt)
     skip = Uc[:, :, 3] if k == 4 else (None if x is None else x.to(cdt) * scale_x)
