@@ -5,12 +5,33 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn.functional as F
 
 from ..data import StreamBatcher
+
+
+# tokenizers whose tokens are bytes or characters: their runs are measured in
+# bits per character; word and subword runs in perplexity per token
+CHARACTER_LEVEL = ("byte", "char")
+
+
+def metric_for(tokenizer: Any) -> str:
+    """The validation metric a run on ``tokenizer`` reports: ``"bpc"`` or ``"ppl"``.
+
+    Bits per token are bits per character only when tokens are bytes or
+    characters (``"byte"``, ``"char"``); word and subword models report
+    perplexity. ``tokenizer`` is a tokenizer, its ``to_dict()`` or its type name.
+    """
+    if isinstance(tokenizer, str):
+        kind = tokenizer
+    elif isinstance(tokenizer, dict):
+        kind = tokenizer.get("type")
+    else:
+        kind = tokenizer.to_dict()["type"]
+    return "bpc" if kind in CHARACTER_LEVEL else "ppl"
 
 
 def autocast_context(precision: str, device: str):
