@@ -26,16 +26,12 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from .._files import atomic_path, atomic_write_json
 from ..errors import UserError
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+# the name other modules imported before srupp._files; new code calls atomic_write_json
+write_json_atomic = atomic_write_json
 
 
 def read_json(path: Path, what: str) -> Any:
@@ -50,25 +46,35 @@ def read_json(path: Path, what: str) -> Any:
 def save_checkpoint(run_dir: Path, step: int, model, carried_state, trainer_state: Dict[str, Any],
                     *, tokenizer: Optional[dict] = None, pointers: Tuple[str, ...] = ("last",),
                     info: Optional[dict] = None) -> Path:
-    """Write ``ckpt-<step>`` and point ``pointers`` (e.g. "last", "best") at it."""
+    """Write ``ckpt-<step>`` and point ``pointers`` (e.g. "last", "best") at it.
+
+    A folder for ``step`` that exists already holds the same weights, state and
+    data position; only its ``trainer.pt`` is replaced (atomically), since the
+    trainer's bookkeeping, such as the best validation loss, may have changed
+    since (a final evaluation at a step that was saved before it).
+    """
     from safetensors.torch import save_file
 
     name = f"ckpt-{step:06d}"
     final = run_dir / name
-    if not final.exists():
+    if final.exists():
+        with atomic_path(final / "trainer.pt") as tmp:
+            torch.save(trainer_state, tmp)
+    else:
         tmp = run_dir / f".{name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         model.save_pretrained(tmp)
         if tokenizer is not None:
-            write_json_atomic(tmp / "tokenizer.json", tokenizer)
+            atomic_write_json(tmp / "tokenizer.json", tokenizer)
         if carried_state is not None:
-            save_file({k: v.contiguous() for k, v in carried_state.to_dict().items()},
-                      str(tmp / "state.safetensors"))
-        torch.save(trainer_state, tmp / "trainer.pt")
+            with atomic_path(tmp / "state.safetensors") as f:
+                save_file({k: v.contiguous() for k, v in carried_state.to_dict().items()}, str(f))
+        with atomic_path(tmp / "trainer.pt") as f:
+            torch.save(trainer_state, f)
         os.replace(tmp, final)
     for p in pointers:
-        write_json_atomic(run_dir / f"{p}.json", {"dir": name, "step": step, **(info or {})})
+        atomic_write_json(run_dir / f"{p}.json", {"dir": name, "step": step, **(info or {})})
     _remove_unreferenced(run_dir)
     return final
 
@@ -85,6 +91,8 @@ def _remove_unreferenced(run_dir: Path) -> None:
     for d in run_dir.glob("ckpt-*"):
         if d.name not in keep:
             shutil.rmtree(d, ignore_errors=True)
+    for d in run_dir.glob(".ckpt-*.tmp"):  # saves a kill cut short
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def resolve_checkpoint(path: Path, prefer: str = "best") -> Path:
