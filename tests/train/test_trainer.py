@@ -17,24 +17,54 @@ from srupp.train.trainer import CALIBRATION_SKIP, lr_factor
 from lm_helpers import TINY, config, metrics
 
 
-def test_interrupt_and_resume_gives_identical_losses(tmp_path, corpus):
+class _SignalOnBatch:
+    """The batch iterator, sending this process ``sig`` as batches ``at`` are asked for
+    (once per time a batch's number is listed)."""
+
+    def __init__(self, it, calls, at, sig=signal.SIGINT):
+        self.it, self.calls, self.at, self.sig = it, calls, at, sig
+
+    def __next__(self):
+        self.calls.append(1)
+        for _ in range(self.at.count(len(self.calls))):
+            signal.raise_signal(self.sig)  # inside the step: after a backward, before a batch
+        return next(self.it)
+
+
+def _signal_inside_a_step(t, at, sig=signal.SIGINT):
+    original, calls = t._train_step, []
+    t._train_step = lambda it: original(_SignalOnBatch(it, calls, at, sig))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_inside_gradient_accumulation_stops_at_the_step_boundary(tmp_path, corpus, sig):
+    steps = ("train.max_steps=12", "train.grad_accum=2")
+    full = tmp_path / "full"
+    Trainer(config(corpus, *steps), full, progress=False).train()
+
+    part = tmp_path / "part"
+    t = Trainer(config(corpus, *steps), part, progress=False)
+    _signal_inside_a_step(t, at=[14], sig=sig)  # step 7's second segment, mid log interval
+    before = signal.getsignal(sig)
+    assert t.train() == {"interrupted": True, "step": 7}
+    assert signal.getsignal(sig) is before  # the previous handler is back
+    resumed = Trainer(config(corpus, *steps), part, resume=True, progress=False)
+    assert resumed.step == 7
+    resumed.train()
+    _same_losses(metrics(part), metrics(full))
+
+
+def test_second_signal_stops_at_once_and_keeps_the_last_checkpoint(tmp_path, corpus, capsys):
     full = tmp_path / "full"
     Trainer(config(corpus, "train.max_steps=12"), full, progress=False).train()
 
     part = tmp_path / "part"
     t = Trainer(config(corpus, "train.max_steps=12"), part, progress=False)
-    original = t._train_step
-
-    def step_then_interrupt(it):
-        loss = original(it)
-        if t.step == 7:  # mid log interval, between checkpoints
-            raise KeyboardInterrupt
-        return loss
-
-    t._train_step = step_then_interrupt
-    assert t.train()["interrupted"]
+    _signal_inside_a_step(t, at=[7, 7])  # Ctrl-C twice inside step 7
+    assert t.train() == {"interrupted": True, "step": 4}  # save_every=4: nothing newer saved
+    assert "nothing saved" in capsys.readouterr().err
     resumed = Trainer(config(corpus, "train.max_steps=12"), part, resume=True, progress=False)
-    assert resumed.step == 7
+    assert resumed.step == 4
     resumed.train()
     _same_losses(metrics(part), metrics(full))
 
@@ -79,10 +109,44 @@ def test_metrics_curves_and_loss_goes_down(tmp_path, corpus):
     assert [r["step"] for r in train] == list(range(2, 81, 2))
     assert train[-1]["train_loss"] < train[0]["train_loss"] - 0.5
     assert [r["step"] for r in rows if "valid_bpc" in r] == [16, 32, 48, 64, 80, 80]
+    assert all({"valid_loss", "valid_ppl"} <= set(r) for r in rows if "valid_bpc" in r)
     assert (run / "curves.png").stat().st_size > 1000
     assert summary["valid_bpc"] == rows[-1]["valid_bpc"]
+    assert summary["valid_loss"] == rows[-1]["valid_loss"]
     assert {"last.json", "best.json"} <= {p.name for p in run.iterdir()}
     assert len(list(run.glob("ckpt-*"))) <= 2  # only last and best are kept
+
+
+def test_final_evaluation_on_a_saved_step_updates_the_best_loss(tmp_path, corpus, monkeypatch):
+    """The final evaluation lands on step 8, saved before it: its better loss is stored too."""
+    losses = iter([3.0, 2.5, 2.0])  # evaluations at steps 4 and 8, then the final one at 8
+
+    def validate(self, max_batches=None):
+        loss = next(losses)
+        return {"loss": loss, "bpc": loss / math.log(2), "ppl": math.exp(loss), "tokens": 1,
+                "seconds": 0.0}
+
+    monkeypatch.setattr(Trainer, "validate", validate)
+    run = tmp_path / "run"
+    Trainer(config(corpus, "train.max_steps=8"), run, progress=False).train()
+    best = json.loads((run / "best.json").read_text())
+    assert best["step"] == 8 and best["valid_loss"] == 2.0
+    state = torch.load(run / best["dir"] / "trainer.pt", weights_only=True)
+    assert state["best_loss"] == 2.0
+    assert Trainer(config(corpus, "train.max_steps=8"), run, resume=True,
+                   progress=False).best_loss == 2.0
+
+    # a checkpoint from before the metric was named by its unit: best_bpc, in bits
+    del state["best_loss"]
+    state["best_bpc"] = 2.0 / math.log(2)
+    torch.save(state, run / best["dir"] / "trainer.pt")
+    resumed = Trainer(config(corpus, "train.max_steps=8"), run, resume=True, progress=False)
+    assert resumed.best_loss == pytest.approx(2.0)
+
+    # without matplotlib the run still ends; the warning says how to get curves.png
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.warns(UserWarning, match=r"pip install 'srupp\[plots\]'"):
+        assert resumed.plot() is None
 
 
 def test_time_budget_fixes_the_schedule_length(tmp_path, corpus):
@@ -217,7 +281,12 @@ def test_word_level_run_reports_perplexity(tmp_path, corpus, capsys):
                           "data.lowercase=true", "data.max_oov=0.9", "train.max_steps=4"],
                          capsys)
     summary = json.loads(out)
-    assert rc == 0 and summary["valid_ppl"] == pytest.approx(2 ** summary["valid_bpc"])
+    # bits per token are not bits per character here: no valid_bpc anywhere
+    assert rc == 0 and "valid_bpc" not in summary
+    assert summary["valid_ppl"] == pytest.approx(math.exp(summary["valid_loss"]))
+    valid = [r for r in metrics(run) if "valid_loss" in r]
+    assert valid and all("valid_ppl" in r and "valid_bpc" not in r for r in valid)
+    assert "valid_ppl" in json.loads((run / "best.json").read_text())
     tok = json.loads((run / "tokenizer.json").read_text())
     assert tok["type"] == "word" and len(tok["vocab"]) == 20 and tok["lowercase"]
     rc, out, _ = run_cli(["eval", "--checkpoint", str(run)], capsys)

@@ -6,14 +6,22 @@ log every ``log_every`` steps, validate every ``eval_every``, checkpoint every
 ``save_every``. Everything a resumed run needs is in the checkpoint: weights,
 optimiser, schedule (with its length), RNG, data position, the carried state
 and the partial loss sums of the current log interval.
+
+Ctrl-C (SIGINT) and SIGTERM stop the run between two optimiser steps: the
+signal only asks for a stop, the loop saves and returns at the next step
+boundary, so a resumed run continues bit for bit. A second signal stops at
+once, without saving: the last checkpoint stays, as after SIGKILL.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import math
 import signal
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -21,13 +29,14 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from .._files import atomic_write_json, atomic_write_text
 from ..data import StreamBatcher, build_tokenizer, load_corpus, tokenizer_from_dict
 from ..errors import UserError
 from ..models import build_model
 from .checkpoint import (load_carried_state, load_trainer_state, read_json, resolve_checkpoint,
-                         save_checkpoint, write_json_atomic)
+                         save_checkpoint)
 from .config import RunConfig
-from .evaluate import autocast_context, evaluate
+from .evaluate import autocast_context, evaluate, metric_for
 
 
 CALIBRATION_SKIP = 5  # untimed warm-up steps before the calibration window
@@ -90,30 +99,57 @@ class Trainer:
             warnings.warn("this CPU has no native bf16; training in fp32 instead", stacklevel=2)
             self.precision = "fp32"
 
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise UserError(f"{self.run_dir} is a file, not a run directory; "
+                            f"choose another --out")
         ckpt = None
         if resume:
             ckpt = resolve_checkpoint(self.run_dir, prefer="last")
         elif (self.run_dir / "last.json").exists():
             raise UserError(f"{self.run_dir} already holds a run; pass --resume to continue it "
                             f"or choose another --out")
+        created = False if resume else self._make_run_dir()
+        try:
+            self._set_up(cfg, ckpt)
+        except BaseException:
+            if created:  # leave nothing behind for a run that never started
+                with contextlib.suppress(OSError):
+                    self.run_dir.rmdir()  # only if still empty
+            raise
 
+    def _make_run_dir(self) -> bool:
+        """Create the run directory (before any slow work); whether it is new."""
+        existed = self.run_dir.is_dir()
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"cannot create the run directory {self.run_dir}: "
+                            f"{e.strerror or e}") from None
+        return not existed
+
+    def _set_up(self, cfg: RunConfig, ckpt: Optional[Path]) -> None:
+        t = cfg.train
         # ---- data and tokenizer
-        self.corpus = load_corpus(cfg.data.corpus)
-        if resume:
+        if ckpt is not None:
             self.tokenizer = tokenizer_from_dict(read_json(self.run_dir / "tokenizer.json",
                                                            "tokenizer"))
+            self.model_config = cfg.model_config(self.tokenizer.vocab_size)
+            check_same_shape(self.run_dir, ckpt, self.model_config)
+            self.corpus = load_corpus(cfg.data.corpus)
             check_tokenizer_fits(self.tokenizer, self.corpus.valid, cfg.data.max_oov,
                                  f"the validation split of {cfg.data.corpus}")
         else:
+            self.corpus = load_corpus(cfg.data.corpus)
             self.tokenizer = build_tokenizer(cfg.data.tokenizer, self.corpus.train,
                                              **cfg.data.tokenizer_options())
+            self.model_config = cfg.model_config(self.tokenizer.vocab_size)
+        self.metric = metric_for(self.tokenizer)
         self.train_ids = self.tokenizer.encode(self.corpus.train)
         self.valid_ids = self.tokenizer.encode(self.corpus.valid)
         self.batcher = StreamBatcher(self.train_ids, t.batch_size, t.unroll)
 
         # ---- model, optimiser, schedule
         torch.manual_seed(t.seed)
-        self.model_config = cfg.model_config(self.tokenizer.vocab_size)
         self.model = build_model(self.model_config, device=self.device)
         self.optimizer = torch.optim.RAdam(self._param_groups(), lr=t.lr,
                                            weight_decay=t.weight_decay,
@@ -130,14 +166,15 @@ class Trainer:
         self.step = 0
         self.train_seconds = 0.0
         self.carried = None
-        self.best_bpc = float("inf")
+        self.best_loss = float("inf")  # the best validation loss (nats per token)
         self.interval = {"loss_sum": 0.0, "tokens": 0, "seconds": 0.0}
+        self._mid_step = False  # inside an optimiser step: the state is not consistent
+        self._signals = 0  # SIGINT/SIGTERM received during train()
         if ckpt is not None:
             self._restore(ckpt)
         else:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            write_json_atomic(self.run_dir / "config.json", cfg.to_dict())
-            write_json_atomic(self.run_dir / "tokenizer.json", self.tokenizer.to_dict())
+            atomic_write_json(self.run_dir / "config.json", cfg.to_dict())
+            atomic_write_json(self.run_dir / "tokenizer.json", self.tokenizer.to_dict())
 
     # ----------------------------------------------------------------- setup
     def _param_groups(self):
@@ -156,7 +193,7 @@ class Trainer:
             "refitted": self.refitted,
             "calibrated_at": list(self.calibrated_at),
             "train_seconds": self.train_seconds,
-            "best_bpc": self.best_bpc,
+            "best_loss": self.best_loss,
             "interval": dict(self.interval),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
@@ -189,7 +226,9 @@ class Trainer:
         self.refitted = state.get("refitted", True)  # checkpoints from before the re-fit
         self.calibrated_at = tuple(state.get("calibrated_at", (0, 0.0)))
         self.train_seconds = state["train_seconds"]
-        self.best_bpc = state["best_bpc"]
+        # checkpoints from before the metric was named by its unit stored bits per token
+        self.best_loss = (state["best_loss"] if "best_loss" in state
+                          else state["best_bpc"] * math.log(2))
         self.interval = dict(state["interval"])
         torch.set_rng_state(state["rng"])
         if state.get("cuda_rng"):
@@ -215,9 +254,7 @@ class Trainer:
                     kept.append(ln)
             except json.JSONDecodeError:
                 pass  # a line cut by the kill
-        tmp = self.metrics_path.with_name(".metrics.jsonl.tmp")
-        tmp.write_text("".join(ln + "\n" for ln in kept))
-        tmp.replace(self.metrics_path)
+        atomic_write_text(self.metrics_path, "".join(ln + "\n" for ln in kept))
 
     def _log(self, record: Dict[str, Any]) -> None:
         with open(self.metrics_path, "a") as f:
@@ -236,6 +273,7 @@ class Trainer:
     def _train_step(self, it) -> float:
         t = self.cfg.train
         model, loss_sum, tokens = self.model, 0.0, 0
+        self._mid_step = True
         for _ in range(t.grad_accum):
             batch = next(it)
             if batch.epoch_start:
@@ -262,6 +300,7 @@ class Trainer:
         self.step += 1
         self.interval["loss_sum"] += loss_sum
         self.interval["tokens"] += tokens
+        self._mid_step = False
         return loss_sum / tokens
 
     def validate(self, max_batches: Optional[int] = None) -> Dict[str, float]:
@@ -299,7 +338,43 @@ class Trainer:
         self.total_steps = max(self.step + 1, min(t.max_steps, fits))
 
     def train(self) -> Dict[str, Any]:
-        """Run to ``total_steps`` or the time budget; returns a summary. Ctrl-C saves and stops."""
+        """Run to ``total_steps`` or the time budget; returns a summary.
+
+        SIGINT (Ctrl-C) and SIGTERM stop the run at the next step boundary: it
+        saves a checkpoint there and returns ``{"interrupted": True, ...}``; a
+        second signal stops at once without saving (the last checkpoint stays).
+        The handlers are installed only while this runs, and only from the
+        main thread; the previous ones come back afterwards.
+        """
+        previous = self._catch_signals()
+        try:
+            return self._train()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _catch_signals(self) -> Dict[int, Any]:
+        self._signals = 0
+        if threading.current_thread() is not threading.main_thread():
+            return {}  # only the main thread may set handlers; signals are its anyway
+        previous = {}
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            old = signal.getsignal(signum)
+            signal.signal(signum, self._on_signal)
+            previous[signum] = signal.SIG_DFL if old is None else old  # None: set outside Python
+        return previous
+
+    def _on_signal(self, signum, frame) -> None:
+        # Only ask for a stop: the loop looks between optimiser steps. Raising
+        # here would land anywhere (after the batcher advanced, between
+        # optimizer.step() and the step counter) and leave nothing consistent
+        # to save. Printing is left to the loop: the handler may run inside a
+        # write to stderr.
+        self._signals += 1
+        if self._signals > 1:
+            raise KeyboardInterrupt  # asked twice: stop now; the last checkpoint stays
+
+    def _train(self) -> Dict[str, Any]:
         from tqdm import tqdm
 
         t = self.cfg.train
@@ -310,10 +385,9 @@ class Trainer:
                    file=sys.stderr, dynamic_ncols=True, unit="step")
         calib_times: list = []
         last_postfix = 0.0
-        interrupted = False
-        previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
         try:
-            while self.step < self.total_steps and not self._out_of_time():
+            while (self.step < self.total_steps and not self._out_of_time()
+                   and not self._signals):
                 start = time.perf_counter()
                 loss = self._train_step(it)
                 dt = time.perf_counter() - start
@@ -336,8 +410,8 @@ class Trainer:
                     last_postfix = now
                     left = (f"{max(0.0, t.max_seconds - self.train_seconds):.0f}s"
                             if t.max_seconds else "-")
-                    bar.set_postfix(loss=f"{loss:.3f}", bpc=f"{loss / math.log(2):.3f}",
-                                    tok_s=f"{tok_s:.0f}", left=left, refresh=False)
+                    bar.set_postfix(loss=f"{loss:.3f}", **{self.metric: _fmt_metric(
+                        self.metric, loss)}, tok_s=f"{tok_s:.0f}", left=left, refresh=False)
                 if self.step % t.log_every == 0:
                     self._log({"step": self.step,
                                "train_loss": self.interval["loss_sum"] / self.interval["tokens"],
@@ -349,52 +423,81 @@ class Trainer:
                 elif self.step % t.save_every == 0:
                     self._save()
         except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+            # a second signal, or an interrupt raised by code around the trainer
             bar.close()
-        if interrupted:
-            self._save()
-            print(f"interrupted: saved step {self.step} to {self.run_dir}; "
-                  f"continue with --resume", file=sys.stderr)
-            return {"interrupted": True, "step": self.step}
+            if self._mid_step or self._signals > 1:
+                return self._stopped_without_saving()
+            return self._stop_and_save()
+        bar.close()
+        if self._signals:
+            return self._stop_and_save()
         final = self._evaluate_and_save(None)
         self.plot()
-        return {"interrupted": False, "step": self.step, "valid_bpc": final["bpc"],
-                "valid_ppl": final["ppl"],
-                "train_seconds": self.train_seconds, "params": self.model.num_parameters()}
+        summary = {"interrupted": False, "step": self.step, "valid_loss": final["loss"],
+                   "valid_ppl": final["ppl"]}
+        if self.metric == "bpc":
+            summary["valid_bpc"] = final["bpc"]
+        summary.update(train_seconds=self.train_seconds, params=self.model.num_parameters())
+        return summary
+
+    def _stop_and_save(self) -> Dict[str, Any]:
+        self._save()
+        print(f"interrupted: saved step {self.step} to {self.run_dir}; "
+              f"continue with --resume", file=sys.stderr)
+        return {"interrupted": True, "step": self.step}
+
+    def _stopped_without_saving(self) -> Dict[str, Any]:
+        """Stopped inside a step: keep the last checkpoint, the state in memory is half-updated."""
+        last = self.run_dir / "last.json"
+        step = read_json(last, "checkpoint pointer").get("step") if last.exists() else None
+        where = (f"continue from its last checkpoint (step {step}) with --resume"
+                 if step is not None else "no checkpoint was saved yet")
+        print(f"interrupted at once: nothing saved; {where}", file=sys.stderr)
+        return {"interrupted": True, "step": step}
 
     def _evaluate_and_save(self, max_batches) -> Dict[str, float]:
         res = self.validate(max_batches)
-        self._log({"step": self.step, "valid_bpc": res["bpc"], "valid_ppl": res["ppl"],
-                   "valid_loss": res["loss"],
-                   "valid_tokens": res["tokens"], "train_seconds": self.train_seconds})
+        record = {"step": self.step}
+        if self.metric == "bpc":  # bits per character: only when tokens are characters
+            record["valid_bpc"] = res["bpc"]
+        record.update(valid_ppl=res["ppl"], valid_loss=res["loss"], valid_tokens=res["tokens"],
+                      train_seconds=self.train_seconds)
+        self._log(record)
         pointers = ["last"]
-        if res["bpc"] < self.best_bpc:
-            self.best_bpc = res["bpc"]
+        if res["loss"] < self.best_loss:
+            self.best_loss = res["loss"]
             pointers.append("best")
-        self._save(tuple(pointers), info={"valid_bpc": res["bpc"]})
+        self._save(tuple(pointers), info={"valid_loss": res["loss"],
+                                          f"valid_{self.metric}": res[self.metric]})
         return res
 
     def plot(self) -> Optional[Path]:
-        """Write ``curves.png``: training and validation bpc against step."""
+        """Write ``curves.png``: training and validation bpc (byte and character runs) or
+        perplexity (word and subword runs) against step."""
         try:
             import matplotlib
             matplotlib.use("Agg")
             import matplotlib.pyplot as plt
         except ImportError:
-            warnings.warn("matplotlib is not installed; curves.png not written", stacklevel=2)
+            warnings.warn("matplotlib is not installed, so curves.png was not written; "
+                          "pip install 'srupp[plots]' adds it", stacklevel=2)
             return None
         rows = [json.loads(ln) for ln in self.metrics_path.read_text().splitlines() if ln.strip()]
-        train = [(r["step"], r["train_loss"] / math.log(2)) for r in rows if "train_loss" in r]
-        valid = [(r["step"], r["valid_bpc"]) for r in rows if "valid_bpc" in r]
+        value = (lambda loss: loss / math.log(2)) if self.metric == "bpc" else (
+            lambda loss: math.exp(min(loss, 700.0)))
+        train = [(r["step"], value(r["train_loss"])) for r in rows if "train_loss" in r]
+        valid = [(r["step"], value(r["valid_loss"])) for r in rows if "valid_loss" in r]
         fig, ax = plt.subplots(figsize=(7, 4.5))
         if train:
             ax.plot(*zip(*train), label="train", alpha=0.8)
         if valid:
             ax.plot(*zip(*valid), "o-", label="validation")
         ax.set_xlabel("step")
-        ax.set_ylabel("bits per token")
+        if self.metric == "bpc":
+            ax.set_ylabel("bits per character")
+        else:
+            ax.set_ylabel("perplexity per token")
+            ax.set_yscale("log")
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
@@ -404,5 +507,60 @@ class Trainer:
         return out
 
 
-def _raise_keyboard_interrupt(signum, frame):
-    raise KeyboardInterrupt
+def _fmt_metric(metric: str, loss: float) -> str:
+    return f"{loss / math.log(2):.3f}" if metric == "bpc" else f"{math.exp(min(loss, 700.0)):.1f}"
+
+
+def _config_dict(config) -> Dict[str, Any]:
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    return dataclasses.asdict(config)
+
+
+def _param_shapes(config: Dict[str, Any]) -> Optional[Dict[str, tuple]]:
+    """The parameters' shapes of the model ``config`` describes; None for an invalid config."""
+    try:
+        with torch.device("meta"):  # shapes without allocating
+            model = build_model(dict(config))
+    except (ValueError, TypeError):
+        return None
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def _fmt_value(v: Any) -> str:
+    """A config value as ``--set`` takes it."""
+    if v is None:
+        return "none"
+    if isinstance(v, (list, tuple)):
+        return ",".join(str(x) for x in v)
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def check_same_shape(run_dir: Path, ckpt: Path, model_config) -> None:
+    """Refuse a resumed run whose model config would change the saved model's shape.
+
+    Names each model key that does, with the saved value and the new one;
+    keys that change no shape (dropout, mem_len, ...) may change on resume.
+    """
+    saved = read_json(ckpt / "config.json", "model config")
+    new = _config_dict(model_config)
+    if not isinstance(saved, dict):
+        return  # the loader says what is wrong with it
+    # the new config's fields only: a save may hold more (a save id; before per-type
+    # configs, every type's fields)
+    saved = {k: saved[k] for k in new if k in saved}
+    changed = [k for k in new if k in saved and new[k] != saved[k]]
+    if not changed:
+        return
+    if "type" in changed:
+        culprits = ["type"]  # another model altogether
+    else:
+        before = _param_shapes(saved)
+        if before is None or _param_shapes(new) == before:
+            return  # a config this version cannot read (the loader says so), or same shapes
+        # each key that changes a shape on its own; all changed keys if only together
+        culprits = [k for k in changed if _param_shapes({**saved, k: new[k]}) != before]
+    which = ", ".join(f"model.{k}={_fmt_value(saved[k])}, not {_fmt_value(new[k])}"
+                      for k in (culprits or changed))
+    raise UserError(f"{run_dir} was trained with {which}: a resumed run keeps its model's "
+                    f"shape; drop the change, or train a new run into another --out")
