@@ -1,6 +1,10 @@
 """The ``srupp`` command: train, eval, generate, params, compare, demo.
 
-Problems with the user's input print one line on stderr and exit with code 2.
+Problems with the user's input print one line on stderr and exit with code 2:
+a ``UserError``, any ``ValueError`` or ``TypeError`` the library raises for bad
+arguments, an ``OSError`` (with the file it concerns) and a missing optional
+package (with the ``pip install`` line that adds it). Ctrl-C and SIGTERM exit
+with code 130.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ def cmd_eval(args) -> int:
     from .data import load_corpus
     from .train import build_config, evaluate
     from .train.checkpoint import load_run
+    from .train.evaluate import metric_for
     from .train.trainer import check_tokenizer_fits
 
     run_cfg, tokenizer, model, ckpt = load_run(args.checkpoint)
@@ -61,9 +66,7 @@ def cmd_eval(args) -> int:
     res = evaluate(model, tokenizer.encode(text), batch_size=cfg.eval.batch_size,
                    unroll=cfg.eval.unroll or cfg.train.unroll, mem_len=cfg.eval.mem_len,
                    precision="fp32")
-    # byte and character models are measured in bits per character, word and
-    # subword models in perplexity per token
-    metric = "bpc" if tokenizer.to_dict()["type"] in ("byte", "char") else "ppl"
+    metric = metric_for(tokenizer)  # bits per character, or perplexity per token
     print(json.dumps({metric: res[metric], "loss": res["loss"], "tokens": res["tokens"],
                       "seconds": res["seconds"], "oov_rate": oov, "split": args.split,
                       "checkpoint": str(ckpt)}))
@@ -234,6 +237,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# optional packages (top-level module name) and the extra of pyproject.toml that installs each
+OPTIONAL_EXTRAS = {"matplotlib": "plots", "sentencepiece": "subword", "sacrebleu": "translation",
+                   "triton": "triton", "onnx": "onnx", "onnxruntime": "onnx",
+                   "transformers": "hf"}
+
+
+def _one_line(text: str) -> str:
+    return "; ".join(ln.strip() for ln in str(text).splitlines() if ln.strip())
+
+
+def _os_error_message(e: OSError) -> str:
+    what = e.strerror or _one_line(e) or type(e).__name__
+    paths = [str(f) for f in (e.filename, e.filename2) if f is not None]
+    return f"{' -> '.join(paths)}: {what}" if paths else what
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     # This process is ours: keep freed activation buffers instead of re-faulting
@@ -242,12 +261,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     tune_from_env()
     try:
         return args.func(args)
-    except UserError as e:
-        print(f"srupp: error: {e}", file=sys.stderr)
-        return 2
+    except (UserError, ValueError, TypeError) as e:
+        return _error(_one_line(e) or type(e).__name__)
+    except ImportError as e:
+        top = (e.name or "").split(".")[0]
+        if top not in OPTIONAL_EXTRAS:
+            raise  # a required package or srupp itself is broken: a bug, keep the traceback
+        return _error(f"srupp {args.command} needs {top}, which is not installed: "
+                      f"pip install 'srupp[{OPTIONAL_EXTRAS[top]}]'")
+    except OSError as e:
+        return _error(_os_error_message(e))
     except KeyboardInterrupt:
         print("srupp: interrupted", file=sys.stderr)
         return 130
+
+
+def _error(message: str) -> int:
+    print(f"srupp: error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
