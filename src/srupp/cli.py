@@ -237,12 +237,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# optional packages (top-level module name) and the extra of pyproject.toml that installs each
-OPTIONAL_EXTRAS = {"matplotlib": "plots", "sentencepiece": "subword", "sacrebleu": "translation",
-                   "triton": "triton", "onnx": "onnx", "onnxruntime": "onnx",
-                   "transformers": "hf"}
-
-
 def _one_line(text: str) -> str:
     return "; ".join(ln.strip() for ln in str(text).splitlines() if ln.strip())
 
@@ -263,12 +257,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         return args.func(args)
     except (UserError, ValueError, TypeError) as e:
         return _error(_one_line(e) or type(e).__name__)
-    except ImportError as e:
+    except ImportError as e:  # MissingExtra is a ValueError, handled above
+        from ._extras import EXTRA_OF, install_hint
+
         top = (e.name or "").split(".")[0]
-        if top not in OPTIONAL_EXTRAS:
+        if top not in EXTRA_OF:
             raise  # a required package or srupp itself is broken: a bug, keep the traceback
         return _error(f"srupp {args.command} needs {top}, which is not installed: "
-                      f"pip install 'srupp[{OPTIONAL_EXTRAS[top]}]'")
+                      f"{install_hint(top)}")
     except OSError as e:
         return _error(_os_error_message(e))
     except KeyboardInterrupt:

@@ -474,14 +474,15 @@ class Trainer:
     def plot(self) -> Optional[Path]:
         """Write ``curves.png``: training and validation bpc (byte and character runs) or
         perplexity (word and subword runs) against step."""
+        from .._extras import MissingExtra, require
+
         try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            warnings.warn("matplotlib is not installed, so curves.png was not written; "
-                          "pip install 'srupp[plots]' adds it", stacklevel=2)
+            matplotlib = require("matplotlib", what="curves.png")
+        except MissingExtra as e:
+            warnings.warn(f"{e}; the run is saved, without curves.png", stacklevel=2)
             return None
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
         rows = [json.loads(ln) for ln in self.metrics_path.read_text().splitlines() if ln.strip()]
         value = (lambda loss: loss / math.log(2)) if self.metric == "bpc" else (
             lambda loss: math.exp(min(loss, 700.0)))
