@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import srupp.ops as ops
-from srupp.ops import cpu, sru_recurrence, sru_recurrence_reference
+from srupp.ops import cpu, settings, sru_recurrence, sru_recurrence_reference
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 
@@ -337,7 +337,7 @@ def test_build_failure_warns_once_and_falls_back(monkeypatch):
     def broken():
         raise RuntimeError("simulated: no C++ compiler")
 
-    monkeypatch.setattr(cpu, "_build_extension", broken)
+    monkeypatch.setattr(cpu, "build", broken)
     monkeypatch.setattr(cpu, "_module", None)
     monkeypatch.setattr(cpu, "_error", None)
     inputs = make_inputs(2, 4, 7)
@@ -359,7 +359,7 @@ def test_build_failure_warns_once_and_falls_back(monkeypatch):
 def test_backend_switches(monkeypatch):
     with pytest.raises(ValueError):
         ops.set_backend("fortran")
-    monkeypatch.setattr(ops._setting, "value", None)
+    monkeypatch.setattr(settings, "_backends", None)  # read the environment again
     monkeypatch.setenv("SRUPP_BACKEND", "reference")
     assert ops.get_backend() == "reference"
     with ops.use_backend("cpu"):

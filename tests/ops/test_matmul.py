@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import srupp.ops as ops
 from srupp.nn import SRUpp
 from srupp.nn.linear import Linear
-from srupp.ops import matmul
+from srupp.ops import matmul, settings
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 
@@ -96,14 +96,14 @@ def test_dispatch_rule(monkeypatch):
 def test_backend_setting_and_env(monkeypatch):
     with pytest.raises(ValueError, match="unknown srupp matmul backend"):
         ops.set_matmul_backend("mkl")
-    monkeypatch.setattr(matmul._setting, "value", None)
+    monkeypatch.setattr(settings, "_backends", None)
     monkeypatch.setenv("SRUPP_MATMUL", "aten")
     assert ops.get_matmul_backend() == "aten"
-    monkeypatch.setattr(matmul._setting, "value", None)
+    monkeypatch.setattr(settings, "_backends", None)
     monkeypatch.setenv("SRUPP_MATMUL", "bogus")
     with pytest.raises(ValueError, match="SRUPP_MATMUL"):
         ops.get_matmul_backend()
-    monkeypatch.setattr(matmul._setting, "value", None)
+    monkeypatch.setattr(settings, "_backends", None)
 
 
 def test_linear_module_is_a_drop_in_nn_linear():

@@ -107,7 +107,7 @@ def _spy(monkeypatch):
 
 def test_dispatch_rule(monkeypatch):
     calls = _spy(monkeypatch)
-    monkeypatch.setattr(attn_mod, "_native_bf16", True)              # as on this machine
+    monkeypatch.setattr(attn_mod, "cpu_has_native_bf16", lambda: True)              # as on this machine
     q, k, v, _ = _qkv(2, 1, 8, 8, 4)
     bool_mask = _masks(2, 8, 8)["bool"][0]
     f32, bf16 = torch.float32, torch.bfloat16
@@ -125,7 +125,7 @@ def test_dispatch_rule(monkeypatch):
     ops.attention(qb, kb, vb, is_causal=True)                       # P too big: SDPA
     ops.attention(q, k, v, is_causal=True)
     monkeypatch.setattr(attn_mod, "MAX_PROB_BYTES", 2**28)
-    monkeypatch.setattr(attn_mod, "_native_bf16", False)
+    monkeypatch.setattr(attn_mod, "cpu_has_native_bf16", lambda: False)
     ops.attention(qb, kb, vb, is_causal=True)                       # emulated bf16: SDPA
     assert calls == []
     ops.attention(q, k, v, is_causal=True)                          # fp32 needs no bf16 units
@@ -277,7 +277,7 @@ def test_srupp_fp32_same_on_every_attention_backend(chunks):
 
 
 def test_causal_mask_over_memory_promises_its_offset():
-    from srupp.nn.attention import build_attention_mask
+    from srupp.nn.srupp import build_attention_mask
     m = build_attention_mask(4, 3, causal=True, attn_mask=None, key_padding=None, device="cpu")
     assert m.causal_offset == 3 and m.dead_rows is None
     torch.testing.assert_close(m.mask, _causal_mask(4, 3), rtol=0, atol=0)

@@ -28,7 +28,6 @@ import torch
 
 triton = pytest.importorskip("triton", reason="triton not installed (pip install srupp[test])")
 
-from srupp.ops import triton_kernel as tk  # noqa: E402
 from srupp.ops.reference import sru_recurrence_reference  # noqa: E402
 from srupp.ops.triton_kernel import (  # noqa: E402
     sru_bwd_triton,
@@ -45,7 +44,7 @@ FP32_STATE_TOL = dict(rtol=1e-5, atol=1e-5)
 @pytest.fixture(autouse=True)
 def nan_fill(monkeypatch):
     """Every output buffer starts as NaN, so an unwritten element fails the test."""
-    monkeypatch.setattr(tk, "DEBUG_NAN_FILL", True)
+    monkeypatch.setenv("SRUPP_DEBUG_NAN_FILL", "1")
 
 
 def make_inputs(B, L, D, k=3, skip=True, pad=False, dropout=False, dtype=torch.float32,

@@ -23,16 +23,16 @@ Both fast backends run through the same ``torch.library`` custom ops,
 by device and work under ``torch.compile(fullgraph=True)``.
 
 Choose a backend with :func:`set_backend`, temporarily with the :func:`use_backend`
-context manager, or with the environment variable ``SRUPP_BACKEND`` (read at the
-first dispatch unless :func:`set_backend` ran before). A forced "cpu" or "triton"
+context manager, or for a whole process with ``SRUPP_BACKEND``. A forced "cpu" or "triton"
 backend raises if it can't run the given tensors (wrong device, or the kernel is
 unavailable), except that float64 inputs still go to the reference.
 
 Around the recurrence, the layers' projections and attention have their own
 fast paths with plain references beside them: :mod:`srupp.ops.matmul`
-(``linear``: oneDNN for large fp32 CPU products; ``SRUPP_MATMUL``) and
-:mod:`srupp.ops.sdpa` (``attention``: explicit bf16 matrix products on CPU
-for short windows; ``SRUPP_ATTENTION``).
+(``linear``: oneDNN for large fp32 CPU products) and :mod:`srupp.ops.sdpa`
+(``attention``: explicit bf16 matrix products on CPU for short windows). One
+settings object, :func:`backends`, holds the three choices
+(:mod:`srupp.ops.settings`).
 """
 
 from __future__ import annotations
@@ -42,13 +42,13 @@ from typing import Optional
 import torch
 
 from . import cpu
-from ._setting import BackendSetting
 from .custom_ops import sru_bwd, sru_fwd
 from .matmul import (get_matmul_backend, linear, linear_onednn, linear_reference,
                      set_matmul_backend, use_matmul_backend)
 from .reference import check_args, compute_dtype, sru_recurrence_reference
 from .sdpa import (attention, attention_causal_matmul, attention_matmul, attention_reference,
                    get_attention_backend, set_attention_backend, use_attention_backend)
+from .settings import CHOICES, Backends, backends, cpu_has_native_bf16
 
 __all__ = [
     "sru_recurrence", "sru_recurrence_reference", "compute_dtype",
@@ -57,27 +57,25 @@ __all__ = [
     "set_matmul_backend", "get_matmul_backend", "use_matmul_backend",
     "attention", "attention_reference", "attention_matmul", "attention_causal_matmul",
     "set_attention_backend", "get_attention_backend", "use_attention_backend",
+    "backends", "Backends", "cpu_has_native_bf16",
 ]
 
-BACKENDS = ("auto", "reference", "cpu", "triton")
+BACKENDS = CHOICES["recurrence"]
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-
-_setting = BackendSetting("recurrence", "SRUPP_BACKEND", BACKENDS)
-
 
 def set_backend(name: str) -> None:
     """Force a backend: "reference", "cpu", "triton", or "auto" (the default)."""
-    _setting.set(name)
+    backends().recurrence = name
 
 
 def get_backend() -> str:
-    """The backend setting (reading ``SRUPP_BACKEND`` the first time)."""
-    return _setting.get()
+    """The recurrence backend (:func:`srupp.ops.backends`; ``SRUPP_BACKEND`` the first time)."""
+    return backends().recurrence
 
 
 def use_backend(name: str):
     """Context manager: run the enclosed code with backend ``name``, then restore the setting."""
-    return _setting.use(name)
+    return backends().use("recurrence", name)
 
 
 @torch.compiler.assume_constant_result

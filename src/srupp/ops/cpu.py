@@ -7,20 +7,20 @@ minute the first time, then cached under ``TORCH_EXTENSIONS_DIR``, by default
 ``~/.cache/torch_extensions``). The build is tuned to this machine: ``-O3``, the
 host's vector ISA (``-march=native``) and ATen's matching ``Vectorized``
 specialisation (AVX-512, AVX2 or the portable one, following
-``torch.backends.cpu.get_cpu_capability()``; the environment variable
-``SRUPP_CPU_ISA=avx512|avx2|default`` overrides it).
+``torch.backends.cpu.get_cpu_capability()``, which PyTorch's own
+``ATEN_CPU_CAPABILITY=avx512|avx2|default`` overrides).
 
 If the build fails, one warning says why and that the slower reference path is
 used; the failure is remembered, so later calls neither retry nor warn again.
+``build(verbose=True)`` compiles in the foreground and shows the compiler's output.
 
 Memory. The kernel is bandwidth-bound, and a fresh multi-megabyte output costs
 the OS a page fault and a page zeroing per page, which measured here took longer
 than the recurrence itself. So (on Linux) outputs of 4 MiB or more live on 2 MiB
 transparent huge pages, and freed ones are kept for reuse by later calls of the
-same size, up to a limit: 512 MiB by default, ``SRUPP_CPU_CACHE_MB`` or
-:func:`set_cache_limit` to change it, :func:`empty_cache` to hand the memory back.
-``SRUPP_CPU_HUGEPAGES=0`` turns both off. Outputs of 16 MiB or more are written with
-streaming stores (``SRUPP_CPU_STREAM_BYTES`` sets the threshold).
+same size, up to a limit: 512 MiB by default, :func:`set_cache_limit` to change
+it (0 turns the cache off), :func:`empty_cache` to hand the memory back. Outputs
+of 16 MiB or more are written with streaming stores.
 
 Debugging: ``SRUPP_DEBUG_NAN_FILL=1`` fills every output with NaN before the kernel
 writes it, so the tests catch an element it forgets.
@@ -28,7 +28,6 @@ writes it, so the tests catch an element it forgets.
 
 from __future__ import annotations
 
-import os
 import platform
 import sys
 import threading
@@ -36,7 +35,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["is_available", "load", "build_error", "capability", "empty_cache",
+__all__ = ["is_available", "load", "build", "build_error", "capability", "empty_cache",
            "set_cache_limit", "cache_limit", "cached_bytes"]
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "sru_cpu.cpp"
@@ -48,11 +47,6 @@ _error: Optional[str] = None      # why the build failed, once it has
 
 def capability() -> str:
     """The vector ISA to build for: 'avx512', 'avx2' or 'default'."""
-    forced = os.environ.get("SRUPP_CPU_ISA", "").strip().lower()
-    if forced:
-        if forced not in ("avx512", "avx2", "default"):
-            raise ValueError(f"SRUPP_CPU_ISA must be avx512, avx2 or default, got {forced!r}")
-        return forced
     import torch
 
     cap = torch.backends.cpu.get_cpu_capability().upper()
@@ -89,24 +83,20 @@ def _flags(isa: str) -> list:
     return flags
 
 
-def _build_extension():
-    """Compile and import the extension (the tests replace this to simulate a failure)."""
+def build(verbose: bool = False):
+    """Compile and import the extension now, raising if that fails (:func:`load`
+    calls it once; ``verbose`` shows the compiler's output)."""
     from torch.utils.cpp_extension import load as _load
 
-    from ._setting import cpu_supports
+    from .settings import cpu_has_native_bf16
 
     isa = capability()
     ldflags = [] if sys.platform in ("win32", "darwin") else ["-fopenmp"]
-    # -march=native may use AVX512-BF16 instructions: name the build after it too,
+    # -march=native may use AVX512-BF16 instructions: name the build after them too,
     # so a cache shared with a machine that lacks them is not reused there
-    bf16 = "_bf16" if isa == "avx512" and cpu_supports("avx512_bf16") else ""
-    return _load(
-        name=f"srupp_sru_cpu_{isa}{bf16}",
-        sources=[str(_SOURCE)],
-        extra_cflags=_flags(isa),
-        extra_ldflags=ldflags,
-        verbose=os.environ.get("SRUPP_VERBOSE_BUILD", "") not in ("", "0"),
-    )
+    bf16 = "_bf16" if isa == "avx512" and cpu_has_native_bf16() else ""
+    return _load(name=f"srupp_sru_cpu_{isa}{bf16}", sources=[str(_SOURCE)],
+                 extra_cflags=_flags(isa), extra_ldflags=ldflags, verbose=verbose)
 
 
 def _summarise(e: BaseException) -> str:
@@ -129,7 +119,7 @@ def load():
     with _lock:
         if _module is None and _error is None:
             try:
-                _module = _build_extension()
+                _module = build()
             except Exception as e:  # compiler or ninja missing, compile error, ...
                 _error = _summarise(e)
                 warnings.warn(
@@ -172,7 +162,7 @@ def empty_cache() -> int:
 def set_cache_limit(nbytes: int) -> None:
     """Keep at most ``nbytes`` of freed output blocks for reuse (0 disables the cache).
 
-    The default is 512 MiB, or ``SRUPP_CPU_CACHE_MB``. Builds the extension if needed.
+    The default is 512 MiB. Builds the extension if needed.
     """
     mod = load()
     if mod is not None:

@@ -23,8 +23,8 @@ results differ only in summation order (about 1e-7 relative).
 ``"auto"`` (default)
     "onednn" where it applies and oneDNN is available, else "aten".
 
-Force one with :func:`set_matmul_backend`, :func:`use_matmul_backend` or the
-environment variable ``SRUPP_MATMUL=auto|aten|onednn`` (read at first use).
+Force one with :func:`set_matmul_backend`, :func:`use_matmul_backend` or, for a
+whole process, ``SRUPP_MATMUL=auto|aten|onednn`` (:mod:`srupp.ops.settings`).
 The choice is a rule, not a timing taken at start-up, so a run and its resumed
 continuation compute bit for bit the same thing.
 """
@@ -37,34 +37,31 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._setting import BackendSetting, tracing
+from .settings import CHOICES, backends, tracing
 
 __all__ = ["linear", "linear_reference", "linear_onednn", "onednn_available",
            "set_matmul_backend", "get_matmul_backend", "use_matmul_backend",
            "MATMUL_BACKENDS", "MIN_ROWS"]
 
-MATMUL_BACKENDS = ("auto", "aten", "onednn")
+MATMUL_BACKENDS = CHOICES["matmul"]
 
 # Below this many rows (batch × time) oneDNN's per-call overhead outweighs its
 # faster inner kernel (measured: 1 row 18 us against MKL's 6 us; even at 64 rows).
 MIN_ROWS = 128
 
-_setting = BackendSetting("matmul", "SRUPP_MATMUL", MATMUL_BACKENDS)
-
-
 def set_matmul_backend(name: str) -> None:
     """Force the projection backend: "aten", "onednn", or "auto" (the default)."""
-    _setting.set(name)
+    backends().matmul = name
 
 
 def get_matmul_backend() -> str:
-    """The setting (reading ``SRUPP_MATMUL`` the first time)."""
-    return _setting.get()
+    """The projection backend (:func:`srupp.ops.backends`; ``SRUPP_MATMUL`` the first time)."""
+    return backends().matmul
 
 
 def use_matmul_backend(name: str):
     """Context manager: run the enclosed code with matmul backend ``name``, then restore."""
-    return _setting.use(name)
+    return backends().use("matmul", name)
 
 
 _onednn: Optional[bool] = None

@@ -33,11 +33,13 @@ bf16 before the softmax); the tests bound it against fp32.
 ``attention`` dispatches: the explicit paths above for CPU tensors when there is
 no attention dropout, P fits, nothing is tracing the model (``torch.compile``
 and export see plain SDPA), and the dtype is fp32 (causal only) or bf16 on a
-CPU with bf16 matrix instructions (AVX-512 BF16 or AMX, see
-:func:`native_bf16_matmul`); SDPA ("sdpa") otherwise. A mask that is causal over
-memory keys reaches the blocked path through ``causal_offset``.
-``SRUPP_ATTENTION=auto|sdpa|matmul`` or :func:`set_attention_backend` forces
-one (a forced "matmul" still defers to SDPA for dropout).
+CPU with bf16 matrix instructions (AVX-512 BF16 or AMX:
+:func:`~srupp.ops.settings.cpu_has_native_bf16`; emulated bf16 loses the edge);
+SDPA ("sdpa") otherwise. A mask that is causal over memory keys reaches the
+blocked path through ``causal_offset``.
+:func:`set_attention_backend` (or, for a whole process,
+``SRUPP_ATTENTION=auto|sdpa|matmul``) forces one (a forced "matmul" still defers
+to SDPA for dropout).
 """
 
 from __future__ import annotations
@@ -50,34 +52,31 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._setting import BackendSetting, cpu_supports, tracing
+from .settings import CHOICES, backends, cpu_has_native_bf16, tracing
 
 __all__ = ["attention", "attention_reference", "attention_matmul", "attention_causal_matmul",
            "causal_block", "set_attention_backend",
-           "get_attention_backend", "use_attention_backend", "native_bf16_matmul",
+           "get_attention_backend", "use_attention_backend",
            "ATTENTION_BACKENDS", "MAX_PROB_BYTES"]
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "matmul")
+ATTENTION_BACKENDS = CHOICES["attention"]
 
 # Largest P (B·H·L·S elements) the explicit path keeps for its backward.
 MAX_PROB_BYTES = 256 * 2**20
 
-_setting = BackendSetting("attention", "SRUPP_ATTENTION", ATTENTION_BACKENDS)
-
-
 def set_attention_backend(name: str) -> None:
     """Force the attention backend: "sdpa", "matmul", or "auto" (the default)."""
-    _setting.set(name)
+    backends().attention = name
 
 
 def get_attention_backend() -> str:
-    """The setting (reading ``SRUPP_ATTENTION`` the first time)."""
-    return _setting.get()
+    """The attention backend (:func:`srupp.ops.backends`; ``SRUPP_ATTENTION`` the first time)."""
+    return backends().attention
 
 
 def use_attention_backend(name: str):
     """Context manager: run the enclosed code with attention backend ``name``, then restore."""
-    return _setting.use(name)
+    return backends().use("attention", name)
 
 
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
@@ -262,21 +261,6 @@ def attention_matmul(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
     return _MatmulAttention.apply(q, k, v, attn_mask)
 
 
-_native_bf16: Optional[bool] = None
-
-
-def native_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bf16 matrices in hardware (AVX-512 BF16 or AMX).
-
-    Without it, bf16 products are emulated and the explicit path loses its edge,
-    so the dispatcher keeps SDPA.
-    """
-    global _native_bf16
-    if _native_bf16 is None:
-        _native_bf16 = cpu_supports("avx512_bf16", "amx_tile")
-    return _native_bf16
-
-
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
               is_causal: bool = False, dropout_p: float = 0.0,
               causal_offset: Optional[int] = None) -> Tensor:
@@ -307,7 +291,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
     B, H, L, _ = q.shape
     small = B * H * L * k.shape[-2] * q.element_size() <= MAX_PROB_BYTES
     if q.device.type == "cpu" and small and q.dtype == k.dtype == v.dtype:
-        native_bf16 = q.dtype == torch.bfloat16 and native_bf16_matmul()
+        native_bf16 = q.dtype == torch.bfloat16 and cpu_has_native_bf16()
         if offset is not None and (q.dtype == torch.float32 or native_bf16):
             return attention_causal_matmul(q, k, v, offset)
         if native_bf16:

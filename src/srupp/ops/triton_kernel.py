@@ -29,7 +29,6 @@ at package import time (the dispatcher imports it lazily, for CUDA tensors).
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -37,22 +36,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .settings import debug_nan_fill
+
 __all__ = [
     "sru_fwd_triton",
     "sru_bwd_triton",
     "sru_bwd_triton_op",
     "SRURecurrenceTriton",
     "sru_recurrence_triton",
-    "DEBUG_NAN_FILL",
 ]
-
-#: Fill every output buffer with NaN before a kernel runs, so an element a
-#: kernel forgets to write shows up as NaN.  On by default under the Triton
-#: interpreter (tests) or with ``SRUPP_TRITON_DEBUG=1``; tests may also set it.
-DEBUG_NAN_FILL: bool = (
-    os.environ.get("TRITON_INTERPRET", "0") == "1"
-    or os.environ.get("SRUPP_TRITON_DEBUG", "0") == "1"
-)
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -281,7 +273,7 @@ def _sru_bwd_kernel(
 
 
 def _alloc(shape, dtype, device) -> Tensor:
-    if DEBUG_NAN_FILL:
+    if debug_nan_fill():  # SRUPP_DEBUG_NAN_FILL=1
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 

@@ -1,6 +1,8 @@
 // Fused CPU kernels for the SRU element-wise recurrence (forward and backward).
 //
-// Math: SRUPP_SPEC.md sections 2 and 3; argument conventions: srupp/ops/reference.py.
+// Math and argument conventions: srupp/ops/reference.py, the oracle (its docstring has the
+// equations, those of the SRU paper, Lei et al. 2018, section 2); the backward is their
+// derivative, as autograd takes it through the reference.
 //
 // Work split. A task is one batch row b, one direction and one contiguous chunk of
 // that direction's units; at::parallel_for spreads the tasks over the threads. A task
@@ -25,9 +27,9 @@
 // HugePageAllocator): fresh 4 KiB pages would cost more in faults and zeroing than the
 // recurrence itself.
 //
-// Debugging. With the environment variable SRUPP_DEBUG_NAN_FILL=1 every output buffer
-// is filled with NaN before the kernel writes it, so an element that is never written
-// shows up in the tests.
+// Debugging. With the environment variable SRUPP_DEBUG_NAN_FILL=1 (read at every call,
+// as the Triton kernels read it) every output buffer is filled with NaN before the kernel
+// writes it, so an element that is never written shows up in the tests.
 
 #include <torch/extension.h>
 #include <ATen/EmptyTensor.h>
@@ -249,13 +251,7 @@ inline Task task_of(const Args& a, int64_t i) {
 
 // Streaming stores pay off once the outputs are too big to still be in cache when
 // they are next read (the next layer's input, or the backward's reads).
-bool stream_outputs(int64_t bytes_written) {
-  static const int64_t threshold = [] {
-    const char* v = std::getenv("SRUPP_CPU_STREAM_BYTES");
-    return v ? std::atoll(v) : (int64_t(16) << 20);
-  }();
-  return bytes_written >= threshold;
-}
+bool stream_outputs(int64_t bytes_written) { return bytes_written >= (int64_t(16) << 20); }
 
 bool debug_nan_fill() {
   const char* v = std::getenv("SRUPP_DEBUG_NAN_FILL");
@@ -270,10 +266,10 @@ bool debug_nan_fill() {
 // that is more than the recurrence itself: the forward took ~28 ms on fresh 4 KiB
 // pages, ~10 ms on fresh 2 MiB pages and ~5.5 ms on recycled ones. So outputs of 4 MiB
 // or more are allocated 2 MiB-aligned with madvise(MADV_HUGEPAGE), and freed blocks are
-// kept in a cache (at most SRUPP_CPU_CACHE_MB, default 512 MiB; srupp.ops.cpu.
-// set_cache_limit / empty_cache) and handed out again for the same size, which is what
-// a training loop asks for every step. Linux only; SRUPP_CPU_HUGEPAGES=0 turns all of
-// this off (then torch's own allocator is used, as it is for smaller outputs).
+// kept in a cache (at most 512 MiB; srupp.ops.cpu.set_cache_limit / empty_cache) and
+// handed out again for the same size, which is what a training loop asks for every
+// step. Linux only (elsewhere torch's own allocator is used, as it is for smaller
+// outputs); the system's transparent-huge-page setting decides whether madvise helps.
 
 struct Block {
   void* ptr;
@@ -337,11 +333,8 @@ class BlockCache {
   size_t cap() const { return cap_.load(); }
 
  private:
-  BlockCache() {
-    const char* v = std::getenv("SRUPP_CPU_CACHE_MB");
-    cap_ = (v ? static_cast<size_t>(std::max<long long>(0, std::atoll(v))) : size_t(512)) << 20;
-  }
-  std::atomic<size_t> cap_{0};
+  BlockCache() = default;
+  std::atomic<size_t> cap_{size_t(512) << 20};
   std::mutex mu_;
   std::vector<Block> free_;
   size_t cached_ = 0;
@@ -373,24 +366,12 @@ struct HugePageAllocator final : c10::Allocator {
   }
 };
 
-bool use_huge_pages() {
-#if defined(__linux__)
-  static const bool on = [] {
-    const char* v = std::getenv("SRUPP_CPU_HUGEPAGES");
-    return v == nullptr || std::strcmp(v, "0") != 0;
-  }();
-  return on;
-#else
-  return false;
-#endif
-}
-
 // Like at::empty_strided (at::empty when strides is empty), on huge pages when large.
 Tensor empty_out(at::IntArrayRef sizes, at::IntArrayRef strides, at::ScalarType dtype) {
   int64_t numel = 1;
   for (auto s : sizes) numel *= s;
   const int64_t nbytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
-  if (!use_huge_pages() || nbytes < (int64_t(4) << 20)) {
+  if (nbytes < (int64_t(4) << 20)) {
     const auto opts = at::TensorOptions().dtype(dtype).device(at::kCPU);
     return strides.empty() ? at::empty(sizes, opts) : at::empty_strided(sizes, strides, opts);
   }

@@ -1,0 +1,45 @@
+"""The backend settings object, and the settings read from the environment."""
+
+import pytest
+import torch
+
+import srupp.ops as ops
+from srupp.ops import settings
+
+
+def test_one_typed_settings_object(monkeypatch):
+    monkeypatch.setattr(settings, "_backends", None)  # read the environment again
+    monkeypatch.setenv("SRUPP_BACKEND", "Reference ")
+    monkeypatch.delenv("SRUPP_MATMUL", raising=False)
+    monkeypatch.setenv("SRUPP_ATTENTION", "")
+    b = ops.backends()
+    assert b == settings.Backends(recurrence="reference", matmul="auto", attention="auto")
+    assert ops.backends() is b
+    with ops.use_matmul_backend("aten"), ops.use_attention_backend("sdpa"):
+        assert (b.matmul, ops.get_matmul_backend(), ops.get_attention_backend()) == (
+            "aten", "aten", "sdpa")
+        b.recurrence = "cpu"
+        assert ops.get_backend() == "cpu"
+    assert (b.matmul, b.attention) == ("auto", "auto")
+    with pytest.raises(ValueError, match=r"unknown srupp matmul backend 'mkl' .*SRUPP_MATMUL"):
+        b.matmul = "mkl"
+    with pytest.raises(AttributeError, match="no op 'conv'"):
+        b.conv = "auto"
+    monkeypatch.setattr(settings, "_backends", None)
+    monkeypatch.setenv("SRUPP_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="SRUPP_ATTENTION"):
+        ops.get_backend()
+
+
+def test_debug_nan_fill_reads_the_environment_each_time(monkeypatch):
+    monkeypatch.delenv("SRUPP_DEBUG_NAN_FILL", raising=False)
+    assert not settings.debug_nan_fill()
+    monkeypatch.setenv("SRUPP_DEBUG_NAN_FILL", "1")
+    assert settings.debug_nan_fill()
+    monkeypatch.setenv("SRUPP_DEBUG_NAN_FILL", "0")
+    assert not settings.debug_nan_fill()
+
+
+def test_cpu_has_native_bf16_is_the_torch_probe():
+    want = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert ops.cpu_has_native_bf16() is bool(want)
