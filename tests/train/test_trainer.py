@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 import signal
 import subprocess
 import sys
@@ -67,6 +68,34 @@ def test_second_signal_stops_at_once_and_keeps_the_last_checkpoint(tmp_path, cor
     assert resumed.step == 4
     resumed.train()
     _same_losses(metrics(part), metrics(full))
+
+
+def test_a_folder_no_pointer_names_is_written_again(tmp_path, corpus):
+    """A kill between a checkpoint folder and its pointer leaves a folder from another
+    trajectory (here: another learning rate) that a resumed run must not keep."""
+    from safetensors.torch import load_file
+
+    other = tmp_path / "other"
+    Trainer(config(corpus, "train.max_steps=8", "train.lr=1e-2"), other, progress=False).train()
+    run = tmp_path / "run"
+    t = Trainer(config(corpus, "train.max_steps=8"), run, progress=False)
+    _signal_inside_a_step(t, at=[4])
+    assert t.train()["step"] == 4
+    shutil.copytree(other / "ckpt-000008", run / "ckpt-000008")  # named by no pointer
+    resumed = Trainer(config(corpus, "train.max_steps=8"), run, resume=True, progress=False)
+    resumed.train()
+    saved = load_file(str(run / "ckpt-000008" / "model.safetensors"))
+    state = resumed.model.state_dict()
+    assert all(torch.equal(v, state[k]) for k, v in saved.items())
+
+
+def test_a_fresh_run_drops_the_lines_of_one_killed_before_its_first_checkpoint(tmp_path, corpus):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 2, "train_loss": 9.0}\n{"step": 4, "tr')
+    Trainer(config(corpus, "train.max_steps=4"), run, progress=False).train()
+    assert [r["step"] for r in metrics(run) if "train_loss" in r] == [2, 4]
+    assert all(r["train_loss"] != 9.0 for r in metrics(run) if "train_loss" in r)
 
 
 def _same_losses(a, b):

@@ -48,16 +48,20 @@ def save_checkpoint(run_dir: Path, step: int, model, carried_state, trainer_stat
                     info: Optional[dict] = None) -> Path:
     """Write ``ckpt-<step>`` and point ``pointers`` (e.g. "last", "best") at it.
 
-    A folder for ``step`` that exists already holds the same weights, state and
-    data position; only its ``trainer.pt`` is replaced (atomically), since the
-    trainer's bookkeeping, such as the best validation loss, may have changed
-    since (a final evaluation at a step that was saved before it).
+    A folder for ``step`` that a pointer names already holds this run's weights,
+    state and data position at ``step``; only its ``trainer.pt`` is replaced
+    (atomically), since the trainer's bookkeeping, such as the best validation
+    loss, may have changed since (a final evaluation at a step saved before
+    it). A folder no pointer names was left by a save that a kill cut short
+    before its pointer, maybe by a run resumed since with other settings: it
+    is written again.
     """
     from safetensors.torch import save_file
 
     name = f"ckpt-{step:06d}"
     final = run_dir / name
-    if final.exists():
+    referenced = _referenced(run_dir)
+    if final.exists() and (referenced is None or name in referenced):
         with atomic_path(final / "trainer.pt") as tmp:
             torch.save(trainer_state, tmp)
     else:
@@ -72,6 +76,7 @@ def save_checkpoint(run_dir: Path, step: int, model, carried_state, trainer_stat
                 save_file({k: v.contiguous() for k, v in carried_state.to_dict().items()}, str(f))
         with atomic_path(tmp / "trainer.pt") as f:
             torch.save(trainer_state, f)
+        shutil.rmtree(final, ignore_errors=True)  # a stale folder no pointer names
         os.replace(tmp, final)
     for p in pointers:
         atomic_write_json(run_dir / f"{p}.json", {"dir": name, "step": step, **(info or {})})
@@ -79,15 +84,23 @@ def save_checkpoint(run_dir: Path, step: int, model, carried_state, trainer_stat
     return final
 
 
-def _remove_unreferenced(run_dir: Path) -> None:
-    keep = set()
+def _referenced(run_dir: Path) -> Optional[set]:
+    """The folders "last" and "best" name; None when a pointer cannot be read."""
+    names = set()
     for p in ("last", "best"):
         ptr = run_dir / f"{p}.json"
         if ptr.exists():
             try:
-                keep.add(json.loads(ptr.read_text())["dir"])
-            except (json.JSONDecodeError, KeyError):
-                return  # never delete on doubt
+                names.add(json.loads(ptr.read_text())["dir"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                return None
+    return names
+
+
+def _remove_unreferenced(run_dir: Path) -> None:
+    keep = _referenced(run_dir)
+    if keep is None:
+        return  # never delete on doubt
     for d in run_dir.glob("ckpt-*"):
         if d.name not in keep:
             shutil.rmtree(d, ignore_errors=True)

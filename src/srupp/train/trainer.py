@@ -175,6 +175,8 @@ class Trainer:
         else:
             atomic_write_json(self.run_dir / "config.json", cfg.to_dict())
             atomic_write_json(self.run_dir / "tokenizer.json", self.tokenizer.to_dict())
+            # lines of a run killed before its first checkpoint: it starts again from step 0
+            self._truncate_metrics(0)
 
     # ----------------------------------------------------------------- setup
     def _param_groups(self):
