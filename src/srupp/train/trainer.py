@@ -33,6 +33,7 @@ from .._files import atomic_write_json, atomic_write_text
 from ..data import StreamBatcher, build_tokenizer, load_corpus, tokenizer_from_dict
 from ..errors import UserError
 from ..models import build_model
+from ..ops import cpu_has_native_bf16
 from .checkpoint import (load_carried_state, load_trainer_state, read_json, resolve_checkpoint,
                          save_checkpoint)
 from .config import RunConfig
@@ -44,14 +45,6 @@ CALIBRATION_SKIP = 5  # untimed warm-up steps before the calibration window
 # faster than the rest (caches, allocator, a neighbour's load); the schedule
 # length is fitted once more, from every step since, at this fraction of the budget.
 REFIT_AT = 0.25
-
-
-def bf16_supported_on_cpu() -> bool:
-    """Whether this CPU has native bf16 arithmetic (AVX-512 BF16 or AMX)."""
-    try:
-        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -95,7 +88,7 @@ class Trainer:
         self.precision = t.precision
         if self.precision == "fp16" and self.device.type != "cuda":
             raise UserError("train.precision=fp16 needs CUDA; on CPU use bf16 or fp32")
-        if self.precision == "bf16" and self.device.type == "cpu" and not bf16_supported_on_cpu():
+        if self.precision == "bf16" and self.device.type == "cpu" and not cpu_has_native_bf16():
             warnings.warn("this CPU has no native bf16; training in fp32 instead", stacklevel=2)
             self.precision = "fp32"
 
