@@ -30,10 +30,6 @@ from .._files import atomic_path, atomic_write_json
 from ..errors import UserError
 
 
-# the name other modules imported before srupp._files; new code calls atomic_write_json
-write_json_atomic = atomic_write_json
-
-
 def read_json(path: Path, what: str) -> Any:
     try:
         return json.loads(Path(path).read_text())
