@@ -2,8 +2,9 @@
 the same error, naming the argument, before any kernel runs.
 
 Each case is run through ``sru_recurrence`` on each backend ("reference", "cpu",
-"triton"), and through ``sru_recurrence_reference`` called directly. No kernel is
-built or run: the check comes first.
+and "triton", which runs CPU tensors under TRITON_INTERPRET=1), and through
+``sru_recurrence_reference`` called directly. No kernel is built or run: the
+check comes first.
 """
 
 import pytest
@@ -64,7 +65,7 @@ def call(backend, args, **kw):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name,value,error,message", CASES, ids=IDS)
 def test_bad_argument(backend, name, value, error, message, monkeypatch):
-    monkeypatch.setattr(ops, "_select", lambda *a: pytest.fail("the check came late"))
+    monkeypatch.setattr(ops.recurrence, "route", lambda *a: pytest.fail("the check came late"))
     args = good()
     args[name] = value
     with pytest.raises(error, match=f"^{message}$"):
@@ -73,7 +74,7 @@ def test_bad_argument(backend, name, value, error, message, monkeypatch):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_k4_takes_no_x_and_bidirectional_takes_even_units(backend, monkeypatch):
-    monkeypatch.setattr(ops, "_select", lambda *a: pytest.fail("the check came late"))
+    monkeypatch.setattr(ops.recurrence, "route", lambda *a: pytest.fail("the check came late"))
     args = good()
     args["U"] = torch.randn(B, L, 4, D)
     with pytest.raises(ValueError, match=r"with k = 4 the skip term is U\[:, :, 3\]; pass x=None"):
@@ -86,12 +87,14 @@ def test_k4_takes_no_x_and_bidirectional_takes_even_units(backend, monkeypatch):
         call(backend, args, bidirectional=True)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
 def test_good_arguments_pass_and_integer_masks_count_nonzero_as_padding(backend):
     """Integer masks are accepted (nonzero = padding), like bool ones; the optional
     arguments may be None."""
     if backend == "cpu" and not ops.cpu.is_available():
         pytest.skip(f"CPU kernel unavailable: {ops.cpu.build_error()}")
+    if backend == "triton":
+        pytest.importorskip("triton", reason="triton not installed")
     args = good()
     args["mask_pad"] = torch.tensor([[0, 1, 0], [2, 0, 0]], dtype=torch.int32)
     with torch.no_grad():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import srupp.ops as ops
-from srupp.ops import cpu, settings, sru_recurrence, sru_recurrence_reference
+from srupp.ops import cpu, recurrence, settings, sru_recurrence, sru_recurrence_reference
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 
@@ -257,24 +257,18 @@ def test_backward_is_bit_reproducible(kernel):
 
 def test_no_grad_stores_no_state(kernel, monkeypatch):
     seen = []
-    real = ops.sru_fwd
+    real = recurrence.kernels
 
-    def spy(*args):
-        out = real(*args)
-        seen.append((args[-1], out[2].numel()))
-        return out
+    class Spy:  # the kernel module, recording store_c and the size of c_all
+        def __init__(self, module):
+            self.module = module
 
-    monkeypatch.setattr(ops, "sru_fwd", spy)
-    # eager inference skips the custom op's dispatch and calls the module directly
-    module = ops.cpu.load()
-
-    class SpyModule:
         def sru_fwd(self, *args):
-            out = module.sru_fwd(*args)
+            out = self.module.sru_fwd(*args)
             seen.append((args[-1], out[2].numel()))
             return out
 
-    monkeypatch.setattr(ops.cpu, "load", lambda: SpyModule())
+    monkeypatch.setattr(recurrence, "kernels", lambda *a: Spy(real(*a)))
     U, x, wc, bias, c0, mask, dm = make_inputs(2, 5, 19, mask="mixed")
     wc.requires_grad_()
     with torch.no_grad():
@@ -371,7 +365,7 @@ def test_backend_switches(monkeypatch):
 
 def test_float64_and_reference_backend_skip_the_kernel(monkeypatch):
     called = []
-    monkeypatch.setattr(ops, "sru_fwd", lambda *a: called.append(a))
+    monkeypatch.setattr(recurrence, "kernels", lambda *a: called.append(a))
     inputs = [t.double() if t is not None and t.is_floating_point() else t
               for t in make_inputs(2, 3, 6)]
     with ops.use_backend("cpu"):
@@ -386,6 +380,7 @@ def test_bidirectional_needs_even_units():
         sru_recurrence(*make_inputs(1, 2, 5)[:5], bidirectional=True)
 
 
-def test_forced_backend_wrong_device():
-    with ops.use_backend("triton"), pytest.raises(RuntimeError, match="cuda"):
+def test_forced_backend_wrong_device(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # (with the interpreter, triton runs CPU tensors)
+    with ops.use_backend("triton"), pytest.raises(RuntimeError, match="runs cuda tensors"):
         sru_recurrence(*make_inputs(1, 2, 4)[:5])

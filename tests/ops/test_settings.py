@@ -1,10 +1,10 @@
-"""The backend settings object, and the settings read from the environment."""
+"""The backend settings object, and the recurrence's routing rule."""
 
 import pytest
 import torch
 
 import srupp.ops as ops
-from srupp.ops import settings
+from srupp.ops import recurrence, settings
 
 
 def test_one_typed_settings_object(monkeypatch):
@@ -43,3 +43,35 @@ def test_debug_nan_fill_reads_the_environment_each_time(monkeypatch):
 def test_cpu_has_native_bf16_is_the_torch_probe():
     want = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     assert ops.cpu_has_native_bf16() is bool(want)
+
+
+def _args(dtype=torch.float32, device="cpu"):
+    return (torch.ones(1, 2, 3, 4, dtype=dtype, device=device), None,
+            torch.ones(2, 4, device=device), torch.ones(2, 4, device=device), None, None)
+
+
+@pytest.mark.parametrize("backend,interpreting,dtype,device,want", [
+    ("auto", True, torch.float32, "cpu", "cpu"),         # the interpreter changes nothing for auto
+    ("auto", False, torch.float64, "cpu", "reference"),  # gradcheck
+    ("auto", False, torch.float16, "cpu", "reference"),  # the C++ kernel has no fp16
+    ("auto", False, torch.float32, "meta", "reference"),
+    ("cpu", False, torch.float64, "cpu", "reference"),   # even when forced
+    ("triton", True, torch.float32, "cpu", "triton"),    # CPU tensors under the interpreter
+    ("triton", True, torch.float16, "cpu", "triton"),
+    ("triton", True, torch.float64, "cpu", "reference"),
+    ("triton", False, torch.float32, "cpu", RuntimeError),
+    ("cpu", False, torch.float32, "meta", RuntimeError),
+    ("reference", False, torch.float32, "cpu", "reference"),
+])
+def test_route(monkeypatch, backend, interpreting, dtype, device, want):
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if interpreting else "0")
+    if want == "cpu" and not ops.cpu.is_available():
+        pytest.skip(f"CPU kernel unavailable: {ops.cpu.build_error()}")
+    if want == "triton":
+        pytest.importorskip("triton", reason="triton not installed")
+    with ops.use_backend(backend):
+        if want is RuntimeError:
+            with pytest.raises(RuntimeError, match=f"backend '{backend}' runs"):
+                recurrence.route(*_args(dtype, device))
+        else:
+            assert recurrence.route(*_args(dtype, device)) == want

@@ -1,10 +1,14 @@
-"""Triton recurrence kernels against the reference oracle.
+"""Triton recurrence kernels against the reference oracle, through the production path.
 
-Runs on CPU under the Triton interpreter (tests/conftest.py sets
-TRITON_INTERPRET=1 before triton is imported).  The interpreter runs every
-program one after another in Python, so shapes are tiny (B <= 3, L <= 6) and
-small unit blocks are forced (``block_size``) so that D is not a multiple of
-the block and, when bidirectional, blocks straddle the two directions.
+Every test runs ``srupp.ops.sru_recurrence`` with ``use_backend("triton")``: the
+dispatcher, the ``srupp::sru_fwd`` / ``srupp::sru_bwd`` custom ops and their
+autograd, as users run them, and checks that the Triton kernels did the work.
+On CPU this needs the Triton interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1 before triton is imported), under which the dispatcher sends
+CPU tensors to Triton. The interpreter runs every program one after another in
+Python, so shapes are tiny (B <= 3, L <= 6) and small unit blocks are forced
+(``triton_kernel.BLOCK_SIZE``) so that D is not a multiple of the block and,
+when bidirectional, blocks straddle the two directions.
 
 Tolerances:
 * fp32 inputs: every output and gradient ``rtol=1e-5, atol=1e-6``.  Both sides
@@ -22,29 +26,44 @@ Tolerances:
 """
 
 import itertools
+import os
 
 import pytest
 import torch
 
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("the Triton tests run CPU tensors under TRITON_INTERPRET=1 (tests/conftest.py "
+                "sets it unless the environment says otherwise)", allow_module_level=True)
 triton = pytest.importorskip("triton", reason="triton not installed (pip install srupp[test])")
 
+import srupp.ops as ops  # noqa: E402
+from srupp.ops import sru_recurrence  # noqa: E402
+from srupp.ops import triton_kernel as tk  # noqa: E402
 from srupp.ops.reference import sru_recurrence_reference  # noqa: E402
-from srupp.ops.triton_kernel import (  # noqa: E402
-    sru_bwd_triton,
-    sru_bwd_triton_op,
-    sru_fwd_triton,
-    sru_recurrence_triton,
-)
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-6)
 HALF_TOL = {torch.bfloat16: dict(rtol=1.6e-2, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=1e-5)}
 FP32_STATE_TOL = dict(rtol=1e-5, atol=1e-5)
 
+calls = {"sru_fwd": 0, "sru_bwd": 0}
+
 
 @pytest.fixture(autouse=True)
-def nan_fill(monkeypatch):
-    """Every output buffer starts as NaN, so an unwritten element fails the test."""
+def triton_backend(monkeypatch):
+    """The triton backend; every output buffer starts as NaN, so an unwritten element
+    fails the test; the kernels' calls are counted."""
     monkeypatch.setenv("SRUPP_DEBUG_NAN_FILL", "1")
+    monkeypatch.setattr(tk, "BLOCK_SIZE", None)
+    for name in calls:
+        calls[name] = 0
+
+        def counted(*args, _real=getattr(tk, name), _name=name):
+            calls[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(tk, name, counted)
+    with ops.use_backend("triton"):
+        yield
 
 
 def make_inputs(B, L, D, k=3, skip=True, pad=False, dropout=False, dtype=torch.float32,
@@ -83,7 +102,8 @@ def run_both(U, x, wc, bias, c0, mask, dm, *, scale_x=1.3, bidir=False, block_si
              loss="random", seed=1):
     """Forward + backward on both implementations with the same upstream grads."""
     kw = dict(scale_x=scale_x, mask_pad=mask, dropout_mask=dm, bidirectional=bidir)
-    h_t, c_t = sru_recurrence_triton(U, x, wc, bias, c0, block_size=block_size, **kw)
+    tk.BLOCK_SIZE = block_size
+    h_t, c_t = sru_recurrence(U, x, wc, bias, c0, **kw)
     h_r, c_r = sru_recurrence_reference(U, x, wc, bias, c0, **kw)
     g = torch.Generator().manual_seed(seed)
     gh = torch.randn(h_r.shape, generator=g).to(h_r.dtype)
@@ -110,6 +130,7 @@ def run_both(U, x, wc, bias, c0, mask, dm, *, scale_x=1.3, bidir=False, block_si
 
 def check(tri, ref, inputs, dtype=torch.float32):
     (h_t, c_t, g_t), (h_r, c_r, g_r) = tri, ref
+    assert calls["sru_fwd"] and calls["sru_bwd"], "the Triton kernels did not run"
     out_tol = FP32_TOL if dtype == torch.float32 else HALF_TOL[dtype]
     state_tol = FP32_TOL if dtype == torch.float32 else FP32_STATE_TOL
     assert h_t.dtype == h_r.dtype and c_t.dtype == torch.float32 == c_r.dtype
@@ -200,7 +221,8 @@ def test_c0_none_and_frozen_inputs():
     wc = torch.randn(2, 6, generator=g)          # no grad wanted
     bias = torch.randn(2, 6, generator=g, requires_grad=True)
     kw = dict(dropout_mask=None, bidirectional=False)
-    h_t, c_t = sru_recurrence_triton(U, None, wc, bias, block_size=4, **kw)
+    tk.BLOCK_SIZE = 4
+    h_t, c_t = sru_recurrence(U, None, wc, bias, **kw)
     h_r, c_r = sru_recurrence_reference(U, None, wc, bias, **kw)
     torch.testing.assert_close(h_t, h_r, **FP32_TOL)
     torch.testing.assert_close(c_t, c_r, **FP32_TOL)
@@ -208,27 +230,31 @@ def test_c0_none_and_frozen_inputs():
     g_r = torch.autograd.grad(h_r.sum() + c_r.sum(), (U, bias))
     for a, b in zip(g_t, g_r):
         torch.testing.assert_close(a, b, **FP32_TOL)
+    assert calls == {"sru_fwd": 1, "sru_bwd": 1}
 
 
 def test_no_grad_forward_and_integer_mask():
     U, x, wc, bias, c0, mask, dm = make_inputs(2, 3, 6, 3, True, pad=True)
+    tk.BLOCK_SIZE = 4
     with torch.no_grad():
-        h_t, c_t = sru_recurrence_triton(U, x, wc, bias, c0, mask_pad=mask.to(torch.uint8),
-                                         block_size=4)
+        h_t, c_t = sru_recurrence(U, x, wc, bias, c0, mask_pad=mask.to(torch.uint8))
         h_r, c_r = sru_recurrence_reference(U, x, wc, bias, c0, mask_pad=mask)
     torch.testing.assert_close(h_t, h_r, **FP32_TOL)
     torch.testing.assert_close(c_t, c_r, **FP32_TOL)
+    assert calls == {"sru_fwd": 1, "sru_bwd": 0}
 
 
 def test_low_level_api():
-    """c_all is the per-step state; bwd recomputes it when given none; results
-    are bitwise deterministic."""
+    """The kernels in the custom ops' argument order: c_all is the per-step state;
+    results are bitwise deterministic; grad_x is an empty tensor (never None) when
+    not wanted; outputs never alias one another."""
     B, L, D = 3, 4, 6
+    tk.BLOCK_SIZE = 4
     U, x, wc, bias, c0, mask, dm = make_inputs(B, L, D, 3, True, pad=True, dropout=True)
     U, x, wc, bias, c0 = (t.detach() for t in (U, x, wc, bias, c0))
     args = (U, x, wc, bias, c0, mask, dm, 1.3, True)
-    h, c_last, c_all = sru_fwd_triton(*args, True, block_size=4)
-    h2, c_last2, empty = sru_fwd_triton(*args, False, block_size=4)
+    h, c_last, c_all = tk.sru_fwd(*args, True)
+    h2, c_last2, empty = tk.sru_fwd(*args, False)
     assert empty.numel() == 0
     assert torch.equal(h, h2) and torch.equal(c_last, c_last2)
     assert c_all.shape == (B, L, D) and c_all.dtype == torch.float32
@@ -243,57 +269,23 @@ def test_low_level_api():
 
     gh = torch.randn(B, L, D)
     gcl = torch.randn(B, D)
-    bwd_args = (gh, gcl, U, x, wc, bias, c0)
-    tail = (mask, dm, 1.3, True)
-    out1 = sru_bwd_triton(*bwd_args, c_all, *tail, block_size=4)
-    out2 = sru_bwd_triton(*bwd_args, c_all, *tail, block_size=4)
-    out3 = sru_bwd_triton(*bwd_args, None, *tail, block_size=4)
+    bwd_args = (U, x, wc, bias, c0, mask, dm, c_all, gh, gcl, 1.3, True)
+    out1 = tk.sru_bwd(*bwd_args, True)
+    out2 = tk.sru_bwd(*bwd_args, True)
     gU, gx, gwc, gb, gc0 = out1
     assert gU.shape == U.shape and gx.shape == x.shape
     assert gwc.shape == (2, D) and gb.shape == (2, D) and gc0.shape == (B, D)
     assert gc0.dtype == torch.float32
-    for a, b, c in zip(out1, out2, out3):
+    for a, b in zip(out1, out2):
         assert not a.isnan().any()
-        assert torch.equal(a, b) and torch.equal(a, c)
+        assert torch.equal(a, b)
     # no gradient at padded steps; the fully padded row passes grad_c_last to c0
     assert (gU[2] == 0).all() and (gx[2] == 0).all()
     torch.testing.assert_close(gc0[2], gcl[2], rtol=0, atol=0)
-
-
-def test_custom_op_order_adapter():
-    """sru_bwd_triton_op: the srupp::sru_bwd argument order; grad_x is an empty
-    tensor (never None) when not wanted; outputs never alias one another."""
-    B, L, D = 2, 3, 6
-    for k, skip in KSKIP:
-        U, x, wc, bias, c0, mask, dm = make_inputs(B, L, D, k, skip, pad=True, dropout=True)
-        U, wc, bias, c0 = (t.detach() for t in (U, wc, bias, c0))
-        x = None if x is None else x.detach()
-        _, _, c_all = sru_fwd_triton(U, x, wc, bias, c0, mask, dm, 1.3, False, True)
-        gh, gcl = torch.randn(B, L, D), torch.randn(B, D)
-        ref = sru_bwd_triton(gh, gcl, U, x, wc, bias, c0, c_all, mask, dm, 1.3, False)
-        for need_gx in (True, False):
-            out = sru_bwd_triton_op(U, x, wc, bias, c0, mask, dm, c_all, gh, gcl, 1.3, False,
-                                    need_gx)
-            gx = out[1]
-            if x is not None and need_gx:
-                assert torch.equal(gx, ref[1])
-            else:
-                assert gx.numel() == 0 and gx.dtype == (x if x is not None else U).dtype
-            for i in (0, 2, 3, 4):
-                assert torch.equal(out[i], ref[i])
-            ptrs = [t.untyped_storage().data_ptr() for t in out if t.numel()]
-            assert len(set(ptrs)) == len(ptrs)
-        assert ref[1] is None or x is not None
-
-
-def test_bad_input():
-    U = torch.randn(1, 2, 3, 5)
-    wc, bias = torch.randn(2, 5), torch.randn(2, 5)
-    with pytest.raises(ValueError):
-        sru_recurrence_triton(U, None, wc, bias, bidirectional=True)  # odd D
-    with pytest.raises(ValueError):
-        sru_recurrence_triton(torch.randn(1, 2, 4, 5), torch.randn(1, 2, 5), wc, bias)
-    with pytest.raises(ValueError):
-        sru_recurrence_triton(torch.randn(1, 2, 2, 5), None, wc, bias)
-    with pytest.raises(TypeError):
-        sru_recurrence_triton(U.double(), None, wc.double(), bias.double())
+    for U_, x_ in ((U, x), (U, None), (torch.cat([U, U[:, :, :1]], 2), None)):  # k = 3, 3, 4
+        out = tk.sru_bwd(U_, x_, *bwd_args[2:], False)
+        assert out[1].numel() == 0 and out[1].dtype == (x_ if x_ is not None else U_).dtype
+        if x_ is x:
+            assert all(torch.equal(out[i], out1[i]) for i in (0, 2, 3, 4))
+        ptrs = [t.untyped_storage().data_ptr() for t in out if t.numel()]
+        assert len(set(ptrs)) == len(ptrs)

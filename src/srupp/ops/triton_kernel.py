@@ -1,8 +1,7 @@
-"""Triton GPU kernels for the SRU element-wise recurrence (forward and backward).
+"""Triton kernels for the SRU element-wise recurrence (forward and backward).
 
-Written from ``SRUPP_SPEC.md`` sections 2-3; the oracle is
-:func:`srupp.ops.reference.sru_recurrence_reference`, whose argument
-conventions these kernels follow exactly:
+The equations are those of :mod:`srupp.ops.reference` (the SRU paper's, Lei et
+al. 2018, section 2), and so are the argument conventions:
 
     U            (B, L, k, D)  k = 3 or 4; any strides
     x            (B, L, D)     skip input (k = 3 only) or None; any strides
@@ -12,18 +11,24 @@ conventions these kernels follow exactly:
     mask_pad     (B, L) bool   True = padding: state held, h = 0, no gradient
     dropout_mask (B, D)        variational highway mask, shared over time
 
-Work split: one program per (batch row, block of ``BLOCK`` units), looping
-over time.  With ``bidirectional`` each lane picks its own direction from its
-unit index (units >= D/2 run t = L-1 .. 0), so a block may straddle the two
-halves.  State and all accumulation are fp32 whatever the input dtype; h and
-grad_U are written in U's dtype.
+:func:`sru_fwd` and :func:`sru_bwd` take the arguments of the ``srupp::sru_fwd``
+/ ``srupp::sru_bwd`` custom ops (:mod:`srupp.ops.recurrence`), which call them;
+they don't check them (:func:`srupp.ops.sru_recurrence` does).
+
+Work split: one program per (batch row, block of :data:`BLOCK_SIZE` units),
+looping over time.  With ``bidirectional`` each lane picks its own direction
+from its unit index (units >= D/2 run t = L-1 .. 0), so a block may straddle the
+two halves.  State and all accumulation are fp32 whatever the input dtype; h
+and grad_U are written in U's dtype.
 
 The peephole/bias gradients are reduced deterministically: every program
 writes its per-batch-row partial sums into a (B, 4, D) fp32 buffer, which is
 then summed over B with torch (no atomics).
 
-This module imports triton at its top; nothing else in :mod:`srupp` imports it
-at package import time (the dispatcher imports it lazily, for CUDA tensors).
+This module imports triton at its top; nothing in :mod:`srupp` imports it at
+package import time (the dispatcher imports it lazily, when it routes to Triton).
+Under the Triton interpreter (``TRITON_INTERPRET=1``) the kernels run on CPU
+tensors.
 """
 
 from __future__ import annotations
@@ -38,15 +43,11 @@ from torch import Tensor
 
 from .settings import debug_nan_fill
 
-__all__ = [
-    "sru_fwd_triton",
-    "sru_bwd_triton",
-    "sru_bwd_triton_op",
-    "SRURecurrenceTriton",
-    "sru_recurrence_triton",
-]
+__all__ = ["sru_fwd", "sru_bwd", "BLOCK_SIZE"]
 
-_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Units per program (a power of two); None picks by size. The tests set small
+#: blocks, so that D is not a multiple of the block and blocks straddle directions.
+BLOCK_SIZE: Optional[int] = None
 
 
 # --------------------------------------------------------------------------- #
@@ -273,43 +274,19 @@ def _sru_bwd_kernel(
 
 
 def _alloc(shape, dtype, device) -> Tensor:
-    if debug_nan_fill():  # SRUPP_DEBUG_NAN_FILL=1
+    if debug_nan_fill():
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _launch_config(B: int, D: int, block_size: Optional[int]) -> Tuple[int, int]:
+def _launch_config(B: int, D: int) -> Tuple[int, int]:
     """(BLOCK, num_warps).  One lane per unit; small blocks keep many programs
     in flight when B * D is small (each program is sequential over time)."""
-    if block_size is not None:
-        if block_size < 1 or block_size & (block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {block_size}")
-        return block_size, max(1, min(4, block_size // 32))
+    if BLOCK_SIZE is not None:
+        return BLOCK_SIZE, max(1, min(4, BLOCK_SIZE // 32))
     if B * D >= 1 << 16:
         return 64, 2
     return 32, 1
-
-
-def _check(U: Tensor, x: Optional[Tensor], bidirectional: bool) -> Tuple[int, int, int, int]:
-    if U.dim() != 4 or U.shape[2] not in (3, 4):
-        raise ValueError(f"U must be (B, L, k, D) with k = 3 or 4, got shape {tuple(U.shape)}")
-    B, L, k, D = U.shape
-    if U.dtype not in _SUPPORTED_DTYPES:
-        raise TypeError(f"sru triton kernel supports fp32/bf16/fp16 U, got {U.dtype}")
-    if k == 4 and x is not None:
-        raise ValueError("with k = 4 the skip term is U[:, :, 3]; pass x=None")
-    if x is not None and tuple(x.shape) != (B, L, D):
-        raise ValueError(f"x must be (B, L, D) = {(B, L, D)}, got {tuple(x.shape)}")
-    if bidirectional and D % 2:
-        raise ValueError(f"bidirectional needs an even number of units, got D = {D}")
-    return B, L, k, D
-
-
-def _mask_arg(mask_pad: Optional[Tensor], like: Tensor) -> Tensor:
-    if mask_pad is None:
-        return like  # dummy pointer, never read
-    m = mask_pad if mask_pad.dtype == torch.bool else mask_pad != 0
-    return m.view(torch.uint8)  # same strides, no copy
 
 
 def _device_guard(t: Tensor):
@@ -319,32 +296,34 @@ def _device_guard(t: Tensor):
     return contextlib.nullcontext()
 
 
-def sru_fwd_triton(
-    U: Tensor,
-    x: Optional[Tensor],
-    weight_c: Tensor,
-    bias: Tensor,
-    c0: Optional[Tensor],
-    mask_pad: Optional[Tensor],
-    dropout_mask: Optional[Tensor],
-    scale_x: float,
-    bidirectional: bool,
-    store_c: bool,
-    *,
-    block_size: Optional[int] = None,
-) -> Tuple[Tensor, Tensor, Tensor]:
+def _optional(t: Optional[Tensor], like: Tensor, dims: int):
+    """(pointer, strides) for an optional tensor: a dummy pointer and zero strides
+    for None (the kernel never reads it then). bool tensors go as uint8."""
+    if t is None:
+        return like, (0,) * dims
+    if t.dtype == torch.bool:
+        t = t.view(torch.uint8)  # same strides, no copy
+    return t, t.stride()
+
+
+def _c0(c0: Optional[Tensor], B: int, D: int, device) -> Tensor:
+    if c0 is None:
+        return torch.zeros(B, D, dtype=torch.float32, device=device)
+    return c0.to(torch.float32)
+
+
+def sru_fwd(U: Tensor, x: Optional[Tensor], weight_c: Tensor, bias: Tensor,
+            c0: Optional[Tensor], mask_pad: Optional[Tensor], dropout_mask: Optional[Tensor],
+            scale_x: float, bidirectional: bool, store_c: bool) -> Tuple[Tensor, Tensor, Tensor]:
     """Forward recurrence.  Returns ``(h, c_last, c_all)``.
 
     h (B, L, D) in U's dtype; c_last (B, D) fp32 ([c_fwd(L-1), c_bwd(0)] when
     bidirectional); c_all (B, L, D) fp32, the state after every step, when
     ``store_c`` (else an empty tensor).
     """
-    B, L, k, D = _check(U, x, bidirectional)
+    B, L, k, D = U.shape
     dev = U.device
-    if c0 is None:
-        c0 = torch.zeros(B, D, dtype=torch.float32, device=dev)
-    else:
-        c0 = c0.to(torch.float32)
+    c0 = _c0(c0, B, D, dev)
     h = _alloc((B, L, D), U.dtype, dev)
     c_last = _alloc((B, D), torch.float32, dev)
     c_all = _alloc((B, L, D), torch.float32, dev) if store_c else torch.empty(0, device=dev)
@@ -354,125 +333,73 @@ def sru_fwd_triton(
         c_last.copy_(c0)
         return h, c_last, c_all
 
-    has_skip = k == 4 or x is not None
-    x_ = x if x is not None else U
-    xs = x.stride() if x is not None else (0, 0, 0)
-    mp = _mask_arg(mask_pad, U)
-    ms = mp.stride() if mask_pad is not None else (0, 0)
-    dm = dropout_mask if dropout_mask is not None else U
-    ds = dropout_mask.stride() if dropout_mask is not None else (0, 0)
-    cs = c_all.stride() if store_c else (0, 0, 0)
-    BLOCK, num_warps = _launch_config(B, D, block_size)
-    grid = (B, triton.cdiv(D, BLOCK))
+    x_, xs = _optional(x, U, 3)
+    mp, ms = _optional(mask_pad, U, 2)
+    dm, ds = _optional(dropout_mask, U, 2)
+    BLOCK, num_warps = _launch_config(B, D)
     with _device_guard(U):
-        _sru_fwd_kernel[grid](
+        _sru_fwd_kernel[(B, triton.cdiv(D, BLOCK))](
             U, x_, weight_c, bias, c0, mp, dm,
             h, c_last, c_all if store_c else h,
             L, D, D // 2, float(scale_x),
-            *U.stride(),
-            *xs,
-            *weight_c.stride(), *bias.stride(),
-            *c0.stride(),
-            *ms,
-            *ds,
-            *h.stride(),
-            *cs,
-            K4=k == 4, HAS_SKIP=has_skip, HAS_MASK=mask_pad is not None,
+            *U.stride(), *xs, *weight_c.stride(), *bias.stride(), *c0.stride(), *ms, *ds,
+            *h.stride(), *(c_all.stride() if store_c else (0, 0, 0)),
+            K4=k == 4, HAS_SKIP=k == 4 or x is not None, HAS_MASK=mask_pad is not None,
             HAS_DROP=dropout_mask is not None, BIDIR=bool(bidirectional), STORE_C=bool(store_c),
             BLOCK=BLOCK, num_warps=num_warps,
         )
     return h, c_last, c_all
 
 
-def sru_bwd_triton(
-    grad_h: Optional[Tensor],
-    grad_c_last: Optional[Tensor],
-    U: Tensor,
-    x: Optional[Tensor],
-    weight_c: Tensor,
-    bias: Tensor,
-    c0: Optional[Tensor],
-    c_all: Optional[Tensor],
-    mask_pad: Optional[Tensor],
-    dropout_mask: Optional[Tensor],
-    scale_x: float,
-    bidirectional: bool,
-    *,
-    need_grad_x: bool = True,
-    block_size: Optional[int] = None,
-) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, Tensor]:
-    """Backward recurrence.
+def sru_bwd(U: Tensor, x: Optional[Tensor], weight_c: Tensor, bias: Tensor,
+            c0: Optional[Tensor], mask_pad: Optional[Tensor], dropout_mask: Optional[Tensor],
+            c_all: Tensor, grad_h: Tensor, grad_c_last: Optional[Tensor], scale_x: float,
+            bidirectional: bool, need_grad_x: bool
+            ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Backward recurrence, from ``c_all``, the fp32 (B, L, D) state that
+    :func:`sru_fwd` stored (``store_c=True``).
 
-    ``c_all`` is the fp32 (B, L, D) state from :func:`sru_fwd_triton` with
-    ``store_c=True``; if it is None or empty the forward is re-run to get it.
-    ``grad_h`` / ``grad_c_last`` may be None (zero).
-
-    Returns ``(grad_U, grad_x or None, grad_weight_c, grad_bias, grad_c0)``:
-    grad_U (B, L, k, D) in U's dtype, grad_x (B, L, D) in x's dtype (None when
-    x is None or ``need_grad_x`` is False), grad_weight_c / grad_bias (2, D) in weight_c's / bias's dtype,
-    grad_c0 (B, D) fp32.
+    Returns ``(grad_U, grad_x, grad_weight_c, grad_bias, grad_c0)``: grad_U
+    (B, L, k, D) in U's dtype, grad_x (B, L, D) in x's dtype (an empty tensor when x
+    is None or ``need_grad_x`` is False), grad_weight_c / grad_bias (2, D) in
+    weight_c's / bias's dtype, grad_c0 (B, D) fp32.
     """
-    B, L, k, D = _check(U, x, bidirectional)
+    B, L, k, D = U.shape
     dev = U.device
-    if c0 is None:
-        c0 = torch.zeros(B, D, dtype=torch.float32, device=dev)
-    else:
-        c0 = c0.to(torch.float32)
-    if c_all is None or c_all.numel() == 0:
-        _, _, c_all = sru_fwd_triton(U, x, weight_c, bias, c0, mask_pad, dropout_mask,
-                                     scale_x, bidirectional, True, block_size=block_size)
-    elif c_all.dtype != torch.float32 or tuple(c_all.shape) != (B, L, D):
-        raise ValueError("c_all must be the fp32 (B, L, D) state from sru_fwd_triton")
-
+    c0 = _c0(c0, B, D, dev)
     grad_U = _alloc((B, L, k, D), U.dtype, dev)
     store_gx = x is not None and bool(need_grad_x)
-    grad_x = _alloc((B, L, D), x.dtype, dev) if store_gx else None
+    grad_x = (_alloc((B, L, D), x.dtype, dev) if store_gx
+              else (x if x is not None else U).new_empty((0,)))
     grad_c0 = _alloc((B, D), torch.float32, dev)
     partial = _alloc((B, 4, D), torch.float32, dev)
     if B == 0 or D == 0 or L == 0:
         grad_U.zero_()
-        if grad_x is not None:
-            grad_x.zero_()
+        grad_x.zero_()
         if grad_c_last is None:
             grad_c0.zero_()
         else:
             grad_c0.copy_(grad_c_last)
         partial.zero_()
     else:
-        if grad_h is None:
-            grad_h = torch.zeros((), dtype=U.dtype, device=dev).expand(B, L, D)
-        has_gcl = grad_c_last is not None
-        gcl = grad_c_last if has_gcl else c0
-        gcs = grad_c_last.stride() if has_gcl else (0, 0)
-        has_skip = k == 4 or x is not None
-        x_ = x if x is not None else U
-        xs = x.stride() if x is not None else (0, 0, 0)
-        gx = grad_x if grad_x is not None else grad_U
-        gxs = grad_x.stride() if grad_x is not None else (0, 0, 0)
-        mp = _mask_arg(mask_pad, U)
-        ms = mp.stride() if mask_pad is not None else (0, 0)
-        dm = dropout_mask if dropout_mask is not None else U
-        ds = dropout_mask.stride() if dropout_mask is not None else (0, 0)
-        BLOCK, num_warps = _launch_config(B, D, block_size)
-        grid = (B, triton.cdiv(D, BLOCK))
+        gcl, gcs = _optional(None if grad_c_last is None else grad_c_last.to(torch.float32),
+                             c0, 2)
+        x_, xs = _optional(x, U, 3)
+        gx, gxs = _optional(grad_x if store_gx else None, grad_U, 3)
+        mp, ms = _optional(mask_pad, U, 2)
+        dm, ds = _optional(dropout_mask, U, 2)
+        BLOCK, num_warps = _launch_config(B, D)
         with _device_guard(U):
-            _sru_bwd_kernel[grid](
+            _sru_bwd_kernel[(B, triton.cdiv(D, BLOCK))](
                 grad_h, gcl, U, x_, weight_c, bias, c0, c_all, mp, dm,
                 grad_U, gx, grad_c0, partial,
                 L, D, D // 2, float(scale_x),
-                *grad_h.stride(),
-                *gcs,
-                *U.stride(),
-                *xs,
-                *weight_c.stride(), *bias.stride(),
-                *c0.stride(),
-                *c_all.stride(),
-                *ms,
-                *ds,
-                *grad_U.stride(),
-                *gxs,
-                K4=k == 4, HAS_SKIP=has_skip, STORE_GX=store_gx, HAS_MASK=mask_pad is not None,
-                HAS_DROP=dropout_mask is not None, BIDIR=bool(bidirectional), HAS_GCL=has_gcl,
+                *grad_h.stride(), *gcs, *U.stride(), *xs,
+                *weight_c.stride(), *bias.stride(), *c0.stride(), *c_all.stride(),
+                *ms, *ds, *grad_U.stride(), *gxs,
+                K4=k == 4, HAS_SKIP=k == 4 or x is not None, STORE_GX=store_gx,
+                HAS_MASK=mask_pad is not None, HAS_DROP=dropout_mask is not None,
+                BIDIR=bool(bidirectional), HAS_GCL=grad_c_last is not None,
                 BLOCK=BLOCK, num_warps=num_warps,
             )
     # Deterministic reduction over the batch; two separate sums so the two
@@ -480,86 +407,3 @@ def sru_bwd_triton(
     grad_weight_c = partial[:, 0:2].sum(dim=0).to(weight_c.dtype)
     grad_bias = partial[:, 2:4].sum(dim=0).to(bias.dtype)
     return grad_U, grad_x, grad_weight_c, grad_bias, grad_c0
-
-
-def sru_bwd_triton_op(
-    U: Tensor,
-    x: Optional[Tensor],
-    weight_c: Tensor,
-    bias: Tensor,
-    c0: Optional[Tensor],
-    mask_pad: Optional[Tensor],
-    dropout_mask: Optional[Tensor],
-    c_all: Tensor,
-    grad_h: Tensor,
-    grad_c_last: Optional[Tensor],
-    scale_x: float,
-    bidirectional: bool,
-    need_grad_x: bool,
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """:func:`sru_bwd_triton` in the argument order of the ``srupp::sru_bwd``
-    custom op (``srupp.ops.custom_ops``), returning an empty tensor (x's dtype,
-    or U's when x is None) instead of None for grad_x, since custom ops can't
-    return None."""
-    gU, gx, gwc, gb, gc0 = sru_bwd_triton(
-        grad_h, None if grad_c_last is None else grad_c_last.to(torch.float32),
-        U, x, weight_c, bias, c0, c_all, mask_pad, dropout_mask, scale_x, bidirectional,
-        need_grad_x=need_grad_x)
-    if gx is None:
-        gx = (x if x is not None else U).new_empty((0,))
-    return gU, gx, gwc, gb, gc0
-
-
-class SRURecurrenceTriton(torch.autograd.Function):
-    """Autograd wrapper.  ``apply(U, x, weight_c, bias, c0, mask_pad,
-    dropout_mask, scale_x, bidirectional, block_size)`` -> (h, c_last)."""
-
-    @staticmethod
-    def forward(ctx, U, x, weight_c, bias, c0, mask_pad, dropout_mask, scale_x,
-                bidirectional, block_size=None):
-        need_grad = any(ctx.needs_input_grad[:5])
-        h, c_last, c_all = sru_fwd_triton(U, x, weight_c, bias, c0, mask_pad, dropout_mask,
-                                          scale_x, bidirectional, need_grad,
-                                          block_size=block_size)
-        ctx.save_for_backward(U, x, weight_c, bias, c0, c_all, mask_pad, dropout_mask)
-        ctx.scale_x = float(scale_x)
-        ctx.bidirectional = bool(bidirectional)
-        ctx.block_size = block_size
-        return h, c_last
-
-    @staticmethod
-    def backward(ctx, grad_h, grad_c_last):
-        U, x, weight_c, bias, c0, c_all, mask_pad, dropout_mask = ctx.saved_tensors
-        gU, gx, gwc, gb, gc0 = sru_bwd_triton(
-            grad_h, None if grad_c_last is None else grad_c_last.to(torch.float32),
-            U, x, weight_c, bias, c0, c_all, mask_pad, dropout_mask,
-            ctx.scale_x, ctx.bidirectional, need_grad_x=ctx.needs_input_grad[1],
-            block_size=ctx.block_size,
-        )
-        if c0 is not None:
-            gc0 = gc0.to(c0.dtype)
-        else:
-            gc0 = None
-        return gU, gx, gwc, gb, gc0, None, None, None, None, None
-
-
-def sru_recurrence_triton(
-    U: Tensor,
-    x: Optional[Tensor],
-    weight_c: Tensor,
-    bias: Tensor,
-    c0: Optional[Tensor] = None,
-    *,
-    scale_x: float = 1.0,
-    mask_pad: Optional[Tensor] = None,
-    dropout_mask: Optional[Tensor] = None,
-    bidirectional: bool = False,
-    block_size: Optional[int] = None,
-) -> Tuple[Tensor, Tensor]:
-    """Same arguments and results as :func:`sru_recurrence_reference`, run by
-    the Triton kernels (fp32/bf16/fp16 U; c_last is fp32).  ``block_size``
-    (a power of two) overrides the unit-block size, for tests."""
-    if mask_pad is not None:
-        mask_pad = mask_pad.to(torch.bool)
-    return SRURecurrenceTriton.apply(U, x, weight_c, bias, c0, mask_pad, dropout_mask,
-                                     scale_x, bidirectional, block_size)
