@@ -131,7 +131,7 @@ def cmd_generate(args) -> int:
 
 def cmd_params(args) -> int:
     from .data import build_tokenizer, load_corpus
-    from .models import build_model
+    from .models import parameter_counts
     from .train import build_config
 
     cfg = build_config(args.recipe, _flatten_sets(args.set))
@@ -145,16 +145,8 @@ def cmd_params(args) -> int:
         vocab = cfg.data.vocab_size
     else:
         vocab = build_tokenizer(cfg.data.tokenizer, load_corpus(cfg.data.corpus).train).vocab_size
-    import torch
-
-    with torch.device("meta"):  # count without allocating
-        model = build_model(cfg.model_config(vocab))
-    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
-    layers = sum(count(m) for m in model.body_modules())
-    out = {"type": model.config.type, "params": model.num_parameters(),
-           "embedding": count(model.embedding), "layers": layers,
-           "output": model.num_parameters() - count(model.embedding) - layers,
-           "vocab_size": vocab}
+    config = cfg.model_config(vocab)
+    out = {"type": config.type, **parameter_counts(config), "vocab_size": vocab}
     print(json.dumps(out))
     return 0
 

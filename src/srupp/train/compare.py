@@ -39,7 +39,9 @@ from typing import Any, Dict, List, Optional
 from .._extras import require
 from .._files import atomic_write_json, atomic_write_text
 from ..errors import UserError
+from ..models import parameter_counts
 from .config import RunConfig, build_config
+from .evaluate import metric_for
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -132,16 +134,15 @@ def _heads_for(d: int) -> int:
 def shape_overrides(name: str, d: int, base: RunConfig) -> Dict[str, Any]:
     """The model fields of ``name`` at width ``d``."""
     mtype, depth, extra = MODELS[name]
-    fields: Dict[str, Any] = {"type": mtype, "d_model": d, "proj_size": max(1, d // 4)}
+    fields: Dict[str, Any] = {"type": mtype, "d_model": d}
     if depth is not None:
         fields["num_layers"] = depth
     if mtype == "transformer":
         fields["num_heads"] = _heads_for(d)
     elif mtype == "srupp":
+        fields["proj_size"] = max(1, d // 4)  # d' = d/4, as in the paper
         heads = int(base.model.get("num_heads", 1))
         fields["num_heads"] = heads if fields["proj_size"] % heads == 0 else 1
-    else:
-        fields["num_heads"] = 1
     fields.update(extra)
     return fields
 
@@ -176,15 +177,6 @@ def model_run_config(base: RunConfig, fields: Dict[str, Any],
     return build_config(None, list(overrides or []), base=tree)
 
 
-def count_parameters(cfg: RunConfig, vocab: int) -> int:
-    import torch
-
-    from ..models import build_model
-
-    with torch.device("meta"):  # count without allocating
-        return build_model(cfg.model_config(vocab)).num_parameters()
-
-
 @dataclass
 class Sized:
     name: str
@@ -207,7 +199,7 @@ def size_model(name: str, base: RunConfig, vocab: int, target: int,
         if d not in cache:
             try:
                 cfg = model_run_config(base, shape_overrides(name, d, base), overrides)
-                cache[d] = Sized(name, cfg, count_parameters(cfg, vocab))
+                cache[d] = Sized(name, cfg, parameter_counts(cfg.model_config(vocab))["params"])
             except UserError:
                 cache[d] = None
         return cache[d]
@@ -472,7 +464,7 @@ def compare(data: str, budget: float, params: int, models: Optional[str] = None,
     tokenizer = build_tokenizer(base.data.tokenizer, corpus.train, **base.data.tokenizer_options())
     vocab = tokenizer.vocab_size
     kind = tokenizer.to_dict()["type"]
-    metric = "bpc" if kind in ("byte", "char") else "ppl"
+    metric = metric_for(kind)
     key = f"valid_{metric}"
 
     if not any(o.split("=", 1)[0].strip() == "train.lr" for o in shared):
