@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch import nn
 from torch.autograd import gradcheck
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
@@ -350,7 +351,7 @@ def test_device_dtype_factory_kwargs():
 
 # ------------------------------------------------------------- the K/V cache
 
-def test_kv_cache_gives_the_same_decoding_and_tracks_weights():
+def test_kv_cache_gives_the_same_decoding():
     m = make(causal=True, num_heads=2, mem_len=4)
     x = torch.randn(9, 2, 6)
     with torch.no_grad():
@@ -360,12 +361,81 @@ def test_kv_cache_gives_the_same_decoding_and_tracks_weights():
             uncached, st2 = run_chunks(m, x, [1])  # grad mode: no cache is kept
         assert all(kv is None for kv in st2.kv_cache)
         close(cached, uncached.detach(), **TOL)
-        # an in-place weight update invalidates the cache
-        nxt = torch.randn(1, 2, 6)
-        m.layers[0].transform.linear2.weight.mul_(1.5)
-        a, _ = m(nxt, st)
-        st.kv_cache = [None] * len(st.kv_cache)
-        b, _ = m(nxt, st)
+
+
+def _fresh_parameter(w):
+    """A new Parameter (version 0) over the same storage as w: same address."""
+    return nn.Parameter(w.data, requires_grad=w.requires_grad)
+
+
+def _old_cache_key(attention):
+    """The key the K/V cache used to be checked by: (address, version) of W1 and W2."""
+    w1, w2 = attention.linear1.weight, attention.linear2.weight
+    return (w1.data_ptr(), w1._version, w2.data_ptr(), w2._version)
+
+
+def _swap_same_address(m):
+    """New weights at the old address, version 0: an (address, version) key cannot tell."""
+    t = m.layers[0].transform
+    before = _old_cache_key(t)
+    t.linear2.weight = _fresh_parameter(t.linear2.weight)
+    t.linear2.weight.data.mul_(1.5)  # through .data: no version bump
+    assert _old_cache_key(t) == before  # the old check would have reused stale K and V
+
+
+def _in_place(m):
+    m.layers[0].transform.linear2.weight.mul_(1.5)
+
+
+def _load_state_dict(m):
+    other = make(causal=True, num_heads=2, mem_len=4)
+    randomize(other, seed=5)
+    m.load_state_dict(other.state_dict())
+
+
+def _assign_data(m):
+    w = m.layers[0].transform.linear1.weight
+    w.data = w.data * 1.5
+
+
+@pytest.mark.parametrize("change", [_swap_same_address, _in_place, _load_state_dict,
+                                    _assign_data])
+def test_kv_cache_is_dropped_when_the_weights_change(change):
+    """After any change of W1 or W2, decoding on gives what a fresh computation gives."""
+    m = make(causal=True, num_heads=2, mem_len=4)
+    for layer in m.layers:  # fresh Parameters: every weight at version 0
+        t = layer.transform
+        t.linear1.weight = _fresh_parameter(t.linear1.weight)
+        t.linear2.weight = _fresh_parameter(t.linear2.weight)
+    x = torch.randn(5, 2, 6)
+    with torch.no_grad():
+        _, st = run_chunks(m, x, [1])
+        assert all(kv.valid_for(layer.transform.kv_weights, 4)
+                   for kv, layer in zip(st.kv_cache, m.layers))
+        change(m)
+        nxt = torch.randn(2, 6)
+        a, st_a = m.step(nxt, st)
+        b, st_b = m.step(nxt, st.drop_kv_cache())
+        close(a, b, **TOL)
+        full, _ = m(nxt.unsqueeze(0), SRUppState(c=st.c, memory=st.memory, mem_len=st.mem_len))
+        close(a, full[0], **TOL)
+        assert all(kv.valid_for(layer.transform.kv_weights, 4)
+                   for kv, layer in zip(st_a.kv_cache, m.layers))
+
+
+def test_kv_cache_follows_detach_index_select_and_to():
+    m = make(causal=True, num_heads=2, mem_len=4)
+    with torch.no_grad():
+        _, st = run_chunks(m, torch.randn(5, 3, 6), [1])
+        idx = torch.tensor([2, 0])
+        for moved in (st.detach(), st.to("cpu"), st.index_select(idx)):
+            for kv, layer in zip(moved.kv_cache, m.layers):
+                assert kv.valid_for(layer.transform.kv_weights, 4)
+        picked = st.index_select(idx)
+        assert torch.equal(picked.kv_cache[0].kv, st.kv_cache[0].kv[idx])
+        nxt = torch.randn(2, 6)
+        a, _ = m.step(nxt, picked)
+        b, _ = m.step(nxt, picked.drop_kv_cache())
         close(a, b, **TOL)
 
 

@@ -49,9 +49,10 @@ def append_steps(old: Optional[Tensor], new: Tensor, dim: int = 1) -> Tensor:
         end = getattr(base, "_srupp_append_end", None) if base is not None else None
         if end is not None and base.device == new.device:
             start = (old.storage_offset() - base.storage_offset()) // max(old.stride(dim), 1)
+            # old is base narrowed along dim only: same strides, and (as no other size
+            # of a view can exceed base's) as many elements per step as base
             if (start + M == end and end + L <= base.shape[dim] and old.stride() == base.stride()
-                    and old.shape[:dim] == base.shape[:dim]
-                    and old.shape[dim + 1:] == base.shape[dim + 1:]):
+                    and old.numel() * base.shape[dim] == base.numel() * M):
                 base.narrow(dim, end, L).copy_(new)
                 base._srupp_append_end = end + L
                 return base.narrow(dim, start, M + L)

@@ -1,22 +1,240 @@
-"""SRU++ (Lei, 2021): an SRU whose U comes from a small self-attention."""
+"""SRU++ (Lei, 2021): an SRU whose U comes from a small self-attention.
+
+Each layer computes U with an attention sub-layer (:class:`SRUppAttention`),
+then runs the SRU recurrence of :mod:`srupp.nn.sru` on it. Batch-first, with
+m the memory (the layer's past, pre-normed inputs, from the state)::
+
+    z = W1 [m; x]                  (B, M+L, d′)
+    q = z[:, M:]                   (B, L, d′)
+    K, V = W2 z                    (B, M+L, d′) each
+    o = softmax(q Kᵀ/√(d′/H) + mask) V, per head
+    U = W3 dropout(LN(q + α·o))    (B, L, k·D)
+    h, c = recurrence(U, x, c0)    (B, L, D), (B, D)
+
+Layers without attention (:class:`SRUppProjectedLinear`) take U = W2 dropout(LN(W1 x)).
+
+One function, :func:`_run_stack`, runs the layers for :meth:`SRUpp.forward`,
+:meth:`SRUpp.step` (one token, for decoding) and :meth:`SRUppCell.forward`.
+Decoding at batch 1 is bound by per-call overhead, not arithmetic, so its
+L = 1 case is kept cheap: no mask is built when a lone query may see every
+key, and under no_grad the keys and values of the memory are cached in the
+state (:class:`~srupp.nn.state.KVCache`) and grown in place
+(:func:`~srupp.nn.append.append_steps`) instead of being recomputed.
+"""
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Iterable, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from ._inputs import (check_c0, check_input, merge_masks, normalize_mask_pad, pack_output,
-                      unpack_input)
+from ..ops import attention as _attention
 from .append import append_steps
-from .attention import AttentionMask, SRUppAttention, SRUppProjectedLinear, build_attention_mask
-from .base import RecurrentLayerBase, StackBase
-from .state import SRUppState
+from .linear import Linear
+from .state import KVCache, SRUppState
+from .sru import RecurrentLayerBase, StackBase, check_c0, check_input, read_input, write_output
 
 StateLike = Union[SRUppState, Tensor, None]
 
+
+# --------------------------------------------------------------------------- attention
+
+@dataclass(frozen=True)
+class AttentionMask:
+    """A mask ready for the attention backend, built once per stack call.
+
+    mask: None, or bool (B|1, 1, L, S) with True = may attend, or an additive
+        float (B|1, 1, L, S). Rows with nothing to attend to are opened up here
+        (so softmax stays finite) and zeroed afterwards through ``dead_rows``.
+    is_causal: use SDPA's own causal path (only when there is no memory).
+    dead_rows: bool (B|1, 1, L, 1), True where a query may attend to nothing.
+    causal_offset: set when ``mask`` is exactly the causal mask over M memory keys
+        and the L queries' own (query i sees keys j <= M + i); then it is M, and
+        the explicit attention path skips the masked blocks instead of reading it.
+    """
+
+    mask: Optional[Tensor] = None
+    is_causal: bool = False
+    dead_rows: Optional[Tensor] = None
+    causal_offset: Optional[int] = None
+
+
+_NO_MASK = AttentionMask()
+_CAUSAL = AttentionMask(is_causal=True)
+
+
+def build_attention_mask(L: int, M: int, *, causal: bool, attn_mask: Optional[Tensor],
+                         key_padding: Optional[Tensor], device,
+                         queries_padded: bool = True) -> AttentionMask:
+    """Combine causality, a user's additive mask and key padding.
+
+    Args:
+        L, M: query length and memory length; keys span S = M + L.
+        causal: query i (absolute position M + i) sees keys j <= M + i.
+        attn_mask: additive float (L, S) or None.
+        key_padding: bool (B, S), True at padded keys, or None.
+        queries_padded: False promises that the queries' own keys
+            (``key_padding[:, M:]``) are not padded: every query then sees at
+            least itself, and no row needs the dead-row fix-up.
+    """
+    S = M + L
+    if attn_mask is None and key_padding is None:
+        if not causal or L == 1:  # one causal query sees every key: no mask (decoding)
+            return _NO_MASK
+        if M == 0:
+            return _CAUSAL
+    allowed = None  # bool (B|1, 1, L, S)
+    if causal and L > 1:
+        j = torch.arange(S, device=device)
+        i = torch.arange(L, device=device)
+        allowed = (j.unsqueeze(0) <= (i.unsqueeze(1) + M)).view(1, 1, L, S)
+    if key_padding is not None:
+        keep = (~key_padding).view(key_padding.shape[0], 1, 1, S)
+        allowed = keep if allowed is None else allowed & keep
+    if attn_mask is None:
+        if key_padding is None:  # causal over memory: every query sees its memory
+            return AttentionMask(mask=allowed, causal_offset=M)
+        if not queries_padded:
+            return AttentionMask(mask=allowed)
+        dead = ~allowed.any(dim=-1, keepdim=True)
+        return AttentionMask(mask=allowed | dead, dead_rows=dead)
+    bias = attn_mask.view(1, 1, L, S)
+    if allowed is not None:
+        bias = bias.masked_fill(~allowed, float("-inf"))
+    dead = torch.isneginf(bias).all(dim=-1, keepdim=True)
+    return AttentionMask(mask=bias.masked_fill(dead, 0.0), dead_rows=dead)
+
+
+class SRUppAttention(nn.Module):
+    """Single- or multi-head attention producing U, with the ReZero-style α.
+
+    Args:
+        in_features: n_in.  out_features: k·D.  proj_features: d′.
+        num_heads: H, must divide d′.
+        dropout: dropout on LN(q + α·o) before W3; W3 starts scaled by √(1 − dropout).
+        attn_dropout: dropout on the attention weights.
+        layer_norm: LayerNorm(d′) after the residual (post-norm).
+    """
+
+    def __init__(self, in_features: int, out_features: int, proj_features: int, *,
+                 num_heads: int = 1, dropout: float = 0.0, attn_dropout: float = 0.0,
+                 layer_norm: bool = True, device=None, dtype=None):
+        super().__init__()
+        if proj_features % num_heads != 0:
+            raise ValueError(
+                f"proj_size ({proj_features}) must be divisible by num_heads ({num_heads})")
+        factory = {"device": device, "dtype": dtype}
+        self.num_heads = num_heads
+        self.attn_dropout = float(attn_dropout)
+        self.linear1 = Linear(in_features, proj_features, bias=False, **factory)
+        self.linear2 = Linear(proj_features, 2 * proj_features, bias=False, **factory)
+        self.linear3 = Linear(proj_features, out_features, bias=False, **factory)
+        self.alpha = nn.Parameter(torch.zeros(1, **factory))
+        self.layer_norm = nn.LayerNorm(proj_features, **factory) if layer_norm else None
+        self.dropout = nn.Dropout(dropout)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        for lin in (self.linear1, self.linear2, self.linear3):
+            nn.init.xavier_uniform_(lin.weight)
+        with torch.no_grad():
+            if self.dropout.p > 0:
+                self.linear3.weight.mul_((1 - self.dropout.p) ** 0.5)
+            self.alpha.zero_()
+        if self.layer_norm is not None:
+            self.layer_norm.reset_parameters()
+
+    @property
+    def kv_weights(self) -> Tuple[Tensor, Tensor]:
+        """W1 and W2: the weights that keys and values are computed with."""
+        return self.linear1.weight, self.linear2.weight
+
+    def forward(self, x: Tensor, memory: Optional[Tensor], mask: AttentionMask,
+                kv_memory: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """Compute U.
+
+        Args:
+            x: (B, L, n_in).
+            memory: (B, M, n_in) past inputs, or None.
+            mask: the stack's attention mask over keys [memory; x].
+            kv_memory: (B, M, 2·d′) keys and values already computed from
+                ``memory`` with the current weights; saves recomputing them
+                when decoding. ``memory`` is then not read.
+        Returns:
+            U (B, L, k·D), and [K | V] (B, M+L, 2·d′) for the caller to cache.
+        """
+        B, L, _ = x.shape
+        if kv_memory is not None:
+            q = self.linear1(x)                                          # (B, L, d′)
+            kv = append_steps(kv_memory, self.linear2(q))               # (B, M+L, 2·d′)
+        else:
+            M = 0 if memory is None else memory.shape[1]
+            x_all = x if memory is None else torch.cat([memory.to(x.dtype), x], dim=1)
+            z = self.linear1(x_all)                                      # (B, S, d′)
+            q = z[:, M:]                                                 # (B, L, d′)
+            kv = self.linear2(z)                                         # (B, S, 2·d′)
+        k, v = kv.chunk(2, dim=-1)                                       # (B, S, d′) each
+        H = self.num_heads
+        hd = q.shape[-1] // H
+        if H == 1:  # (B, S, d′) -> (B, 1, S, d′)
+            qh, kh, vh = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+        else:       # (B, S, d′) -> (B, H, S, hd), as views
+            qh, kh, vh = (t.view(B, -1, H, hd).transpose(1, 2) for t in (q, k, v))
+        attn = mask.mask
+        if attn is not None and attn.dtype != torch.bool:
+            attn = attn.to(qh.dtype)
+        o = _attention(qh, kh, vh, attn_mask=attn, is_causal=mask.is_causal,
+                       dropout_p=self.attn_dropout if self.training else 0.0,
+                       causal_offset=mask.causal_offset)                 # (B, H, L, hd)
+        if mask.dead_rows is not None:
+            o = o.masked_fill(mask.dead_rows, 0.0)
+        o = o.transpose(1, 2).reshape(B, L, H * hd)                      # (B, L, d′)
+        y = q + self.alpha * o
+        if self.layer_norm is not None:
+            y = self.layer_norm(y)
+        if self.training:
+            y = self.dropout(y)
+        return self.linear3(y), kv                                       # (B, L, k·D)
+
+
+class SRUppProjectedLinear(nn.Module):
+    """U = W2 dropout(LN(W1 x)): the SRU++ sub-layer of layers without attention."""
+
+    def __init__(self, in_features: int, out_features: int, proj_features: int, *,
+                 dropout: float = 0.0, layer_norm: bool = True, device=None, dtype=None):
+        super().__init__()
+        factory = {"device": device, "dtype": dtype}
+        self.linear1 = Linear(in_features, proj_features, bias=False, **factory)
+        self.linear2 = Linear(proj_features, out_features, bias=False, **factory)
+        self.layer_norm = nn.LayerNorm(proj_features, **factory) if layer_norm else None
+        self.dropout = nn.Dropout(dropout)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.xavier_uniform_(self.linear1.weight)
+        nn.init.xavier_uniform_(self.linear2.weight)
+        if self.dropout.p > 0:
+            with torch.no_grad():
+                self.linear2.weight.mul_((1 - self.dropout.p) ** 0.5)
+        if self.layer_norm is not None:
+            self.layer_norm.reset_parameters()
+
+    def forward(self, x: Tensor, memory: Optional[Tensor] = None,
+                mask: Optional[AttentionMask] = None,
+                kv_memory: Optional[Tensor] = None) -> Tuple[Tensor, None]:
+        """x (B, L, n_in) -> (U (B, L, k·D), None); memory and mask are ignored."""
+        z = self.linear1(x)                                              # (B, L, d′)
+        if self.layer_norm is not None:
+            z = self.layer_norm(z)
+        if self.training:
+            z = self.dropout(z)
+        return self.linear2(z), None
+
+
+# --------------------------------------------------------------------------- layers
 
 class SRUppCell(RecurrentLayerBase):
     """One SRU++ *layer*: it runs a whole sequence, not a single step.
@@ -100,14 +318,16 @@ class SRUppCell(RecurrentLayerBase):
             (None without attention).
         """
         xin = self.pre_norm(x).to(x.dtype)
-        U, kv = self.transform(xin, memory if self.use_attention else None, attn, kv_memory)
+        U, kv = self.transform(xin, memory, attn, kv_memory)            # (B, L, k·D)
         h, c = self.recur(U, x, c0, mask_pad)
         return h, c, xin, kv
 
     def forward(self, input: Union[Tensor, PackedSequence], state: StateLike = None, *,
                 mask_pad: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None):
         """Run the layer. Same contract as :meth:`SRUpp.forward`, with one layer."""
-        return _run_stack(self, [self], None, input, state, mask_pad, attn_mask)
+        x, mask, lengths = read_input(self, input, mask_pad)
+        h, state = _run_stack(self, [self], None, x, mask, state, attn_mask)
+        return write_output(self, h, lengths), state
 
     def extra_repr(self) -> str:
         s = self._gate_repr() + f", proj_size={self.proj_size}"
@@ -218,19 +438,17 @@ class SRUpp(StackBase):
                 holding the last ``mem_len`` (pre-normed) inputs of each
                 attention layer, and their padding mask.
         """
-        return _run_stack(self, list(self.layers), self.input_to_hidden, input, state,
-                          mask_pad, attn_mask)
+        x, mask, lengths = read_input(self, input, mask_pad)
+        h, state = _run_stack(self, self.layers, self.input_to_hidden, x, mask, state, attn_mask)
+        return write_output(self, h, lengths), state
 
     @torch.no_grad()
-    def step(self, input: Tensor, state: Optional[SRUppState] = None
-             ) -> Tuple[Tensor, SRUppState]:
-        """Advance the stack by one token, for decoding.
+    def step(self, input: Tensor, state: StateLike = None) -> Tuple[Tensor, SRUppState]:
+        """Advance the stack by one token, for decoding: ``forward`` on a one-step input.
 
-        Gives the same result as ``forward`` on a one-step input (no padding,
-        no ``attn_mask``), without the general path's mask building and checks:
-        decoding at batch 1 is bound by per-call overhead, not arithmetic.
-        Runs without gradients; in training mode with dropout it defers to
-        ``forward`` (dropout masks make a step differ from the lean path anyway).
+        Runs without gradients, through the same code as ``forward`` (whose
+        L = 1 case skips the mask building, and reuses the keys and values
+        cached in the state).
 
         Args:
             input: (B, n_in), one token per sequence.
@@ -242,61 +460,12 @@ class SRUpp(StackBase):
         if self.bidirectional:
             raise ValueError("step() needs a unidirectional stack: a bidirectional layer "
                              "reads the future")
-        if input.dim() != 2 or input.shape[1] != self.input_size:
-            raise ValueError(f"step() takes input (B, input_size={self.input_size}), "
-                             f"got {tuple(input.shape)}")
-        if isinstance(state, Tensor) or (self.training and any(
-                layer.highway_dropout > 0 or layer.transform.dropout.p > 0
-                for layer in self.layers)):
-            out, new = self(input.unsqueeze(0 if not self.batch_first else 1), state)
-            return out.squeeze(0 if not self.batch_first else 1), new
-        B = input.shape[0]
-        if state is None:
-            state = self.initial_state(B, device=input.device)
-        elif state.num_layers != self.num_layers or state.batch_size != B:
-            raise ValueError(f"state holds {state.num_layers} layers x batch {state.batch_size}; "
-                             f"this call has {self.num_layers} layers x batch {B}")
-        M = state.memory_length
-        mem_len = state.mem_len if state.mem_len is not None else self.mem_len
-        keep = mem_len != 0 and any(layer.use_attention for layer in self.layers)
-        # keys that may be attended: memory (unless padding) and the token itself
-        key_mask = None
-        if state.memory_mask_pad is not None:
-            own = torch.zeros(B, 1, dtype=torch.bool, device=input.device)
-            key_pad = torch.cat([state.memory_mask_pad, own], dim=1)        # (B, M + 1)
-            key_mask = (~key_pad).view(B, 1, 1, M + 1)
-        x = input if self.input_to_hidden is None else self.input_to_hidden(input)
-        cs, memory, kv_cache = [], [], []
-        for i, layer in enumerate(self.layers):
-            xin = layer.pre_norm(x).to(x.dtype)                              # (B, n_in)
-            mem_i = state.memory[i] if layer.use_attention else None
-            if layer.use_attention:
-                t = layer.transform
-                cached = state.kv_cache[i]
-                kv_mem = None
-                if mem_i is not None and M > 0:
-                    if (cached is not None and cached[1] == t.cache_key()
-                            and cached[0].shape[1] == M):
-                        kv_mem = cached[0]                                   # (B, M, 2·d′)
-                    else:
-                        kv_mem = t.linear2(t.linear1(mem_i.to(xin.dtype)))
-                U, kv = t.step(xin, kv_mem, key_mask)                         # (B, k·D)
-            else:
-                U, kv = layer.transform(xin.unsqueeze(1))[0].squeeze(1), None
-            h, c = layer.recur(U.unsqueeze(1), x.unsqueeze(1), state.c[i], None)
-            x = h.squeeze(1)                                                 # (B, D)
-            cs.append(c)
-            if keep and layer.use_attention:
-                memory.append(_append_keep_last(mem_i, xin.unsqueeze(1), mem_len))  # (B, ≤M+1, n_in)
-                kv_cache.append((_keep_last(kv, mem_len), layer.transform.cache_key()))
-            else:
-                memory.append(None)
-                kv_cache.append(None)
-        new_mask = None
-        if keep and state.memory_mask_pad is not None:
-            new_mask = _keep_last(key_pad, mem_len)
-        return x, SRUppState(c=torch.stack(cs), memory=memory, memory_mask_pad=new_mask,
-                             mem_len=state.mem_len, kv_cache=kv_cache)
+        if not isinstance(input, Tensor) or input.dim() != 2:
+            got = tuple(input.shape) if isinstance(input, Tensor) else type(input).__name__
+            raise ValueError(f"step() takes input (B, input_size={self.input_size}), got {got}")
+        x = input.unsqueeze(1)                                           # (B, 1, n_in)
+        h, state = _run_stack(self, self.layers, self.input_to_hidden, x, None, state, None)
+        return h.squeeze(1), state                                       # (B, D)
 
     def extra_repr(self) -> str:
         s = f"{self.input_size}, {self.hidden_size}, {self.proj_size}, num_layers={self.num_layers}"
@@ -309,7 +478,7 @@ class SRUpp(StackBase):
         return s
 
 
-# --------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------- the stack
 
 def _check_stack_options(proj_size, dropout, attn_dropout, num_heads, bidirectional, causal,
                          mem_len):
@@ -352,51 +521,63 @@ def _keep_last(t: Optional[Tensor], n: Optional[int]) -> Optional[Tensor]:
     return t[:, t.shape[1] - n:]
 
 
-def _run_stack(owner, layers: List[SRUppCell], input_to_hidden: Optional[nn.Linear],
-               input, state: StateLike, mask_pad: Optional[Tensor],
-               attn_mask: Optional[Tensor]):
-    """The forward pass shared by SRUpp (many layers) and SRUppCell (one)."""
-    first = layers[0]
-    x, packed_mask, lengths = unpack_input(input, owner.batch_first)
-    check_input(x, owner.input_size, first.weight_c.dtype)
-    B, L, _ = x.shape
-    nL, D = len(layers), first.output_size
-    bf = owner.batch_first or lengths is not None
-    mask = merge_masks(packed_mask, normalize_mask_pad(mask_pad, B, L, bf, x.device))
-
-    # ---- the incoming state
-    sdt = first.state_dtype
+def _incoming_state(state: StateLike, layers, first: SRUppCell, B: int, x: Tensor
+                    ) -> Tuple[SRUppState, Tensor]:
+    """The state a call starts from, checked against the layers; and its c (num_layers, B, D)."""
+    nL, D, sdt = len(layers), first.output_size, first.state_dtype
     if state is None:
-        state = SRUppState(c=x.new_zeros(nL, B, D, dtype=sdt))
-    elif isinstance(state, Tensor):
-        state = SRUppState(c=check_c0(state, nL, B, D, sdt, x.device.type))
-    elif isinstance(state, SRUppState):
-        if state.num_layers != nL:
-            raise ValueError(f"state has {state.num_layers} layers, this module has {nL}")
-        check_c0(state.c, nL, B, D, sdt, x.device.type)
-        for i, (m, layer) in enumerate(zip(state.memory, layers)):
-            if m is not None and m.shape[-1] != layer.input_size:
-                raise ValueError(f"state.memory[{i}] has {m.shape[-1]} features, layer {i} "
-                                 f"expects input_size={layer.input_size}")
-    else:
+        c0 = x.new_zeros(nL, B, D, dtype=sdt)
+        return SRUppState(c=c0), c0
+    if isinstance(state, Tensor):
+        c0 = check_c0(state, nL, B, D, sdt, x.device.type)
+        return SRUppState(c=c0), c0
+    if not isinstance(state, SRUppState):
         raise ValueError(f"state must be an SRUppState, a c0 tensor or None, "
                          f"got {type(state).__name__}")
-    c0 = state.c.to(sdt)
+    if state.num_layers != nL:
+        raise ValueError(f"state has {state.num_layers} layers, this module has {nL}")
+    c0 = check_c0(state.c, nL, B, D, sdt, x.device.type)
     M = state.memory_length
-    mem_len = state.mem_len if state.mem_len is not None else owner.mem_len
-    any_attention = any(layer.use_attention for layer in layers)
-    if any_attention and M > 0 and any(m is None for m, layer in zip(state.memory, layers)
-                                       if layer.use_attention):
-        raise ValueError("state.memory must hold an entry for every attention layer")
+    for i, (m, layer) in enumerate(zip(state.memory, layers)):
+        if m is None:
+            if M > 0 and layer.use_attention:
+                raise ValueError("state.memory must hold an entry for every attention layer")
+        elif m.shape[-1] != layer.input_size:
+            raise ValueError(f"state.memory[{i}] has {m.shape[-1]} features, layer {i} "
+                             f"expects input_size={layer.input_size}")
+    return state, c0
 
-    # ---- the attention mask, shared by all layers
+
+def _run_stack(owner: nn.Module, layers: Iterable[SRUppCell], input_to_hidden: Optional[nn.Module],
+               x: Tensor, mask: Optional[Tensor], state: StateLike,
+               attn_mask: Optional[Tensor]) -> Tuple[Tensor, SRUppState]:
+    """Run SRU++ layers over a sequence, continuing from ``state``.
+
+    Args:
+        owner: the module whose ``causal`` and ``mem_len`` apply.
+        layers: the :class:`SRUppCell` layers, first to last.
+        input_to_hidden: a map n_in → D before the first layer, or None.
+        x: (B, L, n_in).  mask: (B, L) bool padding, or None.
+        state: as for :meth:`SRUpp.forward`.  attn_mask: additive float (L, M + L), or None.
+    Returns:
+        h (B, L, D) and the new :class:`SRUppState`.
+    """
+    first = layers[0]
+    check_input(x, owner.input_size, first.weight_c.dtype)
+    B, L, _ = x.shape
+    state, c0 = _incoming_state(state, layers, first, B, x)             # c0 (num_layers, B, D)
+    M = state.memory_length
+    mem_len = owner.mem_len if state.mem_len is None else state.mem_len
+    any_attention = any(layer.use_attention for layer in layers)
+
+    # ---- the attention mask over keys [memory; x], shared by all layers
     key_padding = None
     if mask is not None or state.memory_mask_pad is not None:
         mem_mask = state.memory_mask_pad
         if mem_mask is None:
             mem_mask = torch.zeros(B, M, dtype=torch.bool, device=x.device)
         cur = mask if mask is not None else torch.zeros(B, L, dtype=torch.bool, device=x.device)
-        key_padding = torch.cat([mem_mask.to(x.device), cur], dim=1)  # (B, M + L)
+        key_padding = torch.cat([mem_mask.to(x.device), cur], dim=1)    # (B, M + L)
     if attn_mask is not None:
         if not isinstance(attn_mask, Tensor) or not attn_mask.is_floating_point() or \
                 tuple(attn_mask.shape) != (L, M + L):
@@ -404,41 +585,34 @@ def _run_stack(owner, layers: List[SRUppCell], input_to_hidden: Optional[nn.Line
                    else type(attn_mask).__name__)
             raise ValueError(f"attn_mask must be an additive float tensor (L, M + L) = "
                              f"({L}, {M + L}), got {got}")
-    attn = (build_attention_mask(L, M, causal=owner.causal, attn_mask=attn_mask,
-                                 key_padding=key_padding, device=x.device)
-            if any_attention else AttentionMask())
+    attn = _NO_MASK
+    if any_attention:
+        attn = build_attention_mask(L, M, causal=owner.causal, attn_mask=attn_mask,
+                                    key_padding=key_padding, device=x.device,
+                                    queries_padded=mask is not None)
 
     # ---- the layers
     if input_to_hidden is not None:
-        x = input_to_hidden(x)
+        x = input_to_hidden(x)                                           # (B, L, D)
     keep_memory = any_attention and mem_len != 0
-    # Under no_grad (decoding, evaluation) keep K and V of the memory too, so the
-    # next call does not recompute them; they are only reused with the same weights.
+    # Under no_grad (decoding, evaluation) keep K and V of the memory too, so that
+    # the next call does not recompute them (only while the same weights hold).
     use_kv_cache = keep_memory and not torch.is_grad_enabled()
     cs, memory, kv_cache = [], [], []
     for i, layer in enumerate(layers):
-        mem_i = state.memory[i] if layer.use_attention else None
-        kv_mem = None
-        cached = state.kv_cache[i]
-        if (use_kv_cache and cached is not None and mem_i is not None
-                and cached[1] == layer.transform.cache_key()
-                and cached[0].shape[1] == M):
-            kv_mem = cached[0]
-        x_i = x
-        x, c, xin, kv = layer.layer_forward(x_i, c0[i], mask, mem_i, attn, kv_mem)
-        cs.append(c)
-        if keep_memory and layer.use_attention:
-            memory.append(_append_keep_last(mem_i, xin.to(x_i.dtype), mem_len))  # (B, ≤M+L, n_in)
-        else:
-            memory.append(None)
-        kv_cache.append((_keep_last(kv, mem_len), layer.transform.cache_key())
-                        if use_kv_cache and kv is not None else None)
-    new_mask = None
-    if keep_memory and key_padding is not None:
-        new_mask = _keep_last(key_padding, mem_len)
-    new_state = SRUppState(c=torch.stack(cs), memory=memory, memory_mask_pad=new_mask,
-                           mem_len=state.mem_len, kv_cache=kv_cache)
-
-    if lengths is not None:
-        return pack_output(x, lengths), new_state
-    return (x if owner.batch_first else x.transpose(0, 1)), new_state
+        mem_i = kv_mem = weights = None
+        if layer.use_attention:
+            mem_i = state.memory[i]                                      # (B, M, n_in) or None
+            if use_kv_cache:
+                weights = layer.transform.kv_weights
+                cached = state.kv_cache[i]
+                if mem_i is not None and cached is not None and cached.valid_for(weights, M):
+                    kv_mem = cached.kv                                   # (B, M, 2·d′)
+        x, c, xin, kv = layer.layer_forward(x, c0[i], mask, mem_i, attn, kv_mem)
+        cs.append(c)                                                     # (B, D)
+        keep = keep_memory and layer.use_attention
+        memory.append(_append_keep_last(mem_i, xin, mem_len) if keep else None)  # (B, ≤M+L, n_in)
+        kv_cache.append(None if weights is None else KVCache.of(_keep_last(kv, mem_len), weights))
+    new_mask = _keep_last(key_padding, mem_len) if keep_memory else None
+    return x, SRUppState(c=torch.stack(cs), memory=memory, memory_mask_pad=new_mask,
+                         mem_len=state.mem_len, kv_cache=kv_cache)

@@ -13,19 +13,54 @@ state of ``nn.LSTM``):
                                          attention; dtype of the layer input
     memory_mask_pad  (B, M) bool         True marks padding in memory, or None
                                          when memory holds no padding
-    kv_cache[i]      (B, M, 2·d′)        optional: keys and values computed from
-                                         memory[i], kept only under no_grad, and
-                                         used only while the weights that made
-                                         them are unchanged
+    kv_cache[i]      KVCache or None     keys and values computed from memory[i]
+                                         under no_grad, with the weights that
+                                         made them (see :class:`KVCache`)
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """Keys and values of one attention layer's memory, tied to the weights that made them.
+
+    ``kv`` is [K | V] = W2 W1 m (B, M, 2·d′). It may stand in for recomputing
+    them only while :meth:`valid_for` holds: the very same weight tensor
+    objects (held by weak reference, so a cache never keeps a model alive),
+    with the same ``_version`` (no in-place update since: optimiser steps,
+    ``load_state_dict``) and the same ``data_ptr()`` (no ``.data =``, ``.to()``).
+    A new tensor that lands at a freed weight's address is a different object.
+    (Writes through ``weight.data`` bypass the version counter: call
+    :meth:`SRUppState.drop_kv_cache` after those.)
+    """
+
+    kv: Tensor
+    _weights: tuple = field(repr=False)  # ((weakref, _version, data_ptr), ...)
+
+    @classmethod
+    def of(cls, kv: Tensor, weights: Sequence[Tensor]) -> "KVCache":
+        return cls(kv, tuple([(weakref.ref(w), w._version, w.data_ptr()) for w in weights]))
+
+    def valid_for(self, weights: Sequence[Tensor], M: int) -> bool:
+        """Whether ``kv`` holds M steps made by exactly these, unchanged, weights."""
+        if self.kv.shape[1] != M:
+            return False
+        for (ref, version, ptr), w in zip(self._weights, weights):
+            if ref() is not w or w._version != version or w.data_ptr() != ptr:
+                return False
+        return True
+
+    def map(self, fn: Callable[[Tensor], Tensor]) -> "KVCache":
+        """The same cache with ``fn`` applied to ``kv`` (same weights)."""
+        return replace(self, kv=fn(self.kv))
 
 
 @dataclass
@@ -40,15 +75,16 @@ class SRUppState:
             means no memory position is padding.
         mem_len: how many past positions each layer keeps after the next call.
             None defers to the layer's ``mem_len``.
-        kv_cache: filled in by the layers during inference (a decoding speed-up
-            that gives the same results); derived data, so not checkpointed.
+        kv_cache: one :class:`KVCache` (or None) per layer, filled in by the
+            layers under no_grad (a decoding speed-up that gives the same
+            results); derived data, so not checkpointed.
     """
 
     c: Tensor
     memory: List[Optional[Tensor]] = field(default_factory=list)
     memory_mask_pad: Optional[Tensor] = None
     mem_len: Optional[int] = None
-    kv_cache: List[Optional[Tuple[Tensor, tuple]]] = field(default_factory=list, repr=False)
+    kv_cache: List[Optional[KVCache]] = field(default_factory=list, repr=False)
 
     def __post_init__(self):
         if not isinstance(self.c, Tensor) or self.c.dim() != 3:
@@ -105,7 +141,7 @@ class SRUppState:
     def nbytes(self) -> int:
         """Bytes held by all tensors of the state."""
         tensors = [self.c, self.memory_mask_pad, *self.memory,
-                   *(kv[0] for kv in self.kv_cache if kv is not None)]
+                   *(kv.kv for kv in self.kv_cache if kv is not None)]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     # ------------------------------------------------------------ transforms
@@ -118,8 +154,12 @@ class SRUppState:
             c=f(self.c, 1),
             memory=[opt(m, 0) for m in self.memory],
             memory_mask_pad=opt(self.memory_mask_pad, 0),
-            kv_cache=[None if kv is None else (f(kv[0], 0), kv[1]) for kv in self.kv_cache],
+            kv_cache=[None if kv is None else kv.map(lambda t: f(t, 0)) for kv in self.kv_cache],
         )
+
+    def drop_kv_cache(self) -> "SRUppState":
+        """The same state without cached keys and values (the next call recomputes them)."""
+        return replace(self, kv_cache=[None] * len(self.memory))
 
     def detach(self) -> "SRUppState":
         """A copy cut from the autograd graph, for truncated backpropagation."""
