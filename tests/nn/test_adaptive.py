@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from srupp.errors import UserError
 from srupp.nn import AdaptiveInput, ProjectedAdaptiveLogSoftmax
+from srupp.nn.adaptive import check_cutoffs
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 V, D, CUTOFFS = 50, 16, [10, 20, 35]
@@ -143,25 +143,34 @@ def test_init_gives_every_cluster_the_plain_embedding_scale():
         assert 0.7 / d < var < 1.3 / d
 
 
-@pytest.mark.parametrize("cutoffs,match", [
-    ([], "empty"), ([20, 10], "increasing"), ([10, 10], "increasing"), ([0, 10], "positive"),
-    ([10, 50], "< the vocabulary size"), ([10, 60], "< the vocabulary size"),
-    ("10,20", "list"), ([10.5], "integers")])
-def test_bad_cutoffs_are_user_errors(cutoffs, match):
+@pytest.mark.parametrize("cutoffs,error,match", [
+    ([], ValueError, "empty"), ([20, 10], ValueError, "increasing"),
+    ([10, 10], ValueError, "increasing"), ([0, 10], ValueError, "positive"),
+    ([10, 50], ValueError, "< the vocabulary size"), ([10, 60], ValueError, "< the vocabulary size"),
+    ("10,20", TypeError, "list"), ([10.5], TypeError, "integers")])
+def test_bad_cutoffs_are_plain_errors_in_the_api_terms(cutoffs, error, match):
     for cls in (AdaptiveInput, ProjectedAdaptiveLogSoftmax):
-        with pytest.raises(UserError, match=match) as e:
+        with pytest.raises(error, match=match) as e:
             cls(V, D, cutoffs=cutoffs)
-        assert "\n" not in str(e.value)
+        assert type(e.value) is error  # a plain library error, not the CLI's
+        msg = str(e.value)
+        assert msg.startswith("cutoffs ") and "\n" not in msg and "--set" not in msg
+
+
+def test_check_cutoffs_names_the_callers_key():
+    with pytest.raises(ValueError, match=r"^adaptive_cutoffs is empty"):
+        check_cutoffs([], V, where="adaptive_cutoffs")
+    assert check_cutoffs((10, 20), V) == [10, 20]
 
 
 def test_other_bad_settings():
-    with pytest.raises(UserError, match="emb_dim"):
+    with pytest.raises(ValueError, match="emb_dim"):
         AdaptiveInput(V, D, cutoffs=CUTOFFS, div_val=4, emb_dim=16)  # 16 // 64 == 0
-    with pytest.raises(UserError, match="needs tie_embeddings"):
+    with pytest.raises(ValueError, match="needs tie_embeddings"):
         ProjectedAdaptiveLogSoftmax(V, D, cutoffs=CUTOFFS, div_val=2, emb_dim=D,
                                     tie_projections=True)
     inp = AdaptiveInput(V, D, cutoffs=CUTOFFS, div_val=2, emb_dim=8)
-    with pytest.raises(UserError, match="must match"):
+    with pytest.raises(ValueError, match="must match"):
         ProjectedAdaptiveLogSoftmax(V, D, cutoffs=CUTOFFS, div_val=2, emb_dim=16,
                                     tie_embeddings=inp)
     out = ProjectedAdaptiveLogSoftmax(V, D, cutoffs=CUTOFFS, div_val=2, emb_dim=D)

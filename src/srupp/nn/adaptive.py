@@ -52,8 +52,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..errors import UserError
-
 __all__ = ["AdaptiveInput", "ProjectedAdaptiveLogSoftmax", "check_cutoffs"]
 
 
@@ -61,37 +59,36 @@ def check_cutoffs(cutoffs, vocab_size: int, *, where: str = "cutoffs") -> List[i
     """Validate adaptive cut-offs and return them as a list of ints.
 
     They must be a non-empty, strictly increasing list of ids in (0, vocab_size).
-    Raises :class:`~srupp.errors.UserError` (one line, naming the fix) otherwise.
+    Raises ``TypeError`` (not a list of ints) or ``ValueError`` otherwise, in one
+    line naming ``where`` (a caller such as a config may name its own key).
     """
     example = "e.g. [20000, 40000, 200000] for a 267,735-word vocabulary"
     if isinstance(cutoffs, (str, bytes)) or not isinstance(cutoffs, Sequence):
-        raise UserError(f"{where} must be a list of increasing ids, {example}; got {cutoffs!r}")
+        raise TypeError(f"{where} must be a list of increasing ids, {example}; got {cutoffs!r}")
     if len(cutoffs) == 0:
-        raise UserError(f"{where} is empty: give at least one cut-off, {example}, "
-                        f"or leave it unset for a plain softmax")
-    out = []
-    for c in cutoffs:
-        if isinstance(c, bool) or not isinstance(c, int):
-            raise UserError(f"{where} must hold integers, {example}; got {list(cutoffs)!r}")
-        out.append(int(c))
+        raise ValueError(f"{where} is empty: give at least one cut-off, {example}, "
+                         f"or use a plain softmax")
+    if any(isinstance(c, bool) or not isinstance(c, int) for c in cutoffs):
+        raise TypeError(f"{where} must hold integers, {example}; got {list(cutoffs)!r}")
+    out = [int(c) for c in cutoffs]
     if any(b <= a for a, b in zip(out, out[1:])) or out[0] <= 0:
-        raise UserError(f"{where} must be positive and strictly increasing, {example}; "
-                        f"got {out}")
+        raise ValueError(f"{where} must be positive and strictly increasing, {example}; "
+                         f"got {out}")
     if out[-1] >= vocab_size:
-        raise UserError(f"{where} must all be < the vocabulary size ({vocab_size}); got {out}: "
-                        f"drop the cut-offs >= {vocab_size} or use a larger vocabulary")
+        raise ValueError(f"{where} must all be < the vocabulary size ({vocab_size}); got {out}: "
+                         f"drop the cut-offs >= {vocab_size} or use a larger vocab_size")
     return out
 
 
 def _cluster_widths(emb_dim: int, div_val: int, n_clusters: int, where: str) -> List[int]:
     if div_val < 1:
-        raise UserError(f"{where}: div_val must be >= 1, got {div_val}")
+        raise ValueError(f"{where}: div_val must be >= 1, got {div_val}")
     if emb_dim < 1:
-        raise UserError(f"{where}: emb_dim must be >= 1, got {emb_dim}")
+        raise ValueError(f"{where}: emb_dim must be >= 1, got {emb_dim}")
     widths = [emb_dim // div_val ** i for i in range(n_clusters)]
     if widths[-1] < 1:
-        raise UserError(f"{where}: emb_dim {emb_dim} // div_val**{n_clusters - 1} is 0; "
-                        f"raise emb_dim, lower div_val or use fewer cut-offs")
+        raise ValueError(f"{where}: emb_dim {emb_dim} // div_val**{n_clusters - 1} is 0; "
+                         f"raise emb_dim, lower div_val or use fewer cut-offs")
     return widths
 
 
@@ -214,16 +211,16 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         ties = [bool(tie_projections)] * n if isinstance(tie_projections, bool) \
             else [bool(t) for t in tie_projections]
         if len(ties) != n:
-            raise UserError(f"tie_projections needs one bool per cluster ({n}), got {len(ties)}")
+            raise ValueError(f"tie_projections needs one bool per cluster ({n}), got {len(ties)}")
         inp = tie_embeddings
         if inp is not None:
             if (inp.vocab_size, inp.d_model, inp.cutoffs, inp.widths) != \
                     (vocab_size, d_model, self.cutoffs, self.widths):
-                raise UserError("tie_embeddings: the AdaptiveInput's vocab_size, d_model, "
-                                "cutoffs, div_val and emb_dim must match the softmax's")
+                raise ValueError("tie_embeddings: the AdaptiveInput's vocab_size, d_model, "
+                                 "cutoffs, div_val and emb_dim must match the softmax's")
         elif any(ties):
-            raise UserError("tie_projections needs tie_embeddings (the AdaptiveInput to share "
-                            "them with)")
+            raise ValueError("tie_projections needs tie_embeddings (the AdaptiveInput to share "
+                             "them with)")
         self.tied_embeddings = inp is not None
         self.tied_projections = ties
         factory = {"device": device, "dtype": dtype}
