@@ -1,8 +1,9 @@
 """srupp.tune_cpu_allocator: large buffers come from a heap glibc keeps for reuse.
 
-The effect on a training step (page faults and system time) is measured in the
-README with getrusage; it depends on the kernel's memory management, so the
-test checks the mechanism, which is deterministic: where glibc serves a block.
+The effect on a training step (page faults and system time) is measured with
+getrusage in docs/performance.md ("The CPU allocator"); it depends on the
+kernel's memory management, so the test checks the mechanism, which is
+deterministic: where glibc serves a block.
 """
 
 from __future__ import annotations

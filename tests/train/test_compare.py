@@ -214,7 +214,7 @@ def test_recipes_and_tuned_rates_are_package_data():
         path = compare_mod.default_recipe(data)
         assert path.name == name and path.samefile(ROOT / "recipes" / name)
     tuned = compare_mod.load_tuned_lr()
-    # the rates chosen by the README's "Learning-rate tuning" sweeps
+    # the rates chosen by the sweeps in docs/results.md ("Learning-rate tuning")
     assert tuned == {"shakespeare": {"srupp": 2e-2, "sru": 1.5e-2, "lstm": 5e-2, "gru": 1.5e-2,
                                      "transformer": 8e-3}}
     with pytest.raises(Exception, match="no packaged recipe 'nope.toml'"):

@@ -126,7 +126,7 @@ def load():
                     "srupp: could not build the fused C++ CPU kernel of the SRU recurrence "
                     f"({_error}); using the pure-PyTorch reference recurrence instead: exact, "
                     "but an SRU++ layer then trains and infers at about half the speed "
-                    "(README, 'Recurrence kernels'). Install a C++ compiler and ninja "
+                    "(docs/layers.md, 'Kernels and backends'). Install a C++ compiler and ninja "
                     "to get the fast path.",
                     RuntimeWarning, stacklevel=3)
     return _module
