@@ -146,7 +146,8 @@ def test_init_gives_every_cluster_the_plain_embedding_scale():
 @pytest.mark.parametrize("cutoffs,error,match", [
     ([], ValueError, "empty"), ([20, 10], ValueError, "increasing"),
     ([10, 10], ValueError, "increasing"), ([0, 10], ValueError, "positive"),
-    ([10, 50], ValueError, "< the vocabulary size"), ([10, 60], ValueError, "< the vocabulary size"),
+    ([10, 50], ValueError, "< the vocabulary size"),
+    ([10, 60], ValueError, "< the vocabulary size"),
     ("10,20", TypeError, "list"), ([10.5], TypeError, "integers")])
 def test_bad_cutoffs_are_plain_errors_in_the_api_terms(cutoffs, error, match):
     for cls in (AdaptiveInput, ProjectedAdaptiveLogSoftmax):

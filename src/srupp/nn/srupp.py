@@ -25,7 +25,7 @@ state (:class:`~srupp.nn.state.KVCache`) and grown in place
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -548,7 +548,7 @@ def _incoming_state(state: StateLike, layers, first: SRUppCell, B: int, x: Tenso
     return state, c0
 
 
-def _run_stack(owner: nn.Module, layers: Iterable[SRUppCell], input_to_hidden: Optional[nn.Module],
+def _run_stack(owner: nn.Module, layers: Sequence[SRUppCell], input_to_hidden: Optional[nn.Module],
                x: Tensor, mask: Optional[Tensor], state: StateLike,
                attn_mask: Optional[Tensor]) -> Tuple[Tensor, SRUppState]:
     """Run SRU++ layers over a sequence, continuing from ``state``.
