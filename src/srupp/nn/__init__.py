@@ -10,9 +10,11 @@
 """
 
 from .adaptive import AdaptiveInput, ProjectedAdaptiveLogSoftmax
+from .reference import srupp_layer_reference
 from .sru import SRU, SRUCell
 from .srupp import SRUpp, SRUppAttention, SRUppCell, SRUppProjectedLinear
 from .state import SRUppState
 
 __all__ = ["SRU", "SRUCell", "SRUpp", "SRUppCell", "SRUppState", "SRUppAttention",
-           "SRUppProjectedLinear", "AdaptiveInput", "ProjectedAdaptiveLogSoftmax"]
+           "SRUppProjectedLinear", "AdaptiveInput", "ProjectedAdaptiveLogSoftmax",
+           "srupp_layer_reference"]
