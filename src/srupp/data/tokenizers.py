@@ -192,13 +192,6 @@ class ByteTokenizer(Tokenizer):
         return cls()
 
 
-def _unk_share(ids, unk_id: int, eos_id: int) -> float:
-    """Fraction of the non-``<eos>`` ids that are ``<unk>`` (0.0 for no tokens)."""
-    ids = np.asarray(ids, dtype=np.int64)
-    n = int(np.count_nonzero(ids != eos_id))
-    return float(np.count_nonzero(ids == unk_id)) / n if n else 0.0
-
-
 def _code_points(text: str) -> np.ndarray:
     """The text's Unicode code points as a uint32 array (one per character)."""
     return np.frombuffer(text.encode("utf-32-le", errors="surrogatepass"), dtype="<u4")
@@ -288,9 +281,6 @@ class CharTokenizer(Tokenizer):
         chars = uniq.astype("<u4").tobytes().decode("utf-32-le", errors="surrogatepass")
         return cls(chars)
 
-    def __repr__(self) -> str:
-        return f"CharTokenizer(vocab_size={self.vocab_size})"
-
 
 # ----------------------------------------------------------------------------- word level
 
@@ -321,8 +311,40 @@ def _check_int(name: str, value: Any, minimum: int, kind: str, hint: str) -> int
     return int(value)
 
 
+class _LineTokenizer(Tokenizer):
+    """Shared by the word and sentencepiece tokenizers: ``<unk>`` is 0,
+    ``<eos>`` is 1 and ends every line of the text."""
+
+    unk_id = 0
+    eos_id = 1
+
+    @abstractmethod
+    def _encode_list(self, text: str) -> list[int]:
+        """Text -> ids as a list, ``<eos>`` after each line."""
+
+    def encode(self, text: str) -> torch.Tensor:
+        return torch.tensor(self._encode_list(text), dtype=torch.int64)
+
+    def oov_rate(self, text: str) -> float:
+        """Share of the text's symbols (``<eos>`` not counted) that encode to ``<unk>``."""
+        ids = np.asarray(self._encode_list(text), dtype=np.int64)
+        n = int(np.count_nonzero(ids != self.eos_id))
+        return float(np.count_nonzero(ids == self.unk_id)) / n if n else 0.0
+
+    def _lines_of_ids(self, ids: IdsLike) -> list[list[int]]:
+        """Validated ``ids`` cut at ``<eos>``: one list per line, the last one
+        (after the final ``<eos>``, often empty) included."""
+        lines: list[list[int]] = [[]]
+        for i in _ids_to_numpy(ids, self.vocab_size).tolist():
+            if i == self.eos_id:
+                lines.append([])
+            else:
+                lines[-1].append(i)
+        return lines
+
+
 @register_tokenizer
-class WordTokenizer(Tokenizer):
+class WordTokenizer(_LineTokenizer):
     """Whitespace-separated words as ids, vocabulary taken from the training split.
 
     Ids: ``<unk>`` is 0, ``<eos>`` is 1, then the kept training words from the
@@ -346,8 +368,6 @@ class WordTokenizer(Tokenizer):
     """
 
     type_name = "word"
-    unk_id = 0
-    eos_id = 1
     unk_token = _UNK
     eos_token = _EOS
     SPECIALS: ClassVar[tuple[str, ...]] = (_UNK, _EOS)
@@ -383,37 +403,16 @@ class WordTokenizer(Tokenizer):
         _check_text(text)
         if self.lowercase:
             text = text.lower()
-        get = self._ids.get
-        unk, eos = self.unk_id, self.eos_id
+        get, unk = self._ids.get, self.unk_id
         out: list[int] = []
-        extend, append = out.extend, out.append
         for line in _lines(text):
-            extend([get(w, unk) for w in line.split()])
-            append(eos)
+            out.extend([get(w, unk) for w in line.split()])
+            out.append(self.eos_id)
         return out
 
-    def encode(self, text: str) -> torch.Tensor:
-        return torch.tensor(self._encode_list(text), dtype=torch.int64)
-
     def decode(self, ids: IdsLike) -> str:
-        arr = _ids_to_numpy(ids, self.vocab_size)
-        vocab, eos = self.vocab, self.eos_id
-        parts: list[str] = []
-        line: list[str] = []
-        for i in arr.tolist():
-            if i == eos:
-                parts.append(" ".join(line))
-                parts.append("\n")
-                line = []
-            else:
-                line.append(vocab[i])
-        if line:
-            parts.append(" ".join(line))
-        return "".join(parts)
-
-    def oov_rate(self, text: str) -> float:
-        """Share of the text's words (``<eos>`` not counted) that encode to ``<unk>``."""
-        return _unk_share(self._encode_list(text), self.unk_id, self.eos_id)
+        vocab = self.vocab
+        return "\n".join(" ".join(vocab[i] for i in line) for line in self._lines_of_ids(ids))
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": self.type_name, "vocab": list(self.vocab), "lowercase": self.lowercase}
@@ -476,7 +475,7 @@ def _import_sentencepiece() -> Any:
 
 
 @register_tokenizer
-class SentencePieceTokenizer(Tokenizer):
+class SentencePieceTokenizer(_LineTokenizer):
     """Subword pieces from a SentencePiece model trained on the training split.
 
     Ids: ``<unk>`` is 0, ``<eos>`` (SentencePiece's ``</s>``) is 1, then the
@@ -493,8 +492,6 @@ class SentencePieceTokenizer(Tokenizer):
     """
 
     type_name = "sentencepiece"
-    unk_id = 0
-    eos_id = 1
 
     def __init__(self, model_proto: bytes):
         spm = _import_sentencepiece()
@@ -530,23 +527,8 @@ class SentencePieceTokenizer(Tokenizer):
             out.append(eos)
         return out
 
-    def encode(self, text: str) -> torch.Tensor:
-        return torch.tensor(self._encode_list(text), dtype=torch.int64)
-
     def decode(self, ids: IdsLike) -> str:
-        arr = _ids_to_numpy(ids, self.vocab_size).tolist()
-        chunks: list[list[int]] = [[]]
-        for i in arr:
-            if i == self.eos_id:
-                chunks.append([])
-            else:
-                chunks[-1].append(i)
-        lines = self._sp.decode(chunks)
-        return "\n".join(lines)
-
-    def oov_rate(self, text: str) -> float:
-        """Share of the text's pieces (``<eos>`` not counted) that encode to ``<unk>``."""
-        return _unk_share(self._encode_list(text), self.unk_id, self.eos_id)
+        return "\n".join(self._sp.decode(self._lines_of_ids(ids)))
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": self.type_name,
@@ -597,9 +579,6 @@ class SentencePieceTokenizer(Tokenizer):
             raise ValueError(f"sentencepiece could not train on the training text: {msg}; "
                              "adjust vocab_size") from None
         return cls(model.getvalue())
-
-    def __repr__(self) -> str:
-        return f"SentencePieceTokenizer(vocab_size={self.vocab_size})"
 
 
 def build_tokenizer(kind: str, train_text: str, **options: Any) -> Tokenizer:
