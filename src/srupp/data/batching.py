@@ -46,19 +46,14 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-def _positive_int(name: str, value: Any) -> int:
+def _int_at_least(name: str, value: Any, minimum: int) -> int:
+    """``value`` as an int: TypeError if it is no integer, ValueError if it is
+    below ``minimum`` (1: positive, 0: non-negative)."""
+    msg = f"{name} must be a {'positive' if minimum else 'non-negative'} integer, got {value!r}"
     if not _is_int(value):
-        raise TypeError(f"{name} must be a positive integer, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
-def _step(value: Any) -> int:
-    if not _is_int(value):
-        raise TypeError(f"step must be a non-negative integer, got {value!r}")
-    if value < 0:
-        raise ValueError(f"step must be a non-negative integer, got {value!r}")
+        raise TypeError(msg)
+    if value < minimum:
+        raise ValueError(msg)
     return int(value)
 
 
@@ -77,9 +72,9 @@ class StreamBatcher:
 
     def __init__(self, ids: torch.Tensor, batch_size: int, unroll: int, *,
                  rank: int = 0, world_size: int = 1):
-        self.batch_size = _positive_int("batch_size", batch_size)
-        self.unroll = _positive_int("unroll", unroll)
-        self.world_size = _positive_int("world_size", world_size)
+        self.batch_size = _int_at_least("batch_size", batch_size, 1)
+        self.unroll = _int_at_least("unroll", unroll, 1)
+        self.world_size = _int_at_least("world_size", world_size, 1)
         if not _is_int(rank) or not 0 <= rank < self.world_size:
             raise ValueError(f"rank must be an integer in 0..{self.world_size - 1} "
                              f"(world_size={self.world_size}), got {rank!r}")
@@ -136,7 +131,7 @@ class StreamBatcher:
 
     def get_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, targets)`` for global ``step`` (any non-negative int; wraps by epoch)."""
-        start = (_step(step) % self._num_batches) * self.unroll
+        start = (_int_at_least("step", step, 0) % self._num_batches) * self.unroll
         length = min(self.unroll, self.stream_len - 1 - start)
         inputs = self.streams[:, start:start + length].contiguous()
         targets = self.streams[:, start + 1:start + 1 + length].contiguous()
@@ -168,7 +163,7 @@ class StreamBatcher:
         (Resuming mid-epoch needs the carried state saved too; otherwise the
         caller starts from a fresh state, which is not an exact resume.)
         """
-        s = _step(self.position if step is None else step)
+        s = _int_at_least("step", self.position if step is None else step, 0)
         while True:
             inputs, targets = self.get_batch(s)
             self.position = s + 1
