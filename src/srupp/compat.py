@@ -121,8 +121,7 @@ def from_sru(module: nn.Module, *, batch_first: bool = False, causal: bool = Fal
 
 def _reference_kind(module: Any) -> str:
     cls = type(module)
-    package = (cls.__module__ or "").split(".")[0]
-    if package != "sru" or cls.__name__ not in _KINDS:
+    if _class_name(module) not in _KINDS:
         raise ValueError(
             f"from_sru expects an instance of sru.SRU, sru.SRUpp, sru.SRUCell or "
             f"sru.SRUppCell (package sru==3.0.0.dev6), got {cls.__module__}.{cls.__name__}")
@@ -164,7 +163,10 @@ def _check_cell_common(cell: Any, where: str):
     if getattr(cell, "activation_type", 0) != 0:
         raise ValueError(f"{where}: use_tanh=True (activation {cell.activation!r}) is not "
                          f"supported; srupp has no activation on c")
-    ln = cell.layer_norm
+    _check_layer_norm(cell.layer_norm, where)
+
+
+def _check_layer_norm(ln: Any, where: str):
     if ln is not None and (type(ln) is not nn.LayerNorm or ln.weight is None
                            or ln.bias is None):
         raise ValueError(f"{where}: unsupported layer_norm module {ln!r}")
@@ -207,9 +209,7 @@ def _srupp_transform_info(cell: Any, where: str) -> Dict[str, Any]:
     d_proj = t.proj_features
     _check_plain_linear(t.linear1, cell.input_size, d_proj, f"{where}.transform_module.linear1")
     ln = t.layer_norm
-    if ln is not None and (type(ln) is not nn.LayerNorm or ln.weight is None
-                           or ln.bias is None):
-        raise ValueError(f"{where}.transform_module: unsupported layer_norm module {ln!r}")
+    _check_layer_norm(ln, f"{where}.transform_module")
     info = dict(use_attention=name == "SRUppAttention", proj_size=d_proj,
                 dropout=float(t.dropout.p), attn_layer_norm=ln is not None,
                 num_heads=1, attn_dropout=0.0)
@@ -305,13 +305,7 @@ def _convert_sru(ref: Any, batch_first: bool, factory) -> nn.Module:
         rescale=first["rescale"], nn_rnn_compatible_return=bool(ref.nn_rnn_compatible_return),
         proj_input_to_hidden_first=ref.input_to_hidden is not None,
         weight_c_init=first["weight_c_init"], batch_first=batch_first, **factory)
-    _check_layers_agree(list(ours.layers), cells, configs, "SRU")
-    with torch.no_grad():
-        if ref.input_to_hidden is not None:
-            _copy(ours.input_to_hidden.weight, ref.input_to_hidden.weight, "input_to_hidden")
-        for o, r in zip(ours.layers, cells):
-            _copy_sru_cell(o, r)
-    return ours
+    return _copy_stack(ours, ref, cells, configs, "SRU", _copy_sru_cell)
 
 
 def _convert_srupp(ref: Any, batch_first: bool, causal: bool, mem_len: Optional[int],
@@ -334,12 +328,17 @@ def _convert_srupp(ref: Any, batch_first: bool, causal: bool, mem_len: Optional[
         rescale=first["rescale"], proj_input_to_hidden_first=ref.input_to_hidden is not None,
         weight_c_init=first["weight_c_init"], causal=causal, mem_len=mem_len,
         batch_first=batch_first, **layout, **factory)
-    _check_layers_agree(list(ours.layers), cells, configs, "SRUpp")
-    with torch.no_grad():
-        if ref.input_to_hidden is not None:
-            _copy(ours.input_to_hidden.weight, ref.input_to_hidden.weight, "input_to_hidden")
-        for o, r in zip(ours.layers, cells):
-            _copy_srupp_cell(o, r)
+    return _copy_stack(ours, ref, cells, configs, "SRUpp", _copy_srupp_cell)
+
+
+def _copy_stack(ours: nn.Module, ref: Any, cells: List[Any], configs: List[Dict[str, Any]],
+                kind: str, copy_cell) -> nn.Module:
+    """Check that the new stack's layers match the reference's, then copy every weight."""
+    _check_layers_agree(list(ours.layers), cells, configs, kind)
+    if ref.input_to_hidden is not None:
+        _copy(ours.input_to_hidden.weight, ref.input_to_hidden.weight, "input_to_hidden")
+    for o, r in zip(ours.layers, cells):
+        copy_cell(o, r)
     return ours
 
 
@@ -351,6 +350,7 @@ def _check_input_to_hidden(ref: Any):
 
 # --------------------------------------------------------------------------- weights
 
+@torch.no_grad()
 def _copy(dst: Tensor, src: Tensor, what: str, layout=None):
     """dst <- layout(src) (or src), with src's requires_grad flag."""
     value = src if layout is None else layout(src)
@@ -389,28 +389,25 @@ def _copy_layer_norm(ours: Optional[nn.LayerNorm], ref: Optional[nn.LayerNorm]):
 
 
 def _copy_sru_cell(ours: Any, ref: Any):
-    with torch.no_grad():
-        _copy_gates(ours, ref)
-        D, k = ours.output_size, ours.num_matrices
-        t_ref = ref.transform_module
-        if isinstance(t_ref, nn.Sequential):
-            _copy(ours.transform[0].weight, t_ref[0].weight, "transform_module[0]")
-            _copy(ours.transform[1].weight, t_ref[1].weight, "transform_module[1]",
-                  _planar(k, D))
-        else:
-            _copy(ours.transform.weight, t_ref.weight, "transform_module", _planar(k, D))
+    _copy_gates(ours, ref)
+    planar = _planar(ours.num_matrices, ours.output_size)
+    t_ref = ref.transform_module
+    if isinstance(t_ref, nn.Sequential):
+        _copy(ours.transform[0].weight, t_ref[0].weight, "transform_module[0]")
+        _copy(ours.transform[1].weight, t_ref[1].weight, "transform_module[1]", planar)
+    else:
+        _copy(ours.transform.weight, t_ref.weight, "transform_module", planar)
 
 
 def _copy_srupp_cell(ours: Any, ref: Any):
-    with torch.no_grad():
-        _copy_gates(ours, ref)
-        D, k = ours.output_size, ours.num_matrices
-        t_ours, t_ref = ours.transform, ref.transform_module
-        _copy(t_ours.linear1.weight, t_ref.linear1.weight, "linear1")
-        if ours.use_attention:
-            _copy(t_ours.linear2.weight, t_ref.linear2.weight, "linear2")
-            _copy(t_ours.linear3.weight, t_ref.linear3.weight, "linear3", _planar(k, D))
-            _copy(t_ours.alpha, t_ref.alpha, "alpha")
-        else:
-            _copy(t_ours.linear2.weight, t_ref.linear2.weight, "linear2", _planar(k, D))
-        _copy_layer_norm(t_ours.layer_norm, t_ref.layer_norm)
+    _copy_gates(ours, ref)
+    planar = _planar(ours.num_matrices, ours.output_size)
+    t_ours, t_ref = ours.transform, ref.transform_module
+    _copy(t_ours.linear1.weight, t_ref.linear1.weight, "linear1")
+    if ours.use_attention:
+        _copy(t_ours.linear2.weight, t_ref.linear2.weight, "linear2")
+        _copy(t_ours.linear3.weight, t_ref.linear3.weight, "linear3", planar)
+        _copy(t_ours.alpha, t_ref.alpha, "alpha")
+    else:
+        _copy(t_ours.linear2.weight, t_ref.linear2.weight, "linear2", planar)
+    _copy_layer_norm(t_ours.layer_norm, t_ref.layer_norm)
