@@ -52,6 +52,7 @@ replace entries). Nothing is downloaded at import time.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import http.client
 import json
@@ -174,14 +175,6 @@ class _Interrupted(Exception):
     """The transfer stopped early; the ``.part`` file is kept for resuming."""
 
 
-def _content_length(resp) -> int | None:
-    value = resp.headers.get("Content-Length")
-    try:
-        return int(value) if value is not None else None
-    except ValueError:
-        return None
-
-
 def _download_once(url: str, part: Path, timeout: float, progress: bool) -> None:
     start = part.stat().st_size if part.exists() else 0
     headers = {"User-Agent": "srupp (python urllib)"}
@@ -197,7 +190,10 @@ def _download_once(url: str, part: Path, timeout: float, progress: bool) -> None
             raise _Interrupted("the server refused to resume (HTTP 416); starting over") from None
         raise
     with resp:
-        length = _content_length(resp)
+        try:
+            length = int(resp.headers.get("Content-Length"))
+        except (TypeError, ValueError):  # no such header, or not a number
+            length = None
         if start and resp.status == 206:
             content_range = resp.headers.get("Content-Range", "")
             if not content_range.startswith(f"bytes {start}-"):
@@ -271,10 +267,6 @@ def download(url: str, dest: str | Path, *, retries: int = 3, timeout: float = T
 # ----------------------------------------------------------------------------- verification
 
 
-def _stamp_path(path: Path) -> Path:
-    return path.with_name(path.name + ".verified")
-
-
 def _stamp_of(path: Path) -> dict[str, int]:
     st = path.stat()
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
@@ -283,10 +275,8 @@ def _stamp_of(path: Path) -> dict[str, int]:
 def _actual_crc(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> str:
     """The CRC-32 of a member's data as stored, or '?' if it cannot be read."""
     unchecked = copy.copy(info)
-    try:
+    with contextlib.suppress(AttributeError):
         del unchecked.CRC  # ZipExtFile skips its own check when the info has no CRC
-    except AttributeError:
-        pass
     crc = 0
     try:
         with zf.open(unchecked) as f:
@@ -335,18 +325,14 @@ def verify_archive(path: str | Path, spec: DatasetSpec, *, delete_bad: bool = Tr
     and a later call with an unchanged file returns at once.
     """
     path = Path(path)
-    stamp = _stamp_path(path)
-    try:
+    stamp = path.with_name(path.name + ".verified")
+    with contextlib.suppress(OSError, ValueError):
         if json.loads(stamp.read_text()) == _stamp_of(path):
             return
-    except (OSError, ValueError):
-        pass
     problem = _archive_problem(path, spec)
     if problem is None:
-        try:
+        with contextlib.suppress(OSError):
             atomic_write_text(stamp, json.dumps(_stamp_of(path)))
-        except OSError:
-            pass
         return
     action = "it was not changed"
     if delete_bad:
