@@ -151,7 +151,6 @@ class ByteTokenizer(Tokenizer):
     """
 
     type_name = "byte"
-    unk_id = None
 
     @property
     def vocab_size(self) -> int:
@@ -284,10 +283,6 @@ class CharTokenizer(Tokenizer):
 
 # ----------------------------------------------------------------------------- word level
 
-_UNK = "<unk>"
-_EOS = "<eos>"
-
-
 def _lines(text: str) -> list[str]:
     """``text`` cut at ``"\\n"``; a final newline does not start an extra (empty) line."""
     lines = text.split("\n")
@@ -368,9 +363,9 @@ class WordTokenizer(_LineTokenizer):
     """
 
     type_name = "word"
-    unk_token = _UNK
-    eos_token = _EOS
-    SPECIALS: ClassVar[tuple[str, ...]] = (_UNK, _EOS)
+    unk_token = "<unk>"
+    eos_token = "<eos>"
+    SPECIALS: ClassVar[tuple[str, ...]] = (unk_token, eos_token)
 
     def __init__(self, vocab: Sequence[str], lowercase: bool = False):
         vocab = list(vocab)
