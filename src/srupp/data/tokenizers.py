@@ -283,6 +283,7 @@ class CharTokenizer(Tokenizer):
 
 # ----------------------------------------------------------------------------- word level
 
+
 def _lines(text: str) -> list[str]:
     """``text`` cut at ``"\\n"``; a final newline does not start an extra (empty) line."""
     lines = text.split("\n")
