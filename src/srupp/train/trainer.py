@@ -16,7 +16,6 @@ once, without saving: the last checkpoint stays, as after SIGKILL.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import math
 import signal
@@ -33,7 +32,7 @@ from .._files import atomic_write_json, atomic_write_text
 from ..data import StreamBatcher, build_tokenizer, load_corpus, tokenizer_from_dict
 from ..errors import UserError
 from ..models import build_model
-from ..ops import cpu_has_native_bf16
+from ..ops import cpu_has_native_bf16, warm_up
 from .checkpoint import (load_carried_state, load_trainer_state, read_json, resolve_checkpoint,
                          save_checkpoint)
 from .config import RunConfig
@@ -101,7 +100,13 @@ class Trainer:
         elif (self.run_dir / "last.json").exists():
             raise UserError(f"{self.run_dir} already holds a run; pass --resume to continue it "
                             f"or choose another --out")
-        created = False if resume else self._make_run_dir()
+        created = not resume and not self.run_dir.is_dir()
+        if created:  # before any slow work
+            try:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise UserError(f"cannot create the run directory {self.run_dir}: "
+                                f"{e.strerror or e}") from None
         try:
             self._set_up(cfg, ckpt)
         except BaseException:
@@ -109,16 +114,6 @@ class Trainer:
                 with contextlib.suppress(OSError):
                     self.run_dir.rmdir()  # only if still empty
             raise
-
-    def _make_run_dir(self) -> bool:
-        """Create the run directory (before any slow work); whether it is new."""
-        existed = self.run_dir.is_dir()
-        try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"cannot create the run directory {self.run_dir}: "
-                            f"{e.strerror or e}") from None
-        return not existed
 
     def _set_up(self, cfg: RunConfig, ckpt: Optional[Path]) -> None:
         t = cfg.train
@@ -241,14 +236,13 @@ class Trainer:
         """Drop lines an interrupted run wrote after its last checkpoint."""
         if not self.metrics_path.exists():
             return
-        lines = [ln for ln in self.metrics_path.read_text().splitlines() if ln.strip()]
         kept = []
-        for ln in lines:
+        for ln in self.metrics_path.read_text().splitlines():
             try:
                 if json.loads(ln).get("step", 0) <= step:
                     kept.append(ln)
             except json.JSONDecodeError:
-                pass  # a line cut by the kill
+                pass  # a blank line, or one cut by the kill
         atomic_write_text(self.metrics_path, "".join(ln + "\n" for ln in kept))
 
     def _log(self, record: Dict[str, Any]) -> None:
@@ -257,14 +251,6 @@ class Trainer:
             f.flush()
 
     # ------------------------------------------------------------------ loop
-    def _warm_up_kernels(self) -> None:
-        """Build compiled kernels before the clock starts (one-time compilation is not training)."""
-        try:
-            from ..ops import warm_up
-        except ImportError:
-            return
-        warm_up(self.device)
-
     def _train_step(self, it) -> float:
         t = self.cfg.train
         model, loss_sum, tokens = self.model, 0.0, 0
@@ -314,7 +300,6 @@ class Trainer:
 
     def _calibrate(self, step_seconds: list) -> None:
         """Fix the schedule length so the cosine ends when the time budget does."""
-        t = self.cfg.train
         self._fit_schedule(sorted(step_seconds)[len(step_seconds) // 2])
         self.calibrated = True
         self.calibrated_at = (self.step, self.train_seconds)
@@ -374,7 +359,8 @@ class Trainer:
 
         t = self.cfg.train
         self.model.train()
-        self._warm_up_kernels()
+        # build compiled kernels before the clock starts (one-time compilation is not training)
+        warm_up(self.device)
         it = self.batcher.iter_from(self.batcher.position)
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not self.progress,
                    file=sys.stderr, dynamic_ncols=True, unit="step")
@@ -507,12 +493,6 @@ def _fmt_metric(metric: str, loss: float) -> str:
     return f"{loss / math.log(2):.3f}" if metric == "bpc" else f"{math.exp(min(loss, 700.0)):.1f}"
 
 
-def _config_dict(config) -> Dict[str, Any]:
-    if hasattr(config, "to_dict"):
-        return config.to_dict()
-    return dataclasses.asdict(config)
-
-
 def _param_shapes(config: Dict[str, Any]) -> Optional[Dict[str, tuple]]:
     """The parameters' shapes of the model ``config`` describes; None for an invalid config."""
     try:
@@ -539,7 +519,7 @@ def check_same_shape(run_dir: Path, ckpt: Path, model_config) -> None:
     keys that change no shape (dropout, mem_len, ...) may change on resume.
     """
     saved = read_json(ckpt / "config.json", "model config")
-    new = _config_dict(model_config)
+    new = model_config.to_dict()
     if not isinstance(saved, dict):
         return  # the loader says what is wrong with it
     # the new config's fields only: a save may hold more (a save id; before per-type
