@@ -218,15 +218,14 @@ def size_model(name: str, base: RunConfig, vocab: int, target: int,
             hi = d
         if s.params > target * (1 + TOLERANCE):
             break
-    closest = lambda c: min(c, key=lambda s: abs(s.params - target))  # noqa: E731
-    for step in (16, 8):
-        good = [s for d, s in cache.items() if d % step == 0 and fits(s)]
+    # multiples of 16, then of 8, then (sized only if reached) the widths between
+    groups = ([s for d, s in cache.items() if d % 16 == 0],
+              [s for d, s in cache.items() if d % 8 == 0],
+              (at(d) for d in range(max(1, lo + 1), hi if hi is not None else lo + WIDTH_STEP)))
+    for group in groups:
+        good = [s for s in group if fits(s)]
         if good:
-            return closest(good)
-    between = [at(d) for d in range(max(1, lo + 1), hi if hi is not None else lo + WIDTH_STEP)]
-    good = [s for s in between if fits(s)]
-    if good:
-        return closest(good)
+            return min(good, key=lambda s: abs(s.params - target))
     raise UserError(f"no shape of {name} reaches {target} parameters within 10%")
 
 
@@ -463,8 +462,7 @@ def compare(data: str, budget: float, params: int, models: Optional[str] = None,
     corpus = load_corpus(base.data.corpus)
     tokenizer = build_tokenizer(base.data.tokenizer, corpus.train, **base.data.tokenizer_options())
     vocab = tokenizer.vocab_size
-    kind = tokenizer.to_dict()["type"]
-    metric = metric_for(kind)
+    metric = metric_for(tokenizer)
     key = f"valid_{metric}"
 
     if not any(o.split("=", 1)[0].strip() == "train.lr" for o in shared):

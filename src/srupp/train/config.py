@@ -127,8 +127,7 @@ class RunConfig:
 
     def model_config(self, vocab_size: int) -> LMConfig:
         """The model's config for this run: mem_len defaults to train.unroll (one segment)."""
-        cfg = dict(self.model)
-        cfg["vocab_size"] = vocab_size
+        cfg = {**self.model, "vocab_size": vocab_size}
         if cfg.get("mem_len") is None:
             cfg["mem_len"] = self.train.unroll
         return _model_config(cfg)
@@ -145,10 +144,6 @@ TYPES = {"data": get_type_hints(DataConfig), "train": get_type_hints(TrainConfig
                       for k, t in get_type_hints(config_class).items()}, "type": str}}
 
 
-def all_keys() -> List[str]:
-    return [f"{s}.{k}" for s in SECTIONS for k in TYPES[s]]
-
-
 def _model_config(d: Dict[str, Any]) -> LMConfig:
     """config_from_dict, with its errors in config keys (num_heads -> model.num_heads)."""
     try:
@@ -159,7 +154,8 @@ def _model_config(d: Dict[str, Any]) -> LMConfig:
 
 
 def _unknown(key: str) -> UserError:
-    near = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+    known = [f"{s}.{k}" for s in SECTIONS for k in TYPES[s]]
+    near = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
     hint = f"; did you mean {near[0]!r}?" if near else ""
     return UserError(f"unknown config key {key!r}{hint}")
 
@@ -269,11 +265,9 @@ def build_config(recipe: Optional[Union[str, Path]] = None,
             raise UserError(f"--set expects key=value, got {item!r}")
         key, value = item.split("=", 1)
         key = key.strip()
-        if key.count(".") != 1:
+        if key.count(".") != 1 or key.split(".")[0] not in SECTIONS:
             raise _unknown(key)
         s, name = key.split(".")
-        if s not in SECTIONS:
-            raise _unknown(key)
         tree[s][name] = value
         if s == "model":
             set_model_keys.add(name)

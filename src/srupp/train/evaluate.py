@@ -25,12 +25,9 @@ def metric_for(tokenizer: Any) -> str:
     characters (``"byte"``, ``"char"``); word and subword models report
     perplexity. ``tokenizer`` is a tokenizer, its ``to_dict()`` or its type name.
     """
-    if isinstance(tokenizer, str):
-        kind = tokenizer
-    elif isinstance(tokenizer, dict):
-        kind = tokenizer.get("type")
-    else:
-        kind = tokenizer.to_dict()["type"]
+    if not isinstance(tokenizer, (str, dict)):
+        tokenizer = tokenizer.to_dict()
+    kind = tokenizer.get("type") if isinstance(tokenizer, dict) else tokenizer
     return "bpc" if kind in CHARACTER_LEVEL else "ppl"
 
 
@@ -67,6 +64,7 @@ def evaluate(model, ids: torch.Tensor, *, batch_size: int, unroll: int,
     batcher = StreamBatcher(ids, batch_size, unroll)
     start = time.perf_counter()
     total, count, state = 0.0, 0, None
+    adaptive = getattr(model, "adaptive", False)
     try:
         for i, (x, y) in enumerate(batcher):
             if max_batches is not None and i >= max_batches:
@@ -74,14 +72,12 @@ def evaluate(model, ids: torch.Tensor, *, batch_size: int, unroll: int,
             if state is None:
                 state = model.initial_state(x.shape[0], mem_len=mem_len)
             x, y = x.to(device), y.to(device)
-            if getattr(model, "adaptive", False):
-                with autocast_context(precision, device.type):
-                    out = model(x, state, targets=y)
+            with autocast_context(precision, device.type):
+                out = model(x, state, targets=y) if adaptive else model(x, state)
+            if adaptive:
                 n = int((y != -100).sum())
                 total += out.loss.item() * n if n else 0.0
             else:
-                with autocast_context(precision, device.type):
-                    out = model(x, state)
                 total += F.cross_entropy(out.logits.float().flatten(0, 1), y.flatten(),
                                          reduction="sum").item()
                 n = y.numel()
