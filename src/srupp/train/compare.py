@@ -156,8 +156,7 @@ def split_overrides(overrides: List[str], names: List[str]) -> tuple:
     shared: List[str] = []
     per_model: Dict[str, List[str]] = {n: [] for n in names}
     for item in overrides:
-        head = item.split("=", 1)[0]
-        if ":" in head:
+        if ":" in item.split("=", 1)[0]:  # NAME:key=value, not a ':' in a value
             name, rest = item.split(":", 1)
             name = name.strip()
             if name not in per_model:
