@@ -169,6 +169,10 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _add_set(parser: argparse.ArgumentParser, help: Optional[str] = None) -> None:
+    parser.add_argument("--set", nargs="+", action="append", metavar="KEY=VALUE", help=help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="srupp", description="SRU++ language models")
     sub = p.add_subparsers(dest="command", required=True)
@@ -177,8 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("recipe", nargs="?", help="a TOML recipe (default: built-in defaults)")
     t.add_argument("--data", help="corpus name, text file or split directory")
     t.add_argument("--out", help="run directory (default: runs/<recipe name>)")
-    t.add_argument("--set", nargs="+", action="append", metavar="KEY=VALUE",
-                   help="override config fields, e.g. --set train.lr=1e-3 model.num_layers=6")
+    _add_set(t, "override config fields, e.g. --set train.lr=1e-3 model.num_layers=6")
     t.add_argument("--resume", action="store_true", help="continue the run in --out")
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=cmd_train)
@@ -187,8 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--checkpoint", required=True, help="run directory or checkpoint folder")
     e.add_argument("--data", help="corpus (default: the run's)")
     e.add_argument("--split", choices=["valid", "test"], default="valid")
-    e.add_argument("--set", nargs="+", action="append", metavar="KEY=VALUE",
-                   help="e.g. eval.unroll=512 eval.mem_len=1024 eval.batch_size=1")
+    _add_set(e, "e.g. eval.unroll=512 eval.mem_len=1024 eval.batch_size=1")
     e.set_defaults(func=cmd_eval)
 
     g = sub.add_parser("generate", help="generate text from a checkpoint")
@@ -204,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pa = sub.add_parser("params", help="count a recipe's parameters; prints JSON")
     pa.add_argument("recipe", nargs="?")
-    pa.add_argument("--set", nargs="+", action="append", metavar="KEY=VALUE")
+    _add_set(pa)
     pa.set_defaults(func=cmd_params)
 
     c = sub.add_parser("compare", help="train SRU++ and baselines at equal size and time; "
@@ -218,9 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", help="output directory (default: runs/compare-<data>)")
     c.add_argument("--recipe", help="recipe for data and training settings (default: "
                                     "recipes/brown-cpu.toml for brown, else shakespeare-cpu)")
-    c.add_argument("--set", nargs="+", action="append", metavar="KEY=VALUE",
-                   help="override config fields for every model, e.g. train.batch_size=8, "
-                        "or for one model with its name first, e.g. lstm:train.lr=3e-3")
+    _add_set(c, "override config fields for every model, e.g. train.batch_size=8, "
+                "or for one model with its name first, e.g. lstm:train.lr=3e-3")
     c.add_argument("--no-progress", action="store_true", help="no progress bars")
     c.set_defaults(func=cmd_compare)
 

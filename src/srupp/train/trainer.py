@@ -294,10 +294,6 @@ class Trainer:
         save_checkpoint(self.run_dir, self.step, self.model, self.carried, self._trainer_state(),
                         tokenizer=self.tokenizer.to_dict(), pointers=pointers, info=info)
 
-    def _out_of_time(self) -> bool:
-        m = self.cfg.train.max_seconds
-        return m is not None and self.train_seconds >= m
-
     def _calibrate(self, step_seconds: list) -> None:
         """Fix the schedule length so the cosine ends when the time budget does."""
         self._fit_schedule(sorted(step_seconds)[len(step_seconds) // 2])
@@ -367,8 +363,8 @@ class Trainer:
         calib_times: list = []
         last_postfix = 0.0
         try:
-            while (self.step < self.total_steps and not self._out_of_time()
-                   and not self._signals):
+            while (self.step < self.total_steps and not self._signals
+                   and (t.max_seconds is None or self.train_seconds < t.max_seconds)):
                 start = time.perf_counter()
                 loss = self._train_step(it)
                 dt = time.perf_counter() - start
