@@ -74,12 +74,9 @@ def _flags(isa: str) -> list:
             flags.append("-mcpu=native")
     # Select ATen's Vectorized specialisation; name the inline namespace after us so
     # our inline functions never collide with libtorch's copies of the same templates.
-    if isa == "avx512":
-        flags += ["-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=srupp_avx512"]
-    elif isa == "avx2":
-        flags += ["-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=srupp_avx2"]
-    else:
-        flags += ["-DCPU_CAPABILITY=srupp_default"]
+    if isa != "default":
+        flags.append(f"-DCPU_CAPABILITY_{isa.upper()}")
+    flags.append(f"-DCPU_CAPABILITY=srupp_{isa}")
     return flags
 
 
@@ -140,14 +137,6 @@ def is_available() -> bool:
 def build_error() -> Optional[str]:
     """Why the build failed, or None (not tried yet, or succeeded)."""
     return _error
-
-
-def _reset() -> None:
-    """Forget the loaded module and any failure (for tests)."""
-    global _module, _error
-    with _lock:
-        _module = None
-        _error = None
 
 
 def empty_cache() -> int:

@@ -31,13 +31,13 @@ continuation compute bit for bit the same thing.
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .settings import CHOICES, backends, tracing
+from .settings import CHOICES, accessors, tracing
 
 __all__ = ["linear", "linear_reference", "linear_onednn", "onednn_available",
            "set_matmul_backend", "get_matmul_backend", "use_matmul_backend",
@@ -49,34 +49,19 @@ MATMUL_BACKENDS = CHOICES["matmul"]
 # faster inner kernel (measured: 1 row 18 us against MKL's 6 us; even at 64 rows).
 MIN_ROWS = 128
 
-def set_matmul_backend(name: str) -> None:
-    """Force the projection backend: "aten", "onednn", or "auto" (the default)."""
-    backends().matmul = name
+# set_matmul_backend("aten" | "onednn" | "auto"), get_matmul_backend() (``SRUPP_MATMUL``
+# the first time), use_matmul_backend(name): a context manager
+set_matmul_backend, get_matmul_backend, use_matmul_backend = accessors("matmul")
 
 
-def get_matmul_backend() -> str:
-    """The projection backend (:func:`srupp.ops.backends`; ``SRUPP_MATMUL`` the first time)."""
-    return backends().matmul
-
-
-def use_matmul_backend(name: str):
-    """Context manager: run the enclosed code with matmul backend ``name``, then restore."""
-    return backends().use("matmul", name)
-
-
-_onednn: Optional[bool] = None
-
-
+@functools.lru_cache(maxsize=None)
 def onednn_available() -> bool:
     """Whether this torch build has oneDNN and its fp32 linear op."""
-    global _onednn
-    if _onednn is None:
-        try:
-            _onednn = bool(torch.backends.mkldnn.is_available()) and hasattr(
-                torch.ops.mkldnn, "_linear_pointwise")
-        except Exception:  # noqa: BLE001 - any failure means "not available"
-            _onednn = False
-    return _onednn
+    try:
+        return bool(torch.backends.mkldnn.is_available()) and hasattr(
+            torch.ops.mkldnn, "_linear_pointwise")
+    except Exception:  # noqa: BLE001 - any failure means "not available"
+        return False
 
 
 def linear_reference(x: Tensor, weight: Tensor) -> Tensor:
@@ -137,9 +122,9 @@ def linear(x: Tensor, weight: Tensor) -> Tensor:
         return F.linear(x, weight)
     applies = (x.device.type == "cpu" and x.dtype == torch.float32
                and weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"))
-    if name == "onednn":
-        if not applies:
-            return F.linear(x, weight)  # bf16 / autocast / other devices: oneDNN or cuBLAS already
+    # (a forced "onednn" that doesn't apply, bf16 / autocast / other devices, takes
+    # F.linear below: oneDNN or cuBLAS already)
+    if name == "onednn" and applies:
         return linear_onednn(x, weight)
     if applies and onednn_available() and x.numel() >= MIN_ROWS * x.shape[-1]:
         return _OneDNNLinear.apply(x, weight)

@@ -27,6 +27,7 @@ once, by :func:`sru_recurrence`. mask_pad reaches them as bool.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional, Tuple
 
@@ -35,7 +36,7 @@ from torch import Tensor
 
 from . import cpu
 from .reference import check_args, sru_recurrence_reference
-from .settings import CHOICES, backends
+from .settings import CHOICES, accessors, backends
 
 __all__ = ["sru_recurrence", "set_backend", "get_backend", "use_backend", "BACKENDS",
            "warm_up", "sru_fwd", "sru_bwd"]
@@ -46,19 +47,9 @@ _DTYPES = {"cpu": (torch.float32, torch.bfloat16),
            "triton": (torch.float32, torch.bfloat16, torch.float16)}
 
 
-def set_backend(name: str) -> None:
-    """Force a backend: "reference", "cpu", "triton", or "auto" (the default)."""
-    backends().recurrence = name
-
-
-def get_backend() -> str:
-    """The recurrence backend (:func:`srupp.ops.backends`; ``SRUPP_BACKEND`` the first time)."""
-    return backends().recurrence
-
-
-def use_backend(name: str):
-    """Context manager: run the enclosed code with backend ``name``, then restore the setting."""
-    return backends().use("recurrence", name)
+# set_backend("reference" | "cpu" | "triton" | "auto"), get_backend() (``SRUPP_BACKEND``
+# the first time), use_backend(name): a context manager
+set_backend, get_backend, use_backend = accessors("recurrence")
 
 
 # ----------------------------------------------------------------------------- routing
@@ -70,24 +61,20 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-_triton_state: Optional[bool] = None
+@functools.lru_cache(maxsize=None)
+def _triton_importable() -> bool:
+    try:
+        from . import triton_kernel  # noqa: F401
+    except Exception:  # noqa: BLE001 - no triton, or no driver for it
+        return False
+    return True
 
 
 @torch.compiler.assume_constant_result
 def _available(kernel: str) -> bool:
     # Builds the C++ extension, or imports triton, on the first call. Under
     # torch.compile this runs once at trace time and its result is baked into the graph.
-    global _triton_state
-    if kernel == "cpu":
-        return cpu.is_available()
-    if _triton_state is None:
-        try:
-            from . import triton_kernel  # noqa: F401
-
-            _triton_state = True
-        except Exception:  # noqa: BLE001 - no triton, or no driver for it
-            _triton_state = False
-    return _triton_state
+    return cpu.is_available() if kernel == "cpu" else _triton_importable()
 
 
 def route(U: Tensor, x, weight_c, bias, c0, dropout_mask) -> str:
@@ -105,10 +92,9 @@ def route(U: Tensor, x, weight_c, bias, c0, dropout_mask) -> str:
         name = "cpu" if dev == "cpu" else "triton" if dev == "cuda" else "reference"
     if name == "reference":
         return name
-    dtypes = _DTYPES[name]
-    for t in (U, x, weight_c, bias, c0, dropout_mask):
-        if t is not None and t.dtype not in dtypes:
-            return "reference"
+    if any(t is not None and t.dtype not in _DTYPES[name]
+           for t in (U, x, weight_c, bias, c0, dropout_mask)):
+        return "reference"
     native = "cpu" if name == "cpu" else "cuda"
     if dev != native and not (name == "triton" and dev == "cpu" and _interpreting()):
         if not forced:
@@ -152,10 +138,8 @@ def sru_fwd(U: Tensor, x: Optional[Tensor], weight_c: Tensor, bias: Tensor,
 def _sru_fwd_fake(U, x, weight_c, bias, c0, mask_pad, dropout_mask, scale_x, bidirectional,
                   store_c, triton=False):
     B, L, _, D = U.shape
-    h = U.new_empty((B, L, D))
-    c_last = U.new_empty((B, D), dtype=torch.float32)
-    c_all = U.new_empty((B, L, D) if store_c else (0,), dtype=torch.float32)
-    return h, c_last, c_all
+    return (U.new_empty((B, L, D)), U.new_empty((B, D), dtype=torch.float32),
+            U.new_empty((B, L, D) if store_c else (0,), dtype=torch.float32))
 
 
 @torch.library.custom_op("srupp::sru_bwd", mutates_args=())
@@ -172,16 +156,12 @@ def sru_bwd(U: Tensor, x: Optional[Tensor], weight_c: Tensor, bias: Tensor,
 @sru_bwd.register_fake
 def _sru_bwd_fake(U, x, weight_c, bias, c0, mask_pad, dropout_mask, c_all, grad_h,
                   grad_c_last, scale_x, bidirectional, need_grad_x, triton=False):
-    B, L, _, D = U.shape
-    grad_U = torch.empty_like(U)
     if x is not None and need_grad_x:
         grad_x = torch.empty_like(x)
     else:
         grad_x = (x if x is not None else U).new_empty((0,))
-    grad_wc = weight_c.new_empty(weight_c.shape)
-    grad_bias = bias.new_empty(bias.shape)
-    grad_c0 = U.new_empty((B, D), dtype=torch.float32)
-    return grad_U, grad_x, grad_wc, grad_bias, grad_c0
+    return (torch.empty_like(U), grad_x, weight_c.new_empty(weight_c.shape),
+            bias.new_empty(bias.shape), U.new_empty((U.shape[0], U.shape[3]), dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):

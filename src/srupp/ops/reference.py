@@ -72,9 +72,8 @@ def check_args(U, x, weight_c, bias, c0, mask_pad, dropout_mask, bidirectional) 
     if bidirectional and D % 2:
         raise ValueError(f"bidirectional needs an even number of units D, got D = {D}")
     device = U.device
-    for name, t, shape in (("x", x, (B, L, D)), ("weight_c", weight_c, (2, D)),
-                           ("bias", bias, (2, D)), ("c0", c0, (B, D)),
-                           ("mask_pad", mask_pad, (B, L)), ("dropout_mask", dropout_mask, (B, D))):
+    for name, t, shape in zip(_SHAPES, (x, weight_c, bias, c0, mask_pad, dropout_mask),
+                              ((B, L, D), (2, D), (2, D), (B, D), (B, L), (B, D))):
         if t is None and name in _OPTIONAL:
             continue
         if not isinstance(t, Tensor):
@@ -100,18 +99,9 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _scan(
-    U: Tensor,
-    skip: Optional[Tensor],
-    v_f: Tensor,
-    v_r: Tensor,
-    b_f: Tensor,
-    b_r: Tensor,
-    c0: Tensor,
-    mask_pad: Optional[Tensor],
-    dropout_mask: Optional[Tensor],
-    reverse: bool,
-) -> Tuple[Tensor, Tensor]:
+def _scan(U: Tensor, skip: Optional[Tensor], v_f: Tensor, v_r: Tensor, b_f: Tensor,
+          b_r: Tensor, c0: Tensor, mask_pad: Optional[Tensor], dropout_mask: Optional[Tensor],
+          reverse: bool) -> Tuple[Tensor, Tensor]:
     """One direction. U (B, L, k, d), skip (B, L, d) or None; returns h (B, L, d), c_last (B, d)."""
     L = U.shape[1]
     c = c0
@@ -142,18 +132,11 @@ def _scan(
     return torch.stack(hs, dim=1), c
 
 
-def sru_recurrence_reference(
-    U: Tensor,
-    x: Optional[Tensor],
-    weight_c: Tensor,
-    bias: Tensor,
-    c0: Optional[Tensor] = None,
-    *,
-    scale_x: float = 1.0,
-    mask_pad: Optional[Tensor] = None,
-    dropout_mask: Optional[Tensor] = None,
-    bidirectional: bool = False,
-) -> Tuple[Tensor, Tensor]:
+def sru_recurrence_reference(U: Tensor, x: Optional[Tensor], weight_c: Tensor, bias: Tensor,
+                             c0: Optional[Tensor] = None, *, scale_x: float = 1.0,
+                             mask_pad: Optional[Tensor] = None,
+                             dropout_mask: Optional[Tensor] = None,
+                             bidirectional: bool = False) -> Tuple[Tensor, Tensor]:
     """The SRU element-wise recurrence, as a per-timestep loop (the oracle).
 
     Args:
@@ -189,15 +172,9 @@ def sru_recurrence_reference(
     hs, cs = [], []
     for di in range(dirs):
         units = slice(di * d, (di + 1) * d)
-        h, c = _scan(
-            Uc[..., units],
-            None if skip is None else skip[..., units],
-            wc[0, units], wc[1, units], b[0, units], b[1, units],
-            c0[:, units],
-            mask_pad,
-            None if dm is None else dm[:, units],
-            reverse=di == 1,
-        )
+        h, c = _scan(Uc[..., units], None if skip is None else skip[..., units],
+                     wc[0, units], wc[1, units], b[0, units], b[1, units], c0[:, units],
+                     mask_pad, None if dm is None else dm[:, units], reverse=di == 1)
         hs.append(h)
         cs.append(c)
     h = hs[0] if dirs == 1 else torch.cat(hs, dim=-1)

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .settings import CHOICES, backends, cpu_has_native_bf16, tracing
+from .settings import CHOICES, accessors, cpu_has_native_bf16, tracing
 
 __all__ = ["attention", "attention_reference", "attention_matmul", "attention_causal_matmul",
            "causal_block", "set_attention_backend",
@@ -64,19 +64,9 @@ ATTENTION_BACKENDS = CHOICES["attention"]
 # Largest P (B·H·L·S elements) the explicit path keeps for its backward.
 MAX_PROB_BYTES = 256 * 2**20
 
-def set_attention_backend(name: str) -> None:
-    """Force the attention backend: "sdpa", "matmul", or "auto" (the default)."""
-    backends().attention = name
-
-
-def get_attention_backend() -> str:
-    """The attention backend (:func:`srupp.ops.backends`; ``SRUPP_ATTENTION`` the first time)."""
-    return backends().attention
-
-
-def use_attention_backend(name: str):
-    """Context manager: run the enclosed code with attention backend ``name``, then restore."""
-    return backends().use("attention", name)
+# set_attention_backend("sdpa" | "matmul" | "auto"), get_attention_backend()
+# (``SRUPP_ATTENTION`` the first time), use_attention_backend(name): a context manager
+set_attention_backend, get_attention_backend, use_attention_backend = accessors("attention")
 
 
 def attention_reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
@@ -288,8 +278,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
         if offset is not None:
             return attention_causal_matmul(q, k, v, offset)
         return attention_matmul(q, k, v, attn_mask, is_causal)
-    B, H, L, _ = q.shape
-    small = B * H * L * k.shape[-2] * q.element_size() <= MAX_PROB_BYTES
+    small = q.shape[:-1].numel() * k.shape[-2] * q.element_size() <= MAX_PROB_BYTES  # P fits
     if q.device.type == "cpu" and small and q.dtype == k.dtype == v.dtype:
         native_bf16 = q.dtype == torch.bfloat16 and cpu_has_native_bf16()
         if offset is not None and (q.dtype == torch.float32 or native_bf16):

@@ -63,6 +63,22 @@ class Backends:
 _backends: Optional[Backends] = None
 
 
+def accessors(op: str):
+    """The ``set_*``, ``get_*`` and ``use_*`` functions of ``op``'s backend: force one of
+    ``CHOICES[op]`` ("auto" is the default), read the choice (the environment the first
+    time), and a context manager that runs the enclosed code on one, then restores it."""
+    def set_backend(name: str) -> None:
+        setattr(backends(), op, name)
+
+    def get_backend() -> str:
+        return getattr(backends(), op)
+
+    def use_backend(name: str):
+        return backends().use(op, name)
+
+    return set_backend, get_backend, use_backend
+
+
 def backends() -> Backends:
     """The process's backend settings (reading the environment the first time)."""
     global _backends

@@ -106,10 +106,9 @@ def _sru_fwd_kernel(
             else:
                 sk = tl.load(X_ptr + b * sXb + t * sXl + j * sXd, mask=jm,
                              other=0.0).to(tl.float32) * scale_x
+            gate = r
             if HAS_DROP:
                 gate = m * r
-            else:
-                gate = r
             h = sk + gate * (c_new - sk)
         else:
             h = r * c_new
@@ -204,12 +203,10 @@ def _sru_bwd_kernel(
         f = tl.sigmoid(u1 + vf * c_prev + bf)
         r = tl.sigmoid(u2 + vr * c_prev + br)
 
+        gm, mr = gh, r
         if HAS_DROP:
             gm = gh * m
             mr = m * r
-        else:
-            gm = gh
-            mr = r
         if HAS_SKIP:
             if K4:
                 sk = tl.load(pu + 3 * sUk, mask=jm, other=0.0).to(tl.float32)
@@ -291,9 +288,7 @@ def _launch_config(B: int, D: int) -> Tuple[int, int]:
 
 def _device_guard(t: Tensor):
     """Launch on the tensors' GPU, not whatever device happens to be current."""
-    if t.is_cuda:
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _optional(t: Optional[Tensor], like: Tensor, dims: int):
@@ -373,9 +368,7 @@ def sru_bwd(U: Tensor, x: Optional[Tensor], weight_c: Tensor, bias: Tensor,
               else (x if x is not None else U).new_empty((0,)))
     grad_c0 = _alloc((B, D), torch.float32, dev)
     partial = _alloc((B, 4, D), torch.float32, dev)
-    if B == 0 or D == 0 or L == 0:
-        grad_U.zero_()
-        grad_x.zero_()
+    if B == 0 or D == 0 or L == 0:  # (grad_U and grad_x have no elements then)
         if grad_c_last is None:
             grad_c0.zero_()
         else:
