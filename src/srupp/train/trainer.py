@@ -335,8 +335,7 @@ class Trainer:
             return {}  # only the main thread may set handlers; signals are its anyway
         previous = {}
         for signum in (signal.SIGINT, signal.SIGTERM):
-            old = signal.getsignal(signum)
-            signal.signal(signum, self._on_signal)
+            old = signal.signal(signum, self._on_signal)
             previous[signum] = signal.SIG_DFL if old is None else old  # None: set outside Python
         return previous
 
