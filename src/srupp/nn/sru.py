@@ -105,13 +105,15 @@ def write_output(module: nn.Module, h: Tensor, lengths: Optional[Tensor]):
     return h if module.batch_first else h.transpose(0, 1)
 
 
-def check_c0(c0: Tensor, num_layers: Optional[int], B: int, D: int, dtype: torch.dtype,
-             device_type: str) -> Tensor:
-    """Validate an initial state; returns it in the state dtype.
+def check_c0(c0: Optional[Tensor], num_layers: Optional[int], B: int, D: int,
+             dtype: torch.dtype, x: Tensor) -> Tensor:
+    """Validate an initial state; returns it in the state dtype (zeros if c0 is None).
 
-    ``num_layers=None`` checks a single layer's (B, D) state.
+    ``num_layers=None`` checks a single layer's (B, D) state. x is the input.
     """
     expected = (B, D) if num_layers is None else (num_layers, B, D)
+    if c0 is None:
+        return x.new_zeros(expected, dtype=dtype)
     names = "(B, D)" if num_layers is None else "(num_layers, B, D)"
     if not isinstance(c0, Tensor) or tuple(c0.shape) != expected:
         got = tuple(c0.shape) if isinstance(c0, Tensor) else type(c0).__name__
@@ -119,7 +121,7 @@ def check_c0(c0: Tensor, num_layers: Optional[int], B: int, D: int, dtype: torch
                          f"(batch {B}), got {got}")
     if not c0.is_floating_point():
         raise ValueError(f"initial state c0 must be floating point, got {c0.dtype}")
-    if c0.dtype != dtype and autocast_dtype(device_type) is None:
+    if c0.dtype != dtype and autocast_dtype(x.device.type) is None:
         raise ValueError(
             f"initial state c0 has dtype {c0.dtype}, expected {dtype} "
             f"(the state is kept in fp32, or fp64 for fp64 modules)")
@@ -356,10 +358,7 @@ class SRUCell(RecurrentLayerBase):
         x, mask, lengths = read_input(self, input, mask_pad)
         check_input(x, self.input_size, self.weight_c.dtype)
         B, D = x.shape[0], self.output_size
-        if c0 is None:
-            c0 = x.new_zeros(B, D, dtype=self.state_dtype)
-        else:
-            c0 = check_c0(c0, None, B, D, self.state_dtype, x.device.type)
+        c0 = check_c0(c0, None, B, D, self.state_dtype, x)
         h, c = self.layer_forward(x, c0, mask)
         return write_output(self, h, lengths), c
 
@@ -428,10 +427,7 @@ class SRU(StackBase):
         x, mask, lengths = read_input(self, input, mask_pad)
         check_input(x, self.input_size, first.weight_c.dtype)
         B, nL, D = x.shape[0], self.num_layers, self.output_size
-        if c0 is None:
-            c0 = x.new_zeros(nL, B, D, dtype=first.state_dtype)
-        else:
-            c0 = check_c0(c0, nL, B, D, first.state_dtype, x.device.type)
+        c0 = check_c0(c0, nL, B, D, first.state_dtype, x)
         if self.input_to_hidden is not None:
             x = self.input_to_hidden(x)                                # (B, L, D)
         cs = []

@@ -108,6 +108,17 @@ def build_attention_mask(L: int, M: int, *, causal: bool, attn_mask: Optional[Te
     return AttentionMask(mask=bias.masked_fill(dead, 0.0), dead_rows=dead)
 
 
+def _reset_projections(linears, dropout: nn.Dropout, layer_norm: Optional[nn.LayerNorm]):
+    """Xavier-init the linears, the last scaled by √(1 − dropout); reset the LayerNorm."""
+    for lin in linears:
+        nn.init.xavier_uniform_(lin.weight)
+    if dropout.p > 0:
+        with torch.no_grad():
+            linears[-1].weight.mul_((1 - dropout.p) ** 0.5)
+    if layer_norm is not None:
+        layer_norm.reset_parameters()
+
+
 class SRUppAttention(nn.Module):
     """Single- or multi-head attention producing U, with the ReZero-style α.
 
@@ -138,14 +149,10 @@ class SRUppAttention(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
-        for lin in (self.linear1, self.linear2, self.linear3):
-            nn.init.xavier_uniform_(lin.weight)
+        _reset_projections((self.linear1, self.linear2, self.linear3), self.dropout,
+                           self.layer_norm)
         with torch.no_grad():
-            if self.dropout.p > 0:
-                self.linear3.weight.mul_((1 - self.dropout.p) ** 0.5)
             self.alpha.zero_()
-        if self.layer_norm is not None:
-            self.layer_norm.reset_parameters()
 
     @property
     def kv_weights(self) -> Tuple[Tensor, Tensor]:
@@ -214,13 +221,7 @@ class SRUppProjectedLinear(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
-        nn.init.xavier_uniform_(self.linear1.weight)
-        nn.init.xavier_uniform_(self.linear2.weight)
-        if self.dropout.p > 0:
-            with torch.no_grad():
-                self.linear2.weight.mul_((1 - self.dropout.p) ** 0.5)
-        if self.layer_norm is not None:
-            self.layer_norm.reset_parameters()
+        _reset_projections((self.linear1, self.linear2), self.dropout, self.layer_norm)
 
     def forward(self, x: Tensor, memory: Optional[Tensor] = None,
                 mask: Optional[AttentionMask] = None,
@@ -333,13 +334,7 @@ class SRUppCell(RecurrentLayerBase):
         s = self._gate_repr() + f", proj_size={self.proj_size}"
         if not self.use_attention:
             s += ", use_attention=False"
-        if self.causal:
-            s += ", causal=True"
-        if self.mem_len is not None:
-            s += f", mem_len={self.mem_len}"
-        if self.batch_first:
-            s += ", batch_first=True"
-        return s
+        return s + _options_repr(self)
 
 
 class SRUpp(StackBase):
@@ -468,14 +463,8 @@ class SRUpp(StackBase):
         return h.squeeze(1), state                                       # (B, D)
 
     def extra_repr(self) -> str:
-        s = f"{self.input_size}, {self.hidden_size}, {self.proj_size}, num_layers={self.num_layers}"
-        if self.causal:
-            s += ", causal=True"
-        if self.mem_len is not None:
-            s += f", mem_len={self.mem_len}"
-        if self.batch_first:
-            s += ", batch_first=True"
-        return s
+        return (f"{self.input_size}, {self.hidden_size}, {self.proj_size}, "
+                f"num_layers={self.num_layers}" + _options_repr(self))
 
 
 # --------------------------------------------------------------------------- the stack
@@ -494,6 +483,14 @@ def _check_stack_options(proj_size, dropout, attn_dropout, num_heads, bidirectio
                          "direction reads the future")
     if mem_len is not None and mem_len < 0:
         raise ValueError(f"mem_len must be >= 0 or None, got {mem_len}")
+
+
+def _options_repr(m) -> str:
+    """The extra_repr of the options an SRU++ layer and stack share, when set."""
+    s = ", causal=True" if m.causal else ""
+    if m.mem_len is not None:
+        s += f", mem_len={m.mem_len}"
+    return s + (", batch_first=True" if m.batch_first else "")
 
 
 def _append_keep_last(old: Optional[Tensor], new: Tensor, n: Optional[int]) -> Tensor:
@@ -525,18 +522,15 @@ def _incoming_state(state: StateLike, layers, first: SRUppCell, B: int, x: Tenso
                     ) -> Tuple[SRUppState, Tensor]:
     """The state a call starts from, checked against the layers; and its c (num_layers, B, D)."""
     nL, D, sdt = len(layers), first.output_size, first.state_dtype
-    if state is None:
-        c0 = x.new_zeros(nL, B, D, dtype=sdt)
-        return SRUppState(c=c0), c0
-    if isinstance(state, Tensor):
-        c0 = check_c0(state, nL, B, D, sdt, x.device.type)
+    if state is None or isinstance(state, Tensor):
+        c0 = check_c0(state, nL, B, D, sdt, x)
         return SRUppState(c=c0), c0
     if not isinstance(state, SRUppState):
         raise ValueError(f"state must be an SRUppState, a c0 tensor or None, "
                          f"got {type(state).__name__}")
     if state.num_layers != nL:
         raise ValueError(f"state has {state.num_layers} layers, this module has {nL}")
-    c0 = check_c0(state.c, nL, B, D, sdt, x.device.type)
+    c0 = check_c0(state.c, nL, B, D, sdt, x)
     M = state.memory_length
     for i, (m, layer) in enumerate(zip(state.memory, layers)):
         if m is None:
