@@ -151,13 +151,12 @@ class CausalLM(nn.Module):
         if self.adaptive:
             self.embedding.reset_parameters()
             self.output.reset_parameters()
-            self.reset_body()
-            return
-        bound = math.sqrt(3.0 / self.config.d_model)
-        nn.init.uniform_(self.embedding.weight, -bound, bound)
-        if not self.config.tie_embeddings:
-            nn.init.uniform_(self.output.weight, -bound, bound)
-        nn.init.zeros_(self.output.bias)
+        else:
+            bound = math.sqrt(3.0 / self.config.d_model)
+            nn.init.uniform_(self.embedding.weight, -bound, bound)
+            if not self.config.tie_embeddings:
+                nn.init.uniform_(self.output.weight, -bound, bound)
+            nn.init.zeros_(self.output.bias)
         self.reset_body()
 
     # ------------------------------------------------- what subclasses supply

@@ -145,9 +145,8 @@ class SRUppState:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     # ------------------------------------------------------------ transforms
-    def _map(self, fn, batch_fn=None) -> "SRUppState":
-        """Apply fn to every tensor; batch_fn(t, batch_dim) instead, if given."""
-        f = (lambda t, dim: fn(t)) if batch_fn is None else batch_fn
+    def _map(self, f) -> "SRUppState":
+        """Apply f(t, batch_dim) to every tensor."""
         opt = lambda t, dim: None if t is None else f(t, dim)  # noqa: E731
         return replace(
             self,
@@ -163,7 +162,7 @@ class SRUppState:
 
     def detach(self) -> "SRUppState":
         """A copy cut from the autograd graph, for truncated backpropagation."""
-        return self._map(Tensor.detach)
+        return self._map(lambda t, dim: t.detach())
 
     def index_select(self, batch_indices: Tensor) -> "SRUppState":
         """Reorder or repeat batch entries, e.g. to follow beams.
@@ -172,11 +171,11 @@ class SRUppState:
             batch_indices: (B',) long indices into the batch.
         """
         idx = torch.as_tensor(batch_indices, dtype=torch.long, device=self.c.device)
-        return self._map(None, batch_fn=lambda t, dim: t.index_select(dim, idx))
+        return self._map(lambda t, dim: t.index_select(dim, idx))
 
     def to(self, *args, **kwargs) -> "SRUppState":
         """Move to a device. Dtypes are kept (c stays fp32), so pass a device only."""
-        return self._map(lambda t: t.to(*args, **kwargs))
+        return self._map(lambda t, dim: t.to(*args, **kwargs))
 
     # ------------------------------------------------------------ checkpoint
     def to_dict(self) -> Dict[str, Tensor]:
