@@ -80,16 +80,31 @@ def check_cutoffs(cutoffs, vocab_size: int, *, where: str = "cutoffs") -> List[i
     return out
 
 
-def _cluster_widths(emb_dim: int, div_val: int, n_clusters: int, where: str) -> List[int]:
-    if div_val < 1:
-        raise ValueError(f"{where}: div_val must be >= 1, got {div_val}")
-    if emb_dim < 1:
-        raise ValueError(f"{where}: emb_dim must be >= 1, got {emb_dim}")
-    widths = [emb_dim // div_val ** i for i in range(n_clusters)]
-    if widths[-1] < 1:
-        raise ValueError(f"{where}: emb_dim {emb_dim} // div_val**{n_clusters - 1} is 0; "
-                         f"raise emb_dim, lower div_val or use fewer cut-offs")
-    return widths
+class _Clusters(nn.Module):
+    """The cluster layout both adaptive modules share (see the module docstring)."""
+
+    def _init_clusters(self, vocab_size: int, d_model: int, cutoffs: Sequence[int],
+                       div_val: int, emb_dim: int, device) -> None:
+        where = type(self).__name__
+        self.cutoffs = check_cutoffs(cutoffs, vocab_size)
+        self.vocab_size, self.d_model = vocab_size, d_model
+        self.div_val, self.emb_dim = div_val, emb_dim
+        self.bounds = [0] + self.cutoffs + [vocab_size]
+        n_clusters = len(self.bounds) - 1
+        if div_val < 1:
+            raise ValueError(f"{where}: div_val must be >= 1, got {div_val}")
+        if emb_dim < 1:
+            raise ValueError(f"{where}: emb_dim must be >= 1, got {emb_dim}")
+        self.widths = [emb_dim // div_val ** i for i in range(n_clusters)]
+        if self.widths[-1] < 1:
+            raise ValueError(f"{where}: emb_dim {emb_dim} // div_val**{n_clusters - 1} is 0; "
+                             f"raise emb_dim, lower div_val or use fewer cut-offs")
+        self.register_buffer("_cutoff_tensor", torch.tensor(self.cutoffs, device=device),
+                             persistent=False)
+
+    def extra_repr(self) -> str:
+        return (f"vocab_size={self.vocab_size}, d_model={self.d_model}, cutoffs={self.cutoffs}, "
+                f"div_val={self.div_val}, emb_dim={self.emb_dim}")
 
 
 def _at_least_fp32(x: Tensor) -> Tensor:
@@ -97,7 +112,7 @@ def _at_least_fp32(x: Tensor) -> Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
-class AdaptiveInput(nn.Module):
+class AdaptiveInput(_Clusters):
     """Adaptive input embedding: ids (...) → vectors (..., d_model).
 
     Args:
@@ -116,12 +131,8 @@ class AdaptiveInput(nn.Module):
     def __init__(self, vocab_size: int, d_model: int, *, cutoffs: Sequence[int],
                  div_val: int = 4, emb_dim: int = 1024, device=None, dtype=None):
         super().__init__()
-        self.cutoffs = check_cutoffs(cutoffs, vocab_size)
-        self.vocab_size, self.d_model = vocab_size, d_model
-        self.div_val, self.emb_dim = div_val, emb_dim
-        bounds = [0] + self.cutoffs + [vocab_size]
-        self.bounds = bounds
-        self.widths = _cluster_widths(emb_dim, div_val, len(bounds) - 1, "AdaptiveInput")
+        self._init_clusters(vocab_size, d_model, cutoffs, div_val, emb_dim, device)
+        bounds = self.bounds
         factory = {"device": device, "dtype": dtype}
         self.emb_layers = nn.ModuleList(
             nn.Embedding(hi - lo, w, **factory)
@@ -150,16 +161,11 @@ class AdaptiveInput(nn.Module):
         flat = ids.reshape(-1)
         weight = self.emb_layers[0].weight
         out = torch.zeros(flat.shape[0], self.d_model, device=weight.device, dtype=weight.dtype)
-        last = self.n_clusters - 1
-        for i, (lo, hi) in enumerate(zip(self.bounds, self.bounds[1:])):
-            # the first and last clusters also take out-of-range ids, so that
-            # nn.Embedding reports them instead of their rows staying zero
-            if i == 0:
-                idx = (flat < hi).nonzero().squeeze(1)
-            elif i == last:
-                idx = (flat >= lo).nonzero().squeeze(1)
-            else:
-                idx = ((flat >= lo) & (flat < hi)).nonzero().squeeze(1)
+        # the first and last clusters also take out-of-range ids, so that
+        # nn.Embedding reports them instead of their rows staying zero
+        cluster = torch.bucketize(flat, self._cutoff_tensor.to(flat.device), right=True)
+        for i, lo in enumerate(self.bounds[:-1]):
+            idx = (cluster == i).nonzero().squeeze(1)
             if idx.numel() == 0:
                 continue
             e = self.emb_layers[i](flat.index_select(0, idx) - lo)  # (n, n_i)
@@ -169,12 +175,8 @@ class AdaptiveInput(nn.Module):
             out = out.index_copy(0, idx, e.to(out.dtype))
         return out.view(*ids.shape, self.d_model)
 
-    def extra_repr(self) -> str:
-        return (f"vocab_size={self.vocab_size}, d_model={self.d_model}, cutoffs={self.cutoffs}, "
-                f"div_val={self.div_val}, emb_dim={self.emb_dim}")
 
-
-class ProjectedAdaptiveLogSoftmax(nn.Module):
+class ProjectedAdaptiveLogSoftmax(_Clusters):
     """Projected adaptive softmax over V words, optionally tied to an :class:`AdaptiveInput`.
 
     Args:
@@ -200,12 +202,8 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
                  tie_projections: Union[bool, Sequence[bool]] = False,
                  device=None, dtype=None):
         super().__init__()
-        self.cutoffs = check_cutoffs(cutoffs, vocab_size)
-        self.vocab_size, self.d_model = vocab_size, d_model
-        self.div_val, self.emb_dim = div_val, emb_dim
-        self.bounds = [0] + self.cutoffs + [vocab_size]
-        n = len(self.bounds) - 1
-        self.widths = _cluster_widths(emb_dim, div_val, n, "ProjectedAdaptiveLogSoftmax")
+        self._init_clusters(vocab_size, d_model, cutoffs, div_val, emb_dim, device)
+        n = len(self.widths)
         self.shortlist_size = self.cutoffs[0]
         self.n_tail = n - 1
         ties = [bool(tie_projections)] * n if isinstance(tie_projections, bool) \
@@ -241,8 +239,6 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         self.out_projs = nn.ParameterDict(projs)
         self.cluster_weight = nn.Parameter(torch.empty(self.n_tail, self.widths[0], **factory))
         self.cluster_bias = nn.Parameter(torch.zeros(self.n_tail, **factory))
-        self.register_buffer("_cutoff_tensor", torch.tensor(self.cutoffs, device=device),
-                             persistent=False)
         self.reset_parameters()
 
     def projection(self, i: int) -> Optional[nn.Parameter]:
@@ -332,7 +328,5 @@ class ProjectedAdaptiveLogSoftmax(nn.Module):
         return nll.view(targets.shape)
 
     def extra_repr(self) -> str:
-        return (f"vocab_size={self.vocab_size}, d_model={self.d_model}, cutoffs={self.cutoffs}, "
-                f"div_val={self.div_val}, emb_dim={self.emb_dim}, "
-                f"tied_embeddings={self.tied_embeddings}, "
+        return (f"{super().extra_repr()}, tied_embeddings={self.tied_embeddings}, "
                 f"tied_projections={self.tied_projections}")
