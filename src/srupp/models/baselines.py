@@ -49,12 +49,6 @@ class SRULanguageModel(CausalLM):
                        layer_norm=c.layer_norm, normalize_after=c.normalize_after,
                        batch_first=True, **factory)
 
-    def reset_body(self) -> None:
-        self.rnn.reset_parameters()
-
-    def body_modules(self) -> List[nn.Module]:
-        return [self.rnn]
-
     def body(self, x: Tensor, state: Optional[TensorState], mask_pad: Optional[Tensor]):
         c0 = None if state is None else state["c"]
         h, c = self.rnn(x, c0, mask_pad=mask_pad)  # padded steps keep their c
@@ -62,8 +56,8 @@ class SRULanguageModel(CausalLM):
 
     def initial_state(self, batch_size: int, *, mem_len: Optional[int] = None) -> TensorState:
         c = self.config
-        dtype = self.rnn.layers[0].state_dtype
-        return TensorState({"c": torch.zeros(c.num_layers, batch_size, c.d_model, dtype=dtype,
+        return TensorState({"c": torch.zeros(c.num_layers, batch_size, c.d_model,
+                                             dtype=self.rnn.layers[0].state_dtype,
                                              device=self.device)}, {"c": 1})
 
 
@@ -80,16 +74,13 @@ class RNNLanguageModel(CausalLM):
 
     def reset_body(self) -> None:
         """PyTorch's U(±1/√d), and for an LSTM a forget-gate bias of 1 (Jozefowicz et al.)."""
-        self.rnn.reset_parameters()
+        super().reset_body()
         if self.cell is nn.LSTM:
             d = self.config.d_model
             with torch.no_grad():
                 for k in range(self.config.num_layers):
                     getattr(self.rnn, f"bias_ih_l{k}")[d:2 * d].fill_(1.0)  # gates i, f, g, o
                     getattr(self.rnn, f"bias_hh_l{k}")[d:2 * d].fill_(0.0)
-
-    def body_modules(self) -> List[nn.Module]:
-        return [self.rnn]
 
     def _hx(self, state: TensorState):
         hx = tuple(state[n] for n in self.names)
@@ -118,11 +109,9 @@ class RNNLanguageModel(CausalLM):
         return torch.cat(ys, 1), self._state(hx)
 
     def initial_state(self, batch_size: int, *, mem_len: Optional[int] = None) -> TensorState:
-        c = self.config
-        p = next(self.rnn.parameters())
-        z = lambda: torch.zeros(c.num_layers, batch_size, c.d_model, dtype=p.dtype,  # noqa: E731
-                                device=p.device)
-        return TensorState({n: z() for n in self.names}, {n: 1 for n in self.names})
+        c, p = self.config, next(self.rnn.parameters())
+        return self._state(tuple(torch.zeros(c.num_layers, batch_size, c.d_model, dtype=p.dtype,
+                                             device=p.device) for _ in self.names))
 
 
 class LSTMLanguageModel(RNNLanguageModel):
@@ -221,20 +210,18 @@ class TransformerLanguageModel(CausalLM):
         extra = [] if self.pos_embedding is None else [self.pos_embedding]
         return [self.blocks, self.ln_f, *extra]
 
-    def _empty_state(self, batch_size: int, window: Optional[int]) -> TensorState:
-        dev = self.device
-        return TensorState({"pos": torch.zeros(batch_size, dtype=torch.long, device=dev),
-                            "window": torch.tensor(-1 if window is None else window,
-                                                   dtype=torch.long, device=dev)},
-                           {"pos": 0, "window": None})
-
     def initial_state(self, batch_size: int, *, mem_len: Optional[int] = None) -> TensorState:
         """Empty memory that keeps ``mem_len`` positions (the model's when None)."""
-        return self._empty_state(batch_size, self.config.mem_len if mem_len is None else mem_len)
+        return self.generation_state(batch_size,
+                                     self.config.mem_len if mem_len is None else mem_len)
 
     def generation_state(self, batch_size: int, mem_len: Optional[int] = None) -> TensorState:
         """A KV cache for decoding: unbounded when ``mem_len`` is None."""
-        return self._empty_state(batch_size, mem_len)
+        dev = self.device
+        return TensorState({"pos": torch.zeros(batch_size, dtype=torch.long, device=dev),
+                            "window": torch.tensor(-1 if mem_len is None else mem_len,
+                                                   dtype=torch.long, device=dev)},
+                           {"pos": 0, "window": None})
 
     def _position_encoding(self, positions: Tensor, dtype) -> Tensor:
         if self.pos_embedding is None:
@@ -271,10 +258,9 @@ class TransformerLanguageModel(CausalLM):
             ], 1)                                                 # (B, M+L)
             causal = torch.ones(L, M + L, dtype=torch.bool, device=dev).tril(M)
             allowed = causal[None] & ~key_pad[:, None, :]
-            # a padded query sees itself, so that no row is all -inf (its output is unused)
-            self_key = torch.zeros(L, M + L, dtype=torch.bool, device=dev)
-            self_key[:, M:] = torch.eye(L, dtype=torch.bool, device=dev)
-            attn_mask = (allowed | self_key[None])[:, None]       # (B, 1, L, M+L)
+            # a padded query sees itself (the diagonal at offset M), so that no row is all
+            # -inf (its output is unused)
+            attn_mask = (allowed | causal.triu(M)[None])[:, None]  # (B, 1, L, M+L)
 
         new = {"window": state["window"]}
         keep = window is None or window > 0

@@ -168,6 +168,4 @@ class TransformerConfig(LMConfig):
     @property
     def resolved_positions(self) -> str:
         """positions, with None resolved: learned without memory, else sinusoidal."""
-        if self.positions is not None:
-            return self.positions
-        return "learned" if self.mem_len == 0 else "sinusoidal"
+        return self.positions or ("learned" if self.mem_len == 0 else "sinusoidal")

@@ -88,7 +88,8 @@ class CausalLM(nn.Module):
     """What every language model here shares: embedding, output head, generation, saving.
 
     embedding → dropout → body → dropout → output. A subclass builds its body
-    in :meth:`build_body`, initialises it in :meth:`reset_body`, runs it in
+    in :meth:`build_body` (as ``self.rnn``, unless it overrides :meth:`reset_body` and
+    :meth:`body_modules`), initialises it in :meth:`reset_body`, runs it in
     :meth:`body` and makes its empty state in :meth:`initial_state`. A subclass
     that sets ``config_class`` is the model of that config's ``type``.
     Build one with :func:`srupp.models.build_model`, which reads ``config.type``.
@@ -113,8 +114,7 @@ class CausalLM(nn.Module):
                             f"{type(config).__name__}; srupp.models.build_model builds the "
                             f"model of any config")
         super().__init__()
-        self.config = config
-        c = config
+        self.config = c = config
         factory = {"device": device, "dtype": dtype}
         self.adaptive = c.adaptive_cutoffs is not None
         if self.adaptive:
@@ -164,15 +164,16 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def reset_body(self) -> None:
-        raise NotImplementedError
+        """Initialise the body; by default it is one module, ``self.rnn``."""
+        self.rnn.reset_parameters()
 
     def body(self, x: Tensor, state, mask_pad: Optional[Tensor]) -> Tuple[Tensor, Any]:
         """x (B, L, d) embedded tokens -> (h (B, L, d), new state)."""
         raise NotImplementedError
 
     def body_modules(self) -> List[nn.Module]:
-        """The modules between embedding and output, for parameter counts."""
-        raise NotImplementedError
+        """The modules between embedding and output, for parameter counts (``self.rnn``)."""
+        return [self.rnn]
 
     def initial_state(self, batch_size: int, *, mem_len: Optional[int] = None):
         raise NotImplementedError
@@ -270,14 +271,10 @@ class CausalLM(nn.Module):
             for b in range(B):
                 if not done[b]:
                     new[b].append(int(nxt[b]))
+                    if stop_strings and any(s in decode(new[b]) for s in stop_strings):
+                        done[b] = True
             if eos_id is not None:
                 done |= nxt == eos_id
-            if stop_strings:
-                for b in range(B):
-                    if not done[b]:
-                        text = decode(new[b])
-                        if any(s in text for s in stop_strings):
-                            done[b] = True
             if bool(done.all()):
                 break
             logits, state = self.step(nxt, state)
@@ -357,14 +354,8 @@ class LanguageModel(CausalLM):
             normalize_after=c.normalize_after, causal=True, mem_len=c.mem_len,
             batch_first=True, **factory)
 
-    def reset_body(self) -> None:
-        self.rnn.reset_parameters()
-
     def body(self, x: Tensor, state: Optional[SRUppState], mask_pad: Optional[Tensor]):
         return self.rnn(x, state, mask_pad=mask_pad)
-
-    def body_modules(self) -> List[nn.Module]:
-        return [self.rnn]
 
     def initial_state(self, batch_size: int, *, mem_len: Optional[int] = None) -> SRUppState:
         return self.rnn.initial_state(batch_size, device=self.device, mem_len=mem_len)
