@@ -24,6 +24,14 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+def _check_minima(section: str, cfg: Any, minima: Dict[str, int]) -> None:
+    """UserError for the first of ``cfg``'s fields (None allowed) below its minimum."""
+    for name, low in minima.items():
+        value = getattr(cfg, name)
+        if value is not None and value < low:
+            raise UserError(f"{section}.{name} must be >= {low}, got {value}")
+
+
 @dataclass
 class DataConfig:
     corpus: str = "shakespeare"       # a known corpus name, a text file, or a split directory
@@ -45,18 +53,14 @@ class DataConfig:
     def __post_init__(self):
         if not 0 <= self.max_oov <= 1:
             raise UserError(f"data.max_oov must be in [0, 1], got {self.max_oov}")
-        if self.min_freq < 1:
-            raise UserError(f"data.min_freq must be >= 1, got {self.min_freq}")
+        _check_minima("data", self, {"min_freq": 1, "vocab_size": 1})
         if (self.min_freq != 1 or self.lowercase) and self.tokenizer != "word":
             raise UserError("data.min_freq and data.lowercase apply to the word tokenizer only; "
                             "unset them or use data.tokenizer=word")
-        if self.vocab_size is not None:
-            if self.vocab_size < 1:
-                raise UserError(f"data.vocab_size must be >= 1, got {self.vocab_size}")
-            if self.tokenizer in ("byte", "char"):
-                raise UserError(f"data.vocab_size applies to word and sentencepiece tokenizers, "
-                                f"not {self.tokenizer!r} ones (their vocabulary is fixed by "
-                                f"the data); unset it")
+        if self.vocab_size is not None and self.tokenizer in ("byte", "char"):
+            raise UserError(f"data.vocab_size applies to word and sentencepiece tokenizers, "
+                            f"not {self.tokenizer!r} ones (their vocabulary is fixed by "
+                            f"the data); unset it")
 
 
 @dataclass
@@ -85,9 +89,7 @@ class TrainConfig:
     def __post_init__(self):
         positive = ("max_steps", "batch_size", "unroll", "grad_accum", "log_every",
                     "eval_every", "save_every", "calibration_steps")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise UserError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        _check_minima("train", self, {**dict.fromkeys(positive, 1), "warmup_steps": 0})
         if self.max_seconds is not None and self.max_seconds <= 0:
             raise UserError(f"train.max_seconds must be > 0, got {self.max_seconds}")
         if self.lr <= 0:
@@ -99,8 +101,6 @@ class TrainConfig:
                             f"train.save_every ({self.save_every})")
         if not 0 <= self.min_lr_ratio <= 1:
             raise UserError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.warmup_steps < 0:
-            raise UserError(f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
 
 
 @dataclass
@@ -110,12 +110,7 @@ class EvalConfig:
     batch_size: int = 16              # streams; 1 evaluates every token with full context
 
     def __post_init__(self):
-        if self.batch_size < 1:
-            raise UserError(f"eval.batch_size must be >= 1, got {self.batch_size}")
-        if self.unroll is not None and self.unroll < 1:
-            raise UserError(f"eval.unroll must be >= 1, got {self.unroll}")
-        if self.mem_len is not None and self.mem_len < 0:
-            raise UserError(f"eval.mem_len must be >= 0, got {self.mem_len}")
+        _check_minima("eval", self, {"batch_size": 1, "unroll": 1, "mem_len": 0})
 
 
 @dataclass
@@ -160,6 +155,9 @@ def _unknown(key: str) -> UserError:
     return UserError(f"unknown config key {key!r}{hint}")
 
 
+_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
 def _coerce(key: str, value: Any, typ) -> Any:
     """Convert a TOML or command-line value to the field's type.
 
@@ -183,22 +181,14 @@ def _coerce(key: str, value: Any, typ) -> Any:
         return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
     try:
         if typ is bool:
-            if isinstance(value, bool):
-                return value
-            if str(value).lower() in ("true", "1", "yes"):
-                return True
-            if str(value).lower() in ("false", "0", "no"):
-                return False
-            raise ValueError
+            return value if isinstance(value, bool) else _BOOLS[str(value).lower()]
         if typ is int:
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
             return int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
-        if typ is float:
-            return float(value)
-        if typ is str:
-            return str(value)
-    except (TypeError, ValueError):
+        if typ in (float, str):
+            return typ(value)
+    except (TypeError, ValueError, KeyError):
         raise UserError(f"{key} must be {typ.__name__}, got {value!r}") from None
     return value
 
