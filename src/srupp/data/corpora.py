@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol
 
+from .tokenizers import _lines
+
 
 __all__ = [
     "Corpus",
@@ -344,9 +346,7 @@ def load_brown(source: str | Path | None = None) -> Corpus:
         raise ValueError(f"brown corpus file {str(path)!r} does not exist; "
                          f"{BROWN_SOURCE_HINT}")
     text = _read_text(path, f"brown corpus file {str(path)!r}")
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
+    lines = _lines(text)
     need = BROWN_TEST_BLOCK * BROWN_BLOCK_LINES + 1
     if len(lines) < need:
         raise ValueError(f"brown corpus file {str(path)!r} has {len(lines):,} lines, fewer than "

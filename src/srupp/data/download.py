@@ -393,11 +393,9 @@ def _check_tokens(name: str, split: str, member: str, text: str, spec: DatasetSp
     if words == 0:
         raise ValueError(f"corpus {name!r}: {member} ({split} split) in {path} has no tokens; "
                          "it is not the expected archive: delete it and run again")
-    want = (spec.token_counts or {}).get(split)
-    if want is None:
-        return
+    want = spec.token_counts.get(split)
     got = words + lines
-    if abs(got - want) > spec.token_tolerance * want:
+    if want is not None and abs(got - want) > spec.token_tolerance * want:
         raise ValueError(f"corpus {name!r}: {member} ({split} split) has {got:,} tokens "
                          f"({words:,} words + {lines:,} line ends), expected {want:,} "
                          f"(within {spec.token_tolerance:.0%}); {path} is not the expected "
@@ -444,10 +442,8 @@ def load_downloaded(name: str, source: str | Path | None = None, *,
     texts: dict[str, str] = {}
     for i, (split, where) in enumerate(zip(SPLITS, wheres)):
         part, parts[i] = parts[i], b""  # free each split's bytes once decoded
-        if spec.encoding == "bytes":
-            text = part.decode("utf-8", errors="surrogateescape")
-        else:
-            text = _decode(part, f"{where} in {path}")
+        text = (part.decode("utf-8", errors="surrogateescape") if spec.encoding == "bytes"
+                else _decode(part, f"{where} in {path}"))
         if spec.token_counts is not None:
             _check_tokens(name, split, where, text, spec, path)
         texts[split] = text

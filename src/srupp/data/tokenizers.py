@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import io
+from collections import Counter
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Sequence, Union
 
@@ -441,9 +442,7 @@ class WordTokenizer(_LineTokenizer):
         _check_text(train_text)
         if lowercase:
             train_text = train_text.lower()
-        counts: dict[str, int] = {}
-        for w in train_text.split():  # dicts keep first-occurrence order
-            counts[w] = counts.get(w, 0) + 1
+        counts = Counter(train_text.split())  # keeps first-occurrence order
         if not counts:
             raise ValueError("cannot build a word tokenizer from a training text with no words; "
                              "check that the corpus's train split is not empty or blank")
@@ -513,14 +512,10 @@ class SentencePieceTokenizer(_LineTokenizer):
 
     def _encode_list(self, text: str) -> list[int]:
         _check_text(text)
-        lines = _lines(text)
-        if not lines:
-            return []
         out: list[int] = []
-        eos = self.eos_id
-        for ids in self._sp.encode(lines, out_type=int):
+        for ids in self._sp.encode(_lines(text), out_type=int):
             out.extend(ids)
-            out.append(eos)
+            out.append(self.eos_id)
         return out
 
     def decode(self, ids: IdsLike) -> str:

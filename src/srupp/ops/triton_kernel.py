@@ -33,7 +33,6 @@ tensors.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional, Tuple
 
 import torch
@@ -286,11 +285,6 @@ def _launch_config(B: int, D: int) -> Tuple[int, int]:
     return 32, 1
 
 
-def _device_guard(t: Tensor):
-    """Launch on the tensors' GPU, not whatever device happens to be current."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def _optional(t: Optional[Tensor], like: Tensor, dims: int):
     """(pointer, strides) for an optional tensor: a dummy pointer and zero strides
     for None (the kernel never reads it then). bool tensors go as uint8."""
@@ -332,7 +326,7 @@ def sru_fwd(U: Tensor, x: Optional[Tensor], weight_c: Tensor, bias: Tensor,
     mp, ms = _optional(mask_pad, U, 2)
     dm, ds = _optional(dropout_mask, U, 2)
     BLOCK, num_warps = _launch_config(B, D)
-    with _device_guard(U):
+    with torch.cuda.device_of(U):  # U's GPU, not the current one
         _sru_fwd_kernel[(B, triton.cdiv(D, BLOCK))](
             U, x_, weight_c, bias, c0, mp, dm,
             h, c_last, c_all if store_c else h,
@@ -369,10 +363,7 @@ def sru_bwd(U: Tensor, x: Optional[Tensor], weight_c: Tensor, bias: Tensor,
     grad_c0 = _alloc((B, D), torch.float32, dev)
     partial = _alloc((B, 4, D), torch.float32, dev)
     if B == 0 or D == 0 or L == 0:  # (grad_U and grad_x have no elements then)
-        if grad_c_last is None:
-            grad_c0.zero_()
-        else:
-            grad_c0.copy_(grad_c_last)
+        grad_c0.copy_(torch.zeros(()) if grad_c_last is None else grad_c_last)
         partial.zero_()
     else:
         gcl, gcs = _optional(None if grad_c_last is None else grad_c_last.to(torch.float32),
@@ -382,7 +373,7 @@ def sru_bwd(U: Tensor, x: Optional[Tensor], weight_c: Tensor, bias: Tensor,
         mp, ms = _optional(mask_pad, U, 2)
         dm, ds = _optional(dropout_mask, U, 2)
         BLOCK, num_warps = _launch_config(B, D)
-        with _device_guard(U):
+        with torch.cuda.device_of(U):
             _sru_bwd_kernel[(B, triton.cdiv(D, BLOCK))](
                 grad_h, gcl, U, x_, weight_c, bias, c0, c_all, mp, dm,
                 grad_U, gx, grad_c0, partial,
