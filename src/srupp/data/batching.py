@@ -23,6 +23,7 @@ beginning: reset the carried state there (``Batch.epoch_start`` /
 from __future__ import annotations
 
 import zlib
+from functools import cached_property
 from typing import Any, Iterator, NamedTuple
 
 import numpy as np
@@ -104,7 +105,6 @@ class StreamBatcher:
         #: This rank's streams, (batch_size, stream_len).
         self.streams = streams[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
         self._num_batches = -(-(self.stream_len - 1) // self.unroll)
-        self._crc: int | None = None
         #: Global step of the next batch :meth:`iter_from` hands out
         #: (= batches handed out so far, counting across epochs).
         self.position = 0
@@ -133,9 +133,8 @@ class StreamBatcher:
         """``(inputs, targets)`` for global ``step`` (any non-negative int; wraps by epoch)."""
         start = (_int_at_least("step", step, 0) % self._num_batches) * self.unroll
         length = min(self.unroll, self.stream_len - 1 - start)
-        inputs = self.streams[:, start:start + length].contiguous()
-        targets = self.streams[:, start + 1:start + 1 + length].contiguous()
-        return inputs, targets
+        return (self.streams[:, start:start + length].contiguous(),
+                self.streams[:, start + 1:start + 1 + length].contiguous())
 
     def __repr__(self) -> str:
         return (f"StreamBatcher(num_tokens={self.num_tokens}, batch_size={self.batch_size}, "
@@ -150,8 +149,7 @@ class StreamBatcher:
 
         Does not touch :attr:`position`. Start from a fresh state before it.
         """
-        for i in range(self._num_batches):
-            yield self.get_batch(i)
+        return map(self.get_batch, range(self._num_batches))
 
     def iter_from(self, step: int | None = None) -> Iterator[Batch]:
         """Endless iterator of :class:`Batch` from ``step`` (default: :attr:`position`).
@@ -172,16 +170,15 @@ class StreamBatcher:
 
     # ------------------------------------------------------------------ resume
 
+    @cached_property
     def _data_crc32(self) -> int:
-        if self._crc is None:
-            arr = np.ascontiguousarray(self.ids.detach().cpu().numpy())
-            self._crc = zlib.crc32(memoryview(arr).cast("B"))
-        return self._crc
+        arr = np.ascontiguousarray(self.ids.detach().cpu().numpy())
+        return zlib.crc32(memoryview(arr).cast("B"))
 
     def _layout(self) -> dict[str, int]:
         return {"num_tokens": self.num_tokens, "batch_size": self.batch_size,
                 "unroll": self.unroll, "rank": self.rank, "world_size": self.world_size,
-                "data_crc32": self._data_crc32()}
+                "data_crc32": self._data_crc32}
 
     def state_dict(self) -> dict[str, int]:
         """Plain-int dict: ``position`` plus the layout it is valid for."""

@@ -55,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import http.client
+import itertools
 import json
 import os
 import sys
@@ -241,17 +242,15 @@ def download(url: str, dest: str | Path, *, retries: int = 3, timeout: float = T
         raise ValueError(f"cannot create the cache folder {str(dest.parent)!r}: "
                          f"{e.strerror or e}; set SRUPP_CACHE to a writable folder") from None
     by_hand = f"download it elsewhere and put it at {dest}"
-    attempt = 0
-    while True:
+    for attempt in itertools.count(1):
         try:
             _download_once(url, part, timeout, progress)
             break
         except _Interrupted as e:
-            if attempt >= retries:
+            if attempt > retries:
                 have = part.stat().st_size if part.exists() else 0
                 raise ValueError(f"download of {url} was interrupted ({e}); {have:,} bytes are "
                                  f"kept in {part}: run again to resume, or {by_hand}") from None
-            attempt += 1
             time.sleep(RETRY_WAIT_S * attempt)
         except urllib.error.HTTPError as e:
             raise ValueError(f"cannot download {url}: HTTP {e.code} {e.reason}; "
@@ -438,7 +437,6 @@ def load_downloaded(name: str, source: str | Path | None = None, *,
     else:
         parts, wheres = blobs, list(spec.members)
 
-    del blobs
     texts: dict[str, str] = {}
     for i, (split, where) in enumerate(zip(SPLITS, wheres)):
         part, parts[i] = parts[i], b""  # free each split's bytes once decoded

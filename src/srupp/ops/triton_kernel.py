@@ -316,10 +316,8 @@ def sru_fwd(U: Tensor, x: Optional[Tensor], weight_c: Tensor, bias: Tensor,
     h = _alloc((B, L, D), U.dtype, dev)
     c_last = _alloc((B, D), torch.float32, dev)
     c_all = _alloc((B, L, D), torch.float32, dev) if store_c else torch.empty(0, device=dev)
-    if B == 0 or D == 0:
-        return h, c_last, c_all
-    if L == 0:
-        c_last.copy_(c0)
+    if B == 0 or D == 0 or L == 0:
+        c_last.copy_(c0)  # (a no-op when B or D is 0)
         return h, c_last, c_all
 
     x_, xs = _optional(x, U, 3)
