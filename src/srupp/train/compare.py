@@ -127,8 +127,7 @@ def parse_models(spec: Optional[str]) -> List[str]:
 def _heads_for(d: int) -> int:
     """d/64 rounded, moved to the nearest divisor of d (at least 1)."""
     target = max(1, round(d / 64))
-    divisors = [h for h in range(1, d + 1) if d % h == 0]
-    return min(divisors, key=lambda h: (abs(h - target), h))
+    return min((h for h in range(1, d + 1) if d % h == 0), key=lambda h: (abs(h - target), h))
 
 
 def shape_overrides(name: str, d: int, base: RunConfig) -> Dict[str, Any]:
@@ -203,9 +202,6 @@ def size_model(name: str, base: RunConfig, vocab: int, target: int,
                 cache[d] = None
         return cache[d]
 
-    def fits(s: Optional[Sized]) -> bool:
-        return s is not None and abs(s.params - target) <= TOLERANCE * target
-
     lo, hi = 0, None  # widest multiple of 8 below target, narrowest above
     for d in range(WIDTH_STEP, MAX_WIDTH + 1, WIDTH_STEP):
         s = at(d)
@@ -222,7 +218,7 @@ def size_model(name: str, base: RunConfig, vocab: int, target: int,
               [s for d, s in cache.items() if d % 8 == 0],
               (at(d) for d in range(max(1, lo + 1), hi if hi is not None else lo + WIDTH_STEP)))
     for group in groups:
-        good = [s for s in group if fits(s)]
+        good = [s for s in group if s is not None and abs(s.params - target) <= TOLERANCE * target]
         if good:
             return min(good, key=lambda s: abs(s.params - target))
     raise UserError(f"no shape of {name} reaches {target} parameters within 10%")
@@ -231,10 +227,8 @@ def size_model(name: str, base: RunConfig, vocab: int, target: int,
 def _valid_curve(run_dir: Path, key: str) -> List[tuple]:
     """[(training seconds, step, metric), ...] from a run's metrics.jsonl."""
     path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
     out = []
-    for ln in path.read_text().splitlines():
+    for ln in path.read_text().splitlines() if path.exists() else []:
         try:
             r = json.loads(ln)
         except json.JSONDecodeError:
@@ -278,9 +272,9 @@ def run_settings(sized: Sized, target: int, overrides: List[str]) -> Dict[str, A
     learning rate, every override) decide whether a result can be reused;
     ``overrides`` (this model's ``--set`` items) is kept for the reader.
     """
-    settings = {"name": sized.name, "params_target": target, "overrides": list(overrides),
-                "config": sized.cfg.to_dict()}
-    return json.loads(json.dumps(settings))  # as it reads back from the file
+    # as it reads back from the file
+    return json.loads(json.dumps({"name": sized.name, "params_target": target,
+                                  "overrides": list(overrides), "config": sized.cfg.to_dict()}))
 
 
 def _differences(old: Dict[str, Any], new: Dict[str, Any], show: int = 4) -> str:
@@ -494,9 +488,7 @@ def compare(data: str, budget: float, params: int, models: Optional[str] = None,
     tf_final = summaries["transformer"].get(key) if "transformer" in summaries else None
 
     def first_time_at(n: str, level: Optional[float]) -> Optional[float]:
-        if level is None:
-            return None
-        return next((sec for sec, _, v in curves[n] if v <= level), None)
+        return next((sec for sec, _, v in curves[n] if level is not None and v <= level), None)
 
     rows = []
     for n in names:

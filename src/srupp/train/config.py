@@ -43,9 +43,7 @@ class DataConfig:
 
     def tokenizer_options(self) -> dict:
         """Keyword options for ``build_tokenizer`` that apply to this tokenizer type."""
-        opts = {}
-        if self.vocab_size is not None:
-            opts["vocab_size"] = self.vocab_size
+        opts = {} if self.vocab_size is None else {"vocab_size": self.vocab_size}
         if self.tokenizer == "word":
             opts.update(min_freq=self.min_freq, lowercase=self.lowercase)
         return opts
