@@ -389,18 +389,15 @@ class SRUpp(StackBase):
         self.causal = causal
         self.mem_len = mem_len
 
-        def has_attention(i: int) -> bool:
-            if attention_last_n_layers != -1:
-                return num_layers - i <= attention_last_n_layers
-            return (i + 1) % attention_every_n_layers == 0
-
         self.layers = nn.ModuleList(
             SRUppCell(first_in if i == 0 else self.output_size, hidden_size, proj_size,
                       dropout=dropout, attn_dropout=attn_dropout, num_heads=num_heads,
                       bidirectional=bidirectional, layer_norm=layer_norm,
                       normalize_after=normalize_after, attn_layer_norm=attn_layer_norm,
                       highway_bias=highway_bias, rescale=rescale, weight_c_init=weight_c_init,
-                      use_attention=has_attention(i),
+                      use_attention=(num_layers - i <= attention_last_n_layers
+                                     if attention_last_n_layers != -1
+                                     else (i + 1) % attention_every_n_layers == 0),
                       highway_dropout=dropout if i + 1 < num_layers else 0.0,
                       batch_first=True, **factory)
             for i in range(num_layers))
@@ -408,9 +405,9 @@ class SRUpp(StackBase):
     def initial_state(self, batch_size: int, *, device=None,
                       mem_len: Optional[int] = None) -> SRUppState:
         """A zero state with empty memory for ``batch_size`` sequences."""
-        p = self.layers[0].weight_c
+        first = self.layers[0]
         c = torch.zeros(self.num_layers, batch_size, self.output_size,
-                        dtype=self.layers[0].state_dtype, device=device or p.device)
+                        dtype=first.state_dtype, device=device or first.weight_c.device)
         return SRUppState(c=c, mem_len=mem_len)
 
     def forward(self, input: Union[Tensor, PackedSequence], state: StateLike = None, *,
@@ -502,13 +499,9 @@ def _append_keep_last(old: Optional[Tensor], new: Tensor, n: Optional[int]) -> T
     attention layer on every training step.)
     """
     L = new.shape[1]
-    if n is not None and L >= n:
-        return new[:, L - n:]
-    if old is None:
-        return new
-    if n is not None and old.shape[1] > n - L:
-        old = old[:, old.shape[1] - (n - L):]
-    return append_steps(old, new)
+    if old is None or (n is not None and L >= n):
+        return _keep_last(new, n)
+    return append_steps(_keep_last(old, None if n is None else n - L), new)
 
 
 def _keep_last(t: Optional[Tensor], n: Optional[int]) -> Optional[Tensor]:
@@ -579,11 +572,9 @@ def _run_stack(owner: nn.Module, layers: Sequence[SRUppCell], input_to_hidden: O
                    else type(attn_mask).__name__)
             raise ValueError(f"attn_mask must be an additive float tensor (L, M + L) = "
                              f"({L}, {M + L}), got {got}")
-    attn = _NO_MASK
-    if any_attention:
-        attn = build_attention_mask(L, M, causal=owner.causal, attn_mask=attn_mask,
-                                    key_padding=key_padding, device=x.device,
-                                    queries_padded=mask is not None)
+    attn = build_attention_mask(L, M, causal=owner.causal, attn_mask=attn_mask,
+                                key_padding=key_padding, device=x.device,
+                                queries_padded=mask is not None) if any_attention else _NO_MASK
 
     # ---- the layers
     if input_to_hidden is not None:

@@ -90,9 +90,7 @@ class SRUppState:
         if not isinstance(self.c, Tensor) or self.c.dim() != 3:
             shape = tuple(self.c.shape) if isinstance(self.c, Tensor) else type(self.c).__name__
             raise ValueError(f"SRUppState.c must be a (num_layers, B, D) tensor, got {shape}")
-        if not self.memory:
-            self.memory = [None] * self.c.shape[0]
-        self.memory = list(self.memory)
+        self.memory = list(self.memory) or [None] * self.c.shape[0]
         if len(self.kv_cache) != len(self.memory):
             self.kv_cache = [None] * len(self.memory)
         if len(self.memory) != self.c.shape[0]:
@@ -133,10 +131,7 @@ class SRUppState:
     @property
     def memory_length(self) -> int:
         """M, the number of past positions held in memory (0 when none)."""
-        for m in self.memory:
-            if m is not None:
-                return m.shape[1]
-        return 0
+        return next((m.shape[1] for m in self.memory if m is not None), 0)
 
     def nbytes(self) -> int:
         """Bytes held by all tensors of the state."""
