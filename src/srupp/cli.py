@@ -19,17 +19,13 @@ from typing import List, Optional
 from .errors import UserError
 
 
-def _flatten_sets(sets: Optional[List[List[str]]]) -> List[str]:
-    return [kv for group in (sets or []) for kv in group]
-
-
 def cmd_train(args) -> int:
     from .train import Trainer, build_config
     from .train.checkpoint import read_json
 
     out = Path(args.out) if args.out else Path("runs") / (Path(args.recipe).stem if args.recipe
                                                          else "default")
-    overrides = _flatten_sets(args.set)
+    overrides = list(args.set)
     if args.data:
         overrides.append(f"data.corpus={args.data}")
     base = None
@@ -57,7 +53,7 @@ def cmd_eval(args) -> int:
     from .train.trainer import check_tokenizer_fits
 
     run_cfg, tokenizer, model, ckpt = load_run(args.checkpoint)
-    cfg = build_config(None, _flatten_sets(args.set), base=run_cfg or None)
+    cfg = build_config(None, args.set, base=run_cfg or None)
     corpus = load_corpus(args.data or cfg.data.corpus)
     text = corpus.split(args.split)
     oov = check_tokenizer_fits(tokenizer, text, cfg.data.max_oov, f"the {args.split} split")
@@ -134,7 +130,7 @@ def cmd_params(args) -> int:
     from .models import parameter_counts
     from .train import build_config
 
-    cfg = build_config(args.recipe, _flatten_sets(args.set))
+    cfg = build_config(args.recipe, args.set)
     if cfg.data.tokenizer == "byte":
         vocab = 256
     elif cfg.data.tokenizer in ("word", "sentencepiece"):
@@ -156,7 +152,7 @@ def cmd_compare(args) -> int:
 
     out = Path(args.out) if args.out else None
     results = compare(args.data, args.budget, args.params, models=args.models, out=out,
-                      recipe=args.recipe, overrides=_flatten_sets(args.set),
+                      recipe=args.recipe, overrides=args.set,
                       progress=not args.no_progress)
     print(json.dumps(results))
     return 0
@@ -170,7 +166,8 @@ def cmd_demo(args) -> int:
 
 
 def _add_set(parser: argparse.ArgumentParser, help: Optional[str] = None) -> None:
-    parser.add_argument("--set", nargs="+", action="append", metavar="KEY=VALUE", help=help)
+    parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                        help=help)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,12 +231,6 @@ def _one_line(text: str) -> str:
     return "; ".join(ln.strip() for ln in str(text).splitlines() if ln.strip())
 
 
-def _os_error_message(e: OSError) -> str:
-    what = e.strerror or _one_line(e) or type(e).__name__
-    paths = [str(f) for f in (e.filename, e.filename2) if f is not None]
-    return f"{' -> '.join(paths)}: {what}" if paths else what
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     # This process is ours: keep freed activation buffers instead of re-faulting
@@ -259,7 +250,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _error(f"srupp {args.command} needs {top}, which is not installed: "
                       f"{install_hint(top)}")
     except OSError as e:
-        return _error(_os_error_message(e))
+        what = e.strerror or _one_line(e) or type(e).__name__
+        paths = [str(f) for f in (e.filename, e.filename2) if f is not None]
+        return _error(f"{' -> '.join(paths)}: {what}" if paths else what)
     except KeyboardInterrupt:
         print("srupp: interrupted", file=sys.stderr)
         return 130

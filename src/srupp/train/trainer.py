@@ -149,7 +149,8 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda s: lr_factor(s, t.warmup_steps, self.total_steps, t.min_lr_ratio))
-        self.scaler = torch.amp.GradScaler("cuda") if self.precision == "fp16" else None
+        # disabled (every call a no-op or a plain optimizer.step()) unless fp16
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.precision == "fp16")
 
         self.step = 0
         self.train_seconds = 0.0
@@ -177,17 +178,13 @@ class Trainer:
 
     def _trainer_state(self) -> Dict[str, Any]:
         return {
-            "step": self.step,
-            "total_steps": self.total_steps,
-            "calibrated": self.calibrated,
-            "refitted": self.refitted,
+            **{k: getattr(self, k) for k in ("step", "total_steps", "calibrated", "refitted",
+                                             "train_seconds", "best_loss")},
             "calibrated_at": list(self.calibrated_at),
-            "train_seconds": self.train_seconds,
-            "best_loss": self.best_loss,
             "interval": dict(self.interval),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "scaler": None if self.scaler is None else self.scaler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else [],
             "data": self.batcher.state_dict(),
@@ -208,14 +205,12 @@ class Trainer:
             self.batcher.load_state_dict(state["data"])
         except (KeyError, ValueError, RuntimeError) as e:
             raise UserError(f"{ckpt / 'trainer.pt'} does not fit this run ({e})") from None
-        if self.scaler is not None and state.get("scaler"):
+        if self.scaler.is_enabled() and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-        self.step = state["step"]
-        self.total_steps = state["total_steps"]
-        self.calibrated = state["calibrated"]
+        for k in ("step", "total_steps", "calibrated", "train_seconds"):
+            setattr(self, k, state[k])
         self.refitted = state.get("refitted", True)  # checkpoints from before the re-fit
         self.calibrated_at = tuple(state.get("calibrated_at", (0, 0.0)))
-        self.train_seconds = state["train_seconds"]
         # checkpoints from before the metric was named by its unit stored bits per token
         self.best_loss = (state["best_loss"] if "best_loss" in state
                           else state["best_bpc"] * math.log(2))
@@ -263,19 +258,15 @@ class Trainer:
             with autocast_context(self.precision, self.device.type):
                 out = model(x, self.carried, targets=y)
             loss = out.loss / t.grad_accum if t.grad_accum > 1 else out.loss
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            self.scaler.scale(loss).backward()
             self.carried = out.state.detach()
             loss_sum += out.loss.item() * y.numel()
             tokens += y.numel()
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
+        self.scaler.unscale_(self.optimizer)
         if t.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
@@ -293,12 +284,6 @@ class Trainer:
     def _save(self, pointers=("last",), info=None) -> None:
         save_checkpoint(self.run_dir, self.step, self.model, self.carried, self._trainer_state(),
                         tokenizer=self.tokenizer.to_dict(), pointers=pointers, info=info)
-
-    def _calibrate(self, step_seconds: list) -> None:
-        """Fix the schedule length so the cosine ends when the time budget does."""
-        self._fit_schedule(sorted(step_seconds)[len(step_seconds) // 2])
-        self.calibrated = True
-        self.calibrated_at = (self.step, self.train_seconds)
 
     def _refit(self) -> None:
         """Fit the schedule length again from the mean step time since calibration."""
@@ -322,22 +307,19 @@ class Trainer:
         The handlers are installed only while this runs, and only from the
         main thread; the previous ones come back afterwards.
         """
-        previous = self._catch_signals()
+        self._signals = 0
+        previous = {}
+        # only the main thread may set handlers; signals are its anyway
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                old = signal.signal(signum, self._on_signal)
+                # None: a handler set outside Python
+                previous[signum] = signal.SIG_DFL if old is None else old
         try:
             return self._train()
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-
-    def _catch_signals(self) -> Dict[int, Any]:
-        self._signals = 0
-        if threading.current_thread() is not threading.main_thread():
-            return {}  # only the main thread may set handlers; signals are its anyway
-        previous = {}
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            old = signal.signal(signum, self._on_signal)
-            previous[signum] = signal.SIG_DFL if old is None else old  # None: set outside Python
-        return previous
 
     def _on_signal(self, signum, frame) -> None:
         # Only ask for a stop: the loop looks between optimiser steps. Raising
@@ -373,7 +355,11 @@ class Trainer:
                     calib_times.append(dt)
                     # the first few steps run slower (allocator and caches warming up)
                     if len(calib_times) >= CALIBRATION_SKIP + t.calibration_steps:
-                        self._calibrate(calib_times[CALIBRATION_SKIP:])
+                        # fix the schedule length so the cosine ends when the time budget does
+                        window = sorted(calib_times[CALIBRATION_SKIP:])
+                        self._fit_schedule(window[len(window) // 2])
+                        self.calibrated = True
+                        self.calibrated_at = (self.step, self.train_seconds)
                         bar.total = self.total_steps
                 elif (not self.refitted and self.train_seconds >= REFIT_AT * t.max_seconds
                       and self.step - self.calibrated_at[0] >= t.calibration_steps):
