@@ -253,10 +253,8 @@ class CharTokenizer(Tokenizer):
 
     def oov_rate(self, text: str) -> float:
         _check_text(text)
-        if not text:
-            return 0.0
         ids = self._lookup(text)
-        return float(np.count_nonzero(ids == 0)) / len(ids)
+        return float(np.count_nonzero(ids == 0)) / len(ids) if len(ids) else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return {"type": self.type_name, "chars": "".join(self.chars)}
