@@ -193,11 +193,9 @@ class TransformerLanguageModel(CausalLM):
         Token embeddings (variance 1/d, as in the SRU++ model) are scaled by √d in
         :meth:`body`; learned positions start at variance ½, that of the sinusoids.
         """
-        std = 0.02
+        std, res_std = 0.02, 0.02 / math.sqrt(2 * len(self.blocks))
         for b in self.blocks:
-            for lin, s in ((b.qkv, std), (b.fc1, std),
-                           (b.proj, std / math.sqrt(2 * len(self.blocks))),
-                           (b.fc2, std / math.sqrt(2 * len(self.blocks)))):
+            for lin, s in ((b.qkv, std), (b.fc1, std), (b.proj, res_std), (b.fc2, res_std)):
                 nn.init.normal_(lin.weight, 0.0, s)
                 nn.init.zeros_(lin.bias)
             b.ln1.reset_parameters()
@@ -251,12 +249,10 @@ class TransformerLanguageModel(CausalLM):
             # plain causal, or one query that sees every key (decoding): no mask
             attn_mask, key_pad = None, None
         else:
-            dev = x.device
-            key_pad = torch.cat([
-                past_pad if past_pad is not None else torch.zeros(B, M, dtype=torch.bool, device=dev),
-                mask_pad if mask_pad is not None else torch.zeros(B, L, dtype=torch.bool, device=dev),
-            ], 1)                                                 # (B, M+L)
-            causal = torch.ones(L, M + L, dtype=torch.bool, device=dev).tril(M)
+            no_pad = torch.zeros(B, M + L, dtype=torch.bool, device=x.device)
+            key_pad = torch.cat([no_pad[:, :M] if past_pad is None else past_pad,
+                                 no_pad[:, M:] if mask_pad is None else mask_pad], 1)  # (B, M+L)
+            causal = torch.ones(L, M + L, dtype=torch.bool, device=x.device).tril(M)
             allowed = causal[None] & ~key_pad[:, None, :]
             # a padded query sees itself (the diagonal at offset M), so that no row is all
             # -inf (its output is unused)
