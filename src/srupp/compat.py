@@ -210,9 +210,8 @@ def _srupp_transform_info(cell: Any, where: str) -> Dict[str, Any]:
     _check_plain_linear(t.linear1, cell.input_size, d_proj, f"{where}.transform_module.linear1")
     ln = t.layer_norm
     _check_layer_norm(ln, f"{where}.transform_module")
-    info = dict(use_attention=name == "SRUppAttention", proj_size=d_proj,
-                dropout=float(t.dropout.p), attn_layer_norm=ln is not None,
-                num_heads=1, attn_dropout=0.0)
+    info = dict(proj_size=d_proj, dropout=float(t.dropout.p), attn_dropout=0.0, num_heads=1,
+                attn_layer_norm=ln is not None, use_attention=name == "SRUppAttention")
     if info["use_attention"]:
         _check_plain_linear(t.linear2, d_proj, 2 * d_proj, f"{where}.transform_module.linear2")
         _check_plain_linear(t.linear3, d_proj, D * k, f"{where}.transform_module.linear3")
@@ -234,15 +233,12 @@ def _srupp_cell_config(cell: Any, where: str = "sru.SRUppCell") -> Dict[str, Any
         raise ValueError(f"{where}: has_skip_term=False is not supported for SRU++ layers")
     if cell.rnn_dropout > 0:
         raise ValueError(f"{where}: rnn_dropout > 0 is not supported for SRU++ layers")
-    info = _srupp_transform_info(cell, where)
     return dict(
-        input_size=cell.input_size, hidden_size=cell.hidden_size, proj_size=info["proj_size"],
-        dropout=info["dropout"], attn_dropout=info["attn_dropout"],
-        num_heads=info["num_heads"], bidirectional=bool(cell.bidirectional),
+        input_size=cell.input_size, hidden_size=cell.hidden_size,
+        **_srupp_transform_info(cell, where), bidirectional=bool(cell.bidirectional),
         layer_norm=cell.layer_norm is not None, normalize_after=bool(cell.normalize_after),
-        attn_layer_norm=info["attn_layer_norm"], highway_bias=float(cell.highway_bias),
-        rescale=bool(cell.rescale), weight_c_init=float(cell.weight_c_init),
-        use_attention=info["use_attention"], highway_dropout=float(cell.dropout),
+        highway_bias=float(cell.highway_bias), rescale=bool(cell.rescale),
+        weight_c_init=float(cell.weight_c_init), highway_dropout=float(cell.dropout),
     )
 
 
@@ -260,8 +256,7 @@ def _attention_layout(flags: List[bool]) -> Dict[str, int]:
                      f"attention_every_n_layers nor attention_last_n_layers")
 
 
-def _check_layers_agree(ours: List[Any], ref: List[Any], config: List[Dict[str, Any]],
-                        kind: str):
+def _check_layers_agree(ours: List[Any], config: List[Dict[str, Any]], kind: str):
     """Each layer of the new stack must be configured like the reference's."""
     for i, (o, cfg) in enumerate(zip(ours, config)):
         for key, want in cfg.items():
@@ -292,7 +287,6 @@ def _check_layers_agree(ours: List[Any], ref: List[Any], config: List[Dict[str, 
 def _convert_sru(ref: Any, batch_first: bool, factory) -> nn.Module:
     cells = list(ref.rnn_lst)
     configs = [_sru_cell_config(c, f"sru.SRU layer {i}") for i, c in enumerate(cells)]
-    _check_input_to_hidden(ref)
     first = configs[0]
     sizes = [cfg["projection_size"] for cfg in configs]
     ours = snn.SRU(
@@ -315,7 +309,6 @@ def _convert_srupp(ref: Any, batch_first: bool, causal: bool, mem_len: Optional[
                          "srupp's SRUpp returns an SRUppState (reshape state.c yourself)")
     cells = list(ref.rnn_lst)
     configs = [_srupp_cell_config(c, f"sru.SRUpp layer {i}") for i, c in enumerate(cells)]
-    _check_input_to_hidden(ref)
     first = configs[0]
     attn = [cfg for cfg in configs if cfg["use_attention"]]
     layout = _attention_layout([cfg["use_attention"] for cfg in configs])
@@ -334,18 +327,15 @@ def _convert_srupp(ref: Any, batch_first: bool, causal: bool, mem_len: Optional[
 def _copy_stack(ours: nn.Module, ref: Any, cells: List[Any], configs: List[Dict[str, Any]],
                 kind: str, copy_cell) -> nn.Module:
     """Check that the new stack's layers match the reference's, then copy every weight."""
-    _check_layers_agree(list(ours.layers), cells, configs, kind)
+    if ref.input_to_hidden is not None:
+        _check_plain_linear(ref.input_to_hidden, ref.input_size, ref.output_size,
+                            "input_to_hidden")
+    _check_layers_agree(list(ours.layers), configs, kind)
     if ref.input_to_hidden is not None:
         _copy(ours.input_to_hidden.weight, ref.input_to_hidden.weight, "input_to_hidden")
     for o, r in zip(ours.layers, cells):
         copy_cell(o, r)
     return ours
-
-
-def _check_input_to_hidden(ref: Any):
-    m = ref.input_to_hidden
-    if m is not None:
-        _check_plain_linear(m, ref.input_size, ref.output_size, "input_to_hidden")
 
 
 # --------------------------------------------------------------------------- weights
@@ -404,10 +394,9 @@ def _copy_srupp_cell(ours: Any, ref: Any):
     planar = _planar(ours.num_matrices, ours.output_size)
     t_ours, t_ref = ours.transform, ref.transform_module
     _copy(t_ours.linear1.weight, t_ref.linear1.weight, "linear1")
+    _copy(t_ours.linear2.weight, t_ref.linear2.weight, "linear2",
+          None if ours.use_attention else planar)
     if ours.use_attention:
-        _copy(t_ours.linear2.weight, t_ref.linear2.weight, "linear2")
         _copy(t_ours.linear3.weight, t_ref.linear3.weight, "linear3", planar)
         _copy(t_ours.alpha, t_ref.alpha, "alpha")
-    else:
-        _copy(t_ours.linear2.weight, t_ref.linear2.weight, "linear2", planar)
     _copy_layer_norm(t_ours.layer_norm, t_ref.layer_norm)
