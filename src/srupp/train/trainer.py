@@ -77,6 +77,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, run_dir, *, resume: bool = False, progress: bool = True):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
         self.progress = progress
         t = cfg.train
         if t.threads:
@@ -223,27 +224,20 @@ class Trainer:
         self._truncate_metrics(self.step)
 
     # --------------------------------------------------------------- logging
-    @property
-    def metrics_path(self) -> Path:
-        return self.run_dir / "metrics.jsonl"
-
     def _truncate_metrics(self, step: int) -> None:
         """Drop lines an interrupted run wrote after its last checkpoint."""
         if not self.metrics_path.exists():
             return
         kept = []
         for ln in self.metrics_path.read_text().splitlines():
-            try:
+            with contextlib.suppress(json.JSONDecodeError):  # a blank line, or one cut by the kill
                 if json.loads(ln).get("step", 0) <= step:
                     kept.append(ln)
-            except json.JSONDecodeError:
-                pass  # a blank line, or one cut by the kill
         atomic_write_text(self.metrics_path, "".join(ln + "\n" for ln in kept))
 
     def _log(self, record: Dict[str, Any]) -> None:
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
-            f.flush()
 
     # ------------------------------------------------------------------ loop
     def _train_step(self, it) -> float:
@@ -339,58 +333,56 @@ class Trainer:
         # build compiled kernels before the clock starts (one-time compilation is not training)
         warm_up(self.device)
         it = self.batcher.iter_from(self.batcher.position)
-        bar = tqdm(total=self.total_steps, initial=self.step, disable=not self.progress,
-                   file=sys.stderr, dynamic_ncols=True, unit="step")
         calib_times: list = []
         last_postfix = 0.0
         try:
-            while (self.step < self.total_steps and not self._signals
-                   and (t.max_seconds is None or self.train_seconds < t.max_seconds)):
-                start = time.perf_counter()
-                loss = self._train_step(it)
-                dt = time.perf_counter() - start
-                self.train_seconds += dt
-                self.interval["seconds"] += dt
-                if not self.calibrated:
-                    calib_times.append(dt)
-                    # the first few steps run slower (allocator and caches warming up)
-                    if len(calib_times) >= CALIBRATION_SKIP + t.calibration_steps:
-                        # fix the schedule length so the cosine ends when the time budget does
-                        window = sorted(calib_times[CALIBRATION_SKIP:])
-                        self._fit_schedule(window[len(window) // 2])
-                        self.calibrated = True
-                        self.calibrated_at = (self.step, self.train_seconds)
+            with tqdm(total=self.total_steps, initial=self.step, disable=not self.progress,
+                      file=sys.stderr, dynamic_ncols=True, unit="step") as bar:
+                while (self.step < self.total_steps and not self._signals
+                       and (t.max_seconds is None or self.train_seconds < t.max_seconds)):
+                    start = time.perf_counter()
+                    loss = self._train_step(it)
+                    dt = time.perf_counter() - start
+                    self.train_seconds += dt
+                    self.interval["seconds"] += dt
+                    if not self.calibrated:
+                        calib_times.append(dt)
+                        # the first few steps run slower (allocator and caches warming up)
+                        if len(calib_times) >= CALIBRATION_SKIP + t.calibration_steps:
+                            # fix the schedule length so the cosine ends when the time budget does
+                            window = sorted(calib_times[CALIBRATION_SKIP:])
+                            self._fit_schedule(window[len(window) // 2])
+                            self.calibrated = True
+                            self.calibrated_at = (self.step, self.train_seconds)
+                            bar.total = self.total_steps
+                    elif (not self.refitted and self.train_seconds >= REFIT_AT * t.max_seconds
+                          and self.step - self.calibrated_at[0] >= t.calibration_steps):
+                        self._refit()
                         bar.total = self.total_steps
-                elif (not self.refitted and self.train_seconds >= REFIT_AT * t.max_seconds
-                      and self.step - self.calibrated_at[0] >= t.calibration_steps):
-                    self._refit()
-                    bar.total = self.total_steps
-                bar.update(1)
-                tok_s = self.interval["tokens"] / max(self.interval["seconds"], 1e-9)
-                now = time.monotonic()
-                if now - last_postfix > 0.5:  # formatting every step costs measurable time
-                    last_postfix = now
-                    left = (f"{max(0.0, t.max_seconds - self.train_seconds):.0f}s"
-                            if t.max_seconds else "-")
-                    bar.set_postfix(loss=f"{loss:.3f}", **{self.metric: _fmt_metric(
-                        self.metric, loss)}, tok_s=f"{tok_s:.0f}", left=left, refresh=False)
-                if self.step % t.log_every == 0:
-                    self._log({"step": self.step,
-                               "train_loss": self.interval["loss_sum"] / self.interval["tokens"],
-                               "lr": self.scheduler.get_last_lr()[0],
-                               "tokens_per_s": tok_s, "train_seconds": self.train_seconds})
-                    self.interval = {"loss_sum": 0.0, "tokens": 0, "seconds": 0.0}
-                if self.step % t.eval_every == 0:
-                    self._evaluate_and_save(t.eval_max_batches)
-                elif self.step % t.save_every == 0:
-                    self._save()
+                    bar.update(1)
+                    tok_s = self.interval["tokens"] / max(self.interval["seconds"], 1e-9)
+                    now = time.monotonic()
+                    if now - last_postfix > 0.5:  # formatting every step costs measurable time
+                        last_postfix = now
+                        left = (f"{max(0.0, t.max_seconds - self.train_seconds):.0f}s"
+                                if t.max_seconds else "-")
+                        bar.set_postfix(loss=f"{loss:.3f}", **{self.metric: _fmt_metric(
+                            self.metric, loss)}, tok_s=f"{tok_s:.0f}", left=left, refresh=False)
+                    if self.step % t.log_every == 0:
+                        iv = self.interval
+                        self._log({"step": self.step, "train_loss": iv["loss_sum"] / iv["tokens"],
+                                   "lr": self.scheduler.get_last_lr()[0],
+                                   "tokens_per_s": tok_s, "train_seconds": self.train_seconds})
+                        self.interval = {"loss_sum": 0.0, "tokens": 0, "seconds": 0.0}
+                    if self.step % t.eval_every == 0:
+                        self._evaluate_and_save(t.eval_max_batches)
+                    elif self.step % t.save_every == 0:
+                        self._save()
         except KeyboardInterrupt:
             # a second signal, or an interrupt raised by code around the trainer
-            bar.close()
             if self._mid_step or self._signals > 1:
                 return self._stopped_without_saving()
             return self._stop_and_save()
-        bar.close()
         if self._signals:
             return self._stop_and_save()
         final = self._evaluate_and_save(None)
