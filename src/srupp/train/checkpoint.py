@@ -76,7 +76,13 @@ def save_checkpoint(run_dir: Path, step: int, model, carried_state, trainer_stat
         os.replace(tmp, final)
     for p in pointers:
         atomic_write_json(run_dir / f"{p}.json", {"dir": name, "step": step, **(info or {})})
-    _remove_unreferenced(run_dir)
+    keep = _referenced(run_dir)
+    if keep is not None:  # never delete on doubt
+        for d in run_dir.glob("ckpt-*"):
+            if d.name not in keep:
+                shutil.rmtree(d, ignore_errors=True)
+        for d in run_dir.glob(".ckpt-*.tmp"):  # saves a kill cut short
+            shutil.rmtree(d, ignore_errors=True)
     return final
 
 
@@ -91,17 +97,6 @@ def _referenced(run_dir: Path) -> Optional[set]:
             except (json.JSONDecodeError, KeyError, TypeError):
                 return None
     return names
-
-
-def _remove_unreferenced(run_dir: Path) -> None:
-    keep = _referenced(run_dir)
-    if keep is None:
-        return  # never delete on doubt
-    for d in run_dir.glob("ckpt-*"):
-        if d.name not in keep:
-            shutil.rmtree(d, ignore_errors=True)
-    for d in run_dir.glob(".ckpt-*.tmp"):  # saves a kill cut short
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def resolve_checkpoint(path: Path, prefer: str = "best") -> Path:
