@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_model
 
-import srupp.models.lm as lm
+import srupp.models.base as base
 from srupp.errors import UserError
 from srupp.models import (MODELS, CausalLM, GRUConfig, LanguageModel, LSTMConfig, SRUConfig,
                           SRUppConfig, TransformerConfig, build_model, config_from_dict,
@@ -98,7 +98,7 @@ def test_an_interrupted_save_never_loads_a_mix(tmp_path, monkeypatch, before, fa
         flat = {**json.loads(OLD["srupp"]), **old.config.to_dict()}
         (tmp_path / "config.json").write_text(json.dumps(flat))
     if fail:
-        monkeypatch.setattr(lm, fail, boom)
+        monkeypatch.setattr(base, fail, boom)
         with pytest.raises(OSError, match="disk full"):
             new.save_pretrained(tmp_path)
         monkeypatch.undo()
@@ -126,7 +126,7 @@ def test_parameter_counts_split_the_total(kind):
 
 def test_model_modules_import_each_other_without_a_cycle():
     """Imports inside functions count: the graph of srupp.models modules is acyclic."""
-    pkg = Path(lm.__file__).parent
+    pkg = Path(base.__file__).parent
     graph = {}
     for f in pkg.glob("*.py"):
         deps = set()

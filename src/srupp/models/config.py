@@ -8,13 +8,14 @@ raise ValueError in the terms of these fields.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import ClassVar, List, Optional
 
 from ..nn.adaptive import check_cutoffs
+from .base import REGISTRY
 
 # Every field LMConfig had when it was one flat union of all model types. A
-# config.json saved then holds all of them (see srupp.models.lm.config_from_dict).
+# config.json saved then holds all of them (see LMConfig.from_dict).
 FLAT_FIELDS = frozenset(
     "vocab_size d_model proj_size num_layers num_heads dropout emb_dropout attn_dropout "
     "highway_bias attention_every_n_layers attention_last_n_layers mem_len tie_embeddings "
@@ -42,6 +43,7 @@ class LMConfig:
     Not built directly: use the config of a model type (SRUppConfig, ...).
     """
 
+    task: ClassVar[str] = "lm"                    # what the model does (srupp.models.base.TASKS)
     type: ClassVar[str] = ""                      # the model type; set by each subclass
 
     vocab_size: int = 256                 # V; 256 for byte-level text
@@ -83,6 +85,29 @@ class LMConfig:
     def to_dict(self) -> dict:
         """The fields, and ``type``: what config_from_dict reads back."""
         return {"type": self.type, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LMConfig":
+        """This config from its fields (``type`` and ``task`` already taken out).
+
+        A key that belongs to another model type is an error, except in a config
+        saved before the per-type configs (it holds every field of every type):
+        there the model of its type never read the other types' fields, so they
+        are dropped, whatever their values.
+        """
+        d = dict(d)
+        own = {f.name for f in fields(cls)}
+        flat = FLAT_FIELDS <= set(d) | {"type"}
+        for key in sorted(set(d) - own):
+            users = [t for t, (c, _) in REGISTRY["lm"].items()
+                     if key in {f.name for f in fields(c)}]
+            if not users:
+                raise ValueError(f"unknown config key {key!r}; a {cls.type} config has "
+                                 f"{', '.join(sorted(own))}")
+            if not flat:
+                raise ValueError(f"{key} applies to type={' or '.join(users)}, not {cls.type}")
+            del d[key]
+        return cls(**d)
 
 
 @dataclass

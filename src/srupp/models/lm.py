@@ -13,60 +13,22 @@ Shapes: B batch, L time, d model width, V vocabulary.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import uuid
-from dataclasses import dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_model as load_weights
-from safetensors.torch import save_model
 from torch import Tensor, nn
 
-from .._files import atomic_path, atomic_write_json
-from ..errors import UserError
 from ..nn import SRUpp, SRUppState
 from ..nn.adaptive import AdaptiveInput, ProjectedAdaptiveLogSoftmax
-from .config import FLAT_FIELDS, LMConfig, SRUppConfig
+from .base import REGISTRY, SavedModel, build_model
+from .config import LMConfig, SRUppConfig
 
-# The registry: model.type -> (config class, model class). Each CausalLM subclass that
-# names a ``config_class`` enters itself here when it is defined (see __init_subclass__).
-MODELS: Dict[str, Tuple[Type[LMConfig], Type["CausalLM"]]] = {}
-
-
-def model_class(model_type: str) -> type:
-    """The CausalLM subclass for a model type (srupp, sru, lstm, gru, transformer)."""
-    if model_type not in MODELS:
-        raise ValueError(f"type must be one of {', '.join(MODELS)}; got {model_type!r}")
-    return MODELS[model_type][1]
-
-
-def config_from_dict(d: dict) -> LMConfig:
-    """The config of ``d["type"]`` (default srupp) with the other entries as its fields.
-
-    A key that belongs to another model type is an error, except in a config
-    saved before the per-type configs (it holds every field of every type):
-    there the model of its type never read the other types' fields, so they
-    are dropped, whatever their values.
-    """
-    d = dict(d)
-    cls = model_class(d.pop("type", "srupp")).config_class
-    own = {f.name for f in fields(cls)}
-    flat = FLAT_FIELDS <= set(d) | {"type"}
-    for key in sorted(set(d) - own):
-        users = [t for t, (c, _) in MODELS.items() if key in {f.name for f in fields(c)}]
-        if not users:
-            raise ValueError(f"unknown config key {key!r}; a {cls.type} config has "
-                             f"{', '.join(sorted(own))}")
-        if not flat:
-            raise ValueError(f"{key} applies to type={' or '.join(users)}, not {cls.type}")
-        del d[key]
-    return cls(**d)
+# The language models' registry: model.type -> (config class, model class). Each CausalLM
+# subclass that names a ``config_class`` enters itself here when it is defined.
+MODELS = REGISTRY["lm"]
 
 
 @dataclass
@@ -84,7 +46,7 @@ class LMOutput:
     state: Any  # SRUppState, or TensorState for the baselines
 
 
-class CausalLM(nn.Module):
+class CausalLM(SavedModel):
     """What every language model here shares: embedding, output head, generation, saving.
 
     embedding → dropout → body → dropout → output. A subclass builds its body
@@ -97,23 +59,9 @@ class CausalLM(nn.Module):
 
     config_class: Type[LMConfig]
 
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        config_class = cls.__dict__.get("config_class")
-        if config_class is not None:
-            if config_class.type in MODELS:
-                raise TypeError(f"two model classes for type {config_class.type!r}: "
-                                f"{MODELS[config_class.type][1].__name__} and {cls.__name__}")
-            MODELS[config_class.type] = (config_class, cls)
-
     def __init__(self, config: LMConfig, *, device=None, dtype=None):
-        want = getattr(type(self), "config_class", None)
-        if want is None or not isinstance(config, want):
-            raise TypeError(f"{type(self).__name__} takes a "
-                            f"{want.__name__ if want else 'model type config'}, got "
-                            f"{type(config).__name__}; srupp.models.build_model builds the "
-                            f"model of any config")
         super().__init__()
+        self.check_config(config)
         self.config = c = config
         factory = {"device": device, "dtype": dtype}
         self.adaptive = c.adaptive_cutoffs is not None
@@ -137,10 +85,6 @@ class CausalLM(nn.Module):
             if c.tie_embeddings:
                 self.output.weight = self.embedding.weight
         self.reset_parameters()
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.parameters()).device
 
     def reset_parameters(self):
         """The reference's enwik8 init: U(±√(3/d)) for the embedding and output, zero output bias.
@@ -181,10 +125,6 @@ class CausalLM(nn.Module):
     def generation_state(self, batch_size: int, mem_len: Optional[int] = None):
         """The state :meth:`generate` starts from (a transformer's KV cache grows unbounded)."""
         return self.initial_state(batch_size, mem_len=mem_len)
-
-    def num_parameters(self) -> int:
-        """Every parameter, embeddings and output included (tied weights counted once)."""
-        return sum(p.numel() for p in self.parameters())
 
     def forward(self, tokens: Tensor, state: Optional[SRUppState] = None, *,
                 targets: Optional[Tensor] = None, mask_pad: Optional[Tensor] = None) -> LMOutput:
@@ -291,53 +231,6 @@ class CausalLM(nn.Module):
         out = self(tokens.unsqueeze(1), state)
         return out.logits[:, -1], out.state
 
-    # ---------------------------------------------------------------- saving
-    def save_pretrained(self, directory: Union[str, os.PathLike]) -> None:
-        """Write ``config.json`` and ``model.safetensors`` into ``directory``.
-
-        Each file is replaced atomically, and both carry the same new save id:
-        a save interrupted between the two leaves a pair that
-        :meth:`from_pretrained` refuses, never one it loads mixed.
-        """
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        save_id = uuid.uuid4().hex
-        with atomic_path(d / "model.safetensors") as tmp:
-            save_model(self, str(tmp), metadata={"save_id": save_id})
-        atomic_write_json(d / "config.json", {**self.config.to_dict(), "save_id": save_id})
-
-    @classmethod
-    def from_pretrained(cls, directory: Union[str, os.PathLike], *,
-                        device=None) -> "CausalLM":
-        """Load a model saved by :meth:`save_pretrained`, in eval mode.
-
-        On CausalLM the model is of the saved type; on a subclass it is that
-        class, or a ValueError names the saved type.
-        Reads only JSON and safetensors: loading never executes code from the files.
-        """
-        d = Path(directory)
-        config, save_id = _read_config(d)
-        model_cls = MODELS[config.type][1]
-        if not issubclass(model_cls, cls):
-            raise ValueError(f"{d} holds a {config.type} model, which {cls.__name__} cannot "
-                             f"load; use {model_cls.__name__}.from_pretrained or "
-                             f"srupp.models.load_model")
-        model = model_cls(config, device=device)
-        weights = d / "model.safetensors"
-        try:
-            with safe_open(str(weights), "pt") as f:
-                weights_id = (f.metadata() or {}).get("save_id")
-            if weights_id != save_id:
-                raise UserError(f"{d}: config.json and model.safetensors come from different "
-                                f"saves (a save was interrupted); save again")
-            load_weights(model, str(weights), device=str(device or "cpu"))
-        except FileNotFoundError:
-            raise UserError(f"{d} has no model.safetensors") from None
-        except (SafetensorError, RuntimeError, OSError) as e:
-            raise UserError(f"{weights} is truncated or corrupt "
-                            f"({str(e).splitlines()[0]})") from None
-        return model.eval()  # like a freshly loaded model elsewhere: ready for inference
-
 
 class LanguageModel(CausalLM):
     """A causal SRU++ language model that carries its state across segments."""
@@ -406,41 +299,6 @@ def _cut_at_stop(ids: List[int], decode: Callable, stops: Sequence[str]) -> List
     while n < len(ids) and len(decode(ids[:n + 1])) <= start:
         n += 1
     return ids[:n]
-
-
-def build_model(config: Union[LMConfig, dict], device=None, dtype=None) -> CausalLM:
-    """A freshly initialised model of ``config.type``; a dict is read by config_from_dict."""
-    if isinstance(config, dict):
-        config = config_from_dict(config)
-    return model_class(config.type)(config, device=device, dtype=dtype)
-
-
-def load_config(directory: Union[str, os.PathLike]) -> LMConfig:
-    """The config of a model saved by :meth:`CausalLM.save_pretrained` in ``directory``."""
-    return _read_config(Path(directory))[0]
-
-
-def _read_config(directory: Path) -> Tuple[LMConfig, Optional[str]]:
-    """The saved config and its save id (None in saves made before save ids)."""
-    path = directory / "config.json"
-    try:
-        d = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path.parent} has no config.json: not a saved srupp model") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} is corrupt ({e})") from None
-    if not isinstance(d, dict):
-        raise UserError(f"{path} is corrupt (not a JSON object)")
-    save_id = d.pop("save_id", None)
-    try:
-        return config_from_dict(d), save_id
-    except (ValueError, TypeError) as e:
-        raise UserError(f"{path}: {e}") from None
-
-
-def load_model(directory: Union[str, os.PathLike], *, device=None) -> CausalLM:
-    """A model saved by ``save_pretrained``, of whatever type it was saved as, in eval mode."""
-    return CausalLM.from_pretrained(directory, device=device)
 
 
 def parameter_counts(config: Union[LMConfig, dict]) -> Dict[str, int]:
