@@ -15,6 +15,14 @@ terms of this API that names the fix.
 
 from .batching import Batch, StreamBatcher
 from . import download  # registers enwik8, text8, wikitext-103 (no download at import)
+from .tables import (
+    TABLES,
+    TableSplits,
+    load_table,
+    read_table,
+    register_table,
+    split_rows,
+)
 from .corpora import (
     CORPORA,
     SHAKESPEARE_TEST_POSITIONS,
@@ -57,4 +65,10 @@ __all__ = [
     "build_tokenizer",
     "register_tokenizer",
     "tokenizer_from_dict",
+    "TABLES",
+    "TableSplits",
+    "load_table",
+    "read_table",
+    "register_table",
+    "split_rows",
 ]
