@@ -8,6 +8,10 @@ its own config dataclass (:mod:`srupp.models.config` for language models).
 from . import baselines  # noqa: F401  (its models enter the registry)
 from .config import (GRUConfig, LMConfig, LSTMConfig, SRUConfig, SRUppConfig,
                      TransformerConfig)
+from .classifier import (Classifier, ClassifierBase, ClassifierConfig, ClassifierOutput,
+                         LSTMClassifier, LSTMClassifierConfig, SRUClassifier,
+                         SRUClassifierConfig, SRUppClassifierConfig, TransformerClassifier,
+                         TransformerClassifierConfig)
 from .base import (REGISTRY, TASKS, SavedModel, build_model, config_from_dict, load_config,
                    load_model, model_class, task_models)
 from .lm import MODELS, CausalLM, LanguageModel, LMOutput, parameter_counts, sample
@@ -15,7 +19,10 @@ from .state import TensorState, state_from_dict
 
 MODEL_TYPES = tuple(MODELS)
 
-__all__ = ["REGISTRY", "SavedModel", "TASKS", "task_models", "CausalLM", "GRUConfig", "LanguageModel", "LMConfig", "LMOutput", "LSTMConfig",
+__all__ = ["Classifier", "ClassifierBase", "ClassifierConfig", "ClassifierOutput",
+           "LSTMClassifier", "LSTMClassifierConfig", "SRUClassifier", "SRUClassifierConfig",
+           "SRUppClassifierConfig", "TransformerClassifier", "TransformerClassifierConfig",
+           "REGISTRY", "SavedModel", "TASKS", "task_models", "CausalLM", "GRUConfig", "LanguageModel", "LMConfig", "LMOutput", "LSTMConfig",
            "MODELS", "MODEL_TYPES", "SRUConfig", "SRUppConfig", "TensorState",
            "TransformerConfig", "build_model", "config_from_dict", "load_config", "load_model",
            "model_class", "parameter_counts", "sample", "state_from_dict"]
