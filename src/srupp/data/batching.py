@@ -1,4 +1,7 @@
-"""Stream batching for recurrent language models (Transformer-XL style).
+"""Batching: token streams for language models, length buckets for pairs and labels.
+
+:class:`StreamBatcher` (language models, Transformer-XL style)
+----------------------------------------------------------------
 
 The token stream is cut into ``batch_size * world_size`` equal contiguous
 streams (the remainder at the end is dropped). Rank ``r`` owns streams
@@ -18,19 +21,27 @@ Steps are global batch indices counted across epochs: step ``s`` is batch
 layout, so the first batch of an epoch starts the streams again from their
 beginning: reset the carried state there (``Batch.epoch_start`` /
 :meth:`StreamBatcher.is_epoch_start`).
+
+:class:`LengthBatcher` (translation, classification)
+----------------------------------------------------
+Independent items (sentence pairs, labelled texts) of varying length are
+grouped with items of similar length, so that little of a padded batch is
+padding; the doc of :class:`LengthBatcher` gives the rule. It hands out
+item indices; padding and tensors are the task's business.
 """
 
 from __future__ import annotations
 
+import random
 import zlib
 from functools import cached_property
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
 
 
-__all__ = ["Batch", "StreamBatcher"]
+__all__ = ["Batch", "StreamBatcher", "LengthBatch", "LengthBatcher"]
 
 
 class Batch(NamedTuple):
@@ -200,6 +211,182 @@ class StreamBatcher:
             raise ValueError("cannot resume: the batcher state was saved for different data or "
                              f"layout ({'; '.join(diffs)}); resume with the same corpus, "
                              "tokenizer, batch_size, unroll, rank and world_size")
+        pos = state["position"]
+        if not _is_int(pos) or pos < 0:
+            raise ValueError(f"the saved batcher position must be a non-negative integer, "
+                             f"got {pos!r}; the checkpoint is corrupt")
+        self.position = int(pos)
+
+
+# ----------------------------------------------------------------------------- length batching
+
+
+class LengthBatch(NamedTuple):
+    """One batch from :meth:`LengthBatcher.iter_from`."""
+
+    indices: list[int]  #: item indices, ascending in length (ties in seeded random order)
+    epoch: int          #: position // len(batcher)
+    epoch_start: bool   #: first batch of an epoch
+
+
+class LengthBatcher:
+    """Batches of items of similar length, at most ``max_tokens`` padded tokens
+    each, for seq2seq and classification.
+
+    ``lengths[i]``: item ``i``'s length in tokens (for a pair, whatever the
+    task pads to, e.g. the longer side). The batches are made once:
+
+    1. the items are sorted by length; items of equal length are ordered by a
+       random permutation drawn from ``random.Random(seed)``, so that the
+       batches mix them rather than follow the data's order;
+    2. the sorted items are cut, in order, into runs where
+       ``len(batch) * max(length in batch) <= max_tokens`` (the padded size)
+       and ``len(batch) <= max_batch_size``. A run grows while the next item
+       still fits; every batch has at least one item, so an item longer than
+       ``max_tokens`` forms a batch of its own.
+
+    The batches themselves stay the same in every epoch; only the order in
+    which an epoch visits them changes: epoch ``e`` visits them in the order
+    of ``random.Random(seed * 1_000_003 + e).shuffle`` (with ``shuffle``;
+    without it, in sorted order). Batch ``p`` since the start of training is
+    therefore a function of ``p`` alone, which makes resuming exact and
+    trivial (:meth:`iter_from`, :meth:`state_dict`).
+
+    * :meth:`iter_from`: the endless training iterator of
+      :class:`LengthBatch`; advances :attr:`position`.
+    * :meth:`batches`: one epoch in the fixed sorted order, for evaluation.
+    """
+
+    def __init__(self, lengths: Sequence[int], max_tokens: int, *, seed: int = 0,
+                 shuffle: bool = True, max_batch_size: Optional[int] = None):
+        self.max_tokens = _int_at_least("max_tokens", max_tokens, 1)
+        self.max_batch_size = (None if max_batch_size is None
+                               else _int_at_least("max_batch_size", max_batch_size, 1))
+        if not _is_int(seed):
+            raise TypeError(f"seed must be an integer, got {seed!r}")
+        self.seed = int(seed)
+        if not isinstance(shuffle, bool):
+            raise TypeError(f"shuffle must be True or False, got {shuffle!r}")
+        self.shuffle = shuffle
+        if isinstance(lengths, (np.ndarray, torch.Tensor)):
+            lengths = lengths.tolist()  # 0-d tensors are no ints: take their values
+        self.lengths: list[int] = list(lengths)
+        if not self.lengths:
+            raise ValueError("lengths is empty: there are no items to batch; check the data")
+        for i, n in enumerate(self.lengths):
+            if not _is_int(n) or n < 1:
+                raise ValueError(f"lengths[{i}] is {n!r}; every item length must be a positive "
+                                 "integer (drop empty items first)")
+        self.lengths = [int(n) for n in self.lengths]
+        self._batches = self._make_batches()
+        #: Batches handed out by :meth:`iter_from` since the start of training
+        #: (the index of the next one, counting across epochs).
+        self.position = 0
+        self._epoch_order: tuple[int, list[int]] = (-1, [])
+
+    def _make_batches(self) -> list[list[int]]:
+        tiebreak = list(range(len(self.lengths)))
+        random.Random(self.seed).shuffle(tiebreak)
+        order = sorted(range(len(self.lengths)), key=lambda i: (self.lengths[i], tiebreak[i]))
+        cap = self.max_batch_size or len(order)
+        batches: list[list[int]] = []
+        batch: list[int] = []
+        for i in order:
+            # Sorted ascending: item i is the longest of the batch it joins.
+            if batch and ((len(batch) + 1) * self.lengths[i] > self.max_tokens
+                          or len(batch) == cap):
+                batches.append(batch)
+                batch = []
+            batch.append(i)
+        batches.append(batch)
+        return batches
+
+    # ------------------------------------------------------------------ layout
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        return len(self._batches)
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next batch (``position // len(self)``)."""
+        return self.position // len(self._batches)
+
+    def batches(self) -> list[list[int]]:
+        """One epoch in the fixed order (sorted by length, unshuffled): for evaluation.
+
+        Fresh lists: changing them changes nothing here. Does not touch
+        :attr:`position`.
+        """
+        return [list(b) for b in self._batches]
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """The order in which epoch ``epoch`` visits the batches (indices into :meth:`batches`)."""
+        epoch = _int_at_least("epoch", epoch, 0)
+        if self._epoch_order[0] != epoch:
+            order = list(range(len(self._batches)))
+            if self.shuffle:
+                random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._epoch_order = (epoch, order)
+        return self._epoch_order[1]
+
+    def __repr__(self) -> str:
+        return (f"LengthBatcher(items={len(self.lengths)}, max_tokens={self.max_tokens}, "
+                f"max_batch_size={self.max_batch_size}, seed={self.seed}, "
+                f"shuffle={self.shuffle}, batches_per_epoch={len(self)}, "
+                f"position={self.position})")
+
+    # --------------------------------------------------------------- iteration
+
+    def iter_from(self, position: Optional[int] = None) -> Iterator[LengthBatch]:
+        """Endless iterator of :class:`LengthBatch` from ``position`` (default:
+        :attr:`position`), batches counted since the start of training.
+
+        Yields exactly what an uninterrupted iteration from 0 yields from its
+        ``position``-th batch on. When batch ``p`` is handed out,
+        :attr:`position` becomes ``p + 1``, so a :meth:`state_dict` taken after
+        processing it resumes at the next batch.
+        """
+        p = _int_at_least("position", self.position if position is None else position, 0)
+        n = len(self._batches)
+        while True:
+            epoch, k = divmod(p, n)
+            indices = list(self._batches[self.epoch_order(epoch)[k]])
+            self.position = p + 1
+            yield LengthBatch(indices, epoch, k == 0)
+            p += 1
+
+    # ------------------------------------------------------------------ resume
+
+    @cached_property
+    def _lengths_crc32(self) -> int:
+        return zlib.crc32(np.asarray(self.lengths, dtype=np.int64).tobytes())
+
+    def _layout(self) -> dict[str, int]:
+        return {"num_items": len(self.lengths), "lengths_crc32": self._lengths_crc32,
+                "max_tokens": self.max_tokens, "max_batch_size": self.max_batch_size or 0,
+                "seed": self.seed, "shuffle": int(self.shuffle)}
+
+    def state_dict(self) -> dict[str, int]:
+        """Plain-int dict: ``position`` plus the data and settings it is valid for
+        (``max_batch_size`` 0: none; ``shuffle`` 0 or 1)."""
+        return {"position": self.position, **self._layout()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :attr:`position`; the data and settings must match the saved ones."""
+        if not isinstance(state, dict) or "position" not in state:
+            raise ValueError("a saved batcher state must be a dict with a 'position'; "
+                             "the checkpoint is corrupt")
+        mine = self._layout()
+        missing = [k for k in mine if k not in state]
+        if missing:
+            raise ValueError(f"the saved batcher state lacks {', '.join(missing)}; the "
+                             "checkpoint is corrupt or from another kind of batcher")
+        diffs = [f"{k}: saved {state[k]!r}, now {v!r}" for k, v in mine.items() if state[k] != v]
+        if diffs:
+            raise ValueError("cannot resume: the batcher state was saved for different data or "
+                             f"settings ({'; '.join(diffs)}); resume with the same data, "
+                             "tokenizer, max_tokens, max_batch_size, seed and shuffle")
         pos = state["position"]
         if not _is_int(pos) or pos < 0:
             raise ValueError(f"the saved batcher position must be a non-negative integer, "
