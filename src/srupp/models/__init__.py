@@ -16,6 +16,8 @@ from .base import (REGISTRY, TASKS, SavedModel, build_model, config_from_dict, l
                    load_model, model_class, task_models)
 from .lm import MODELS, CausalLM, LanguageModel, LMOutput, parameter_counts, sample
 from .state import TensorState, state_from_dict
+from .seq2seq_baselines import (LSTMSeq2Seq, LSTMSeq2SeqConfig, SRUSeq2Seq, SRUSeq2SeqConfig,
+                                TransformerSeq2Seq, TransformerSeq2SeqConfig)
 
 MODEL_TYPES = tuple(MODELS)
 
@@ -26,3 +28,5 @@ __all__ = ["Classifier", "ClassifierBase", "ClassifierConfig", "ClassifierOutput
            "MODELS", "MODEL_TYPES", "SRUConfig", "SRUppConfig", "TensorState",
            "TransformerConfig", "build_model", "config_from_dict", "load_config", "load_model",
            "model_class", "parameter_counts", "sample", "state_from_dict"]
+__all__ += ["LSTMSeq2Seq", "LSTMSeq2SeqConfig", "SRUSeq2Seq", "SRUSeq2SeqConfig",
+            "TransformerSeq2Seq", "TransformerSeq2SeqConfig"]
