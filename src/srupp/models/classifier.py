@@ -163,7 +163,10 @@ def max_pool(h: Tensor, pad: Optional[Tensor]) -> Tensor:
 
 
 def attention_pool(h: Tensor, pad: Optional[Tensor], query: Tensor) -> Tensor:
-    """A weighted mean: softmax over real positions of h·query. query (d,); h (B, L, d) -> (B, d)."""
+    """Softmax over real positions of h·query, then the weighted mean of h.
+
+    h (B, L, d), pad (B, L) bool or None, query (d,) -> (B, d).
+    """
     scores = h @ query                                                   # (B, L)
     if pad is not None:
         scores = scores.masked_fill(pad, float("-inf"))
@@ -334,7 +337,9 @@ class ClassifierBase(SavedModel):
         logits = self.head(pooled)                                       # (B, C)
         if labels is None:
             return ClassifierOutput(logits)
-        loss = F.cross_entropy(logits.float(), labels.to(logits.device))
+        # at least fp32 (half-precision logits lose the loss), fp64 kept for gradcheck
+        loss = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)),
+                               labels)
         return ClassifierOutput(logits, loss)
 
 
