@@ -147,12 +147,13 @@ class TransformerClassifierConfig(ClassifierConfig):
 
 def mean_pool(h: Tensor, pad: Optional[Tensor]) -> Tensor:
     """The mean over real positions: h (B, L, d), pad (B, L) bool or None -> (B, d)."""
+    acc = torch.promote_types(h.dtype, torch.float32)  # a long bf16 sum loses digits
     if pad is None:
-        return h.mean(dim=1)
+        return h.mean(dim=1, dtype=acc).to(h.dtype)
     real = ~pad                                                          # (B, L)
     # where(), not a product: a padded value that is inf or nan must not leak in
-    total = torch.where(real.unsqueeze(-1), h, 0.0).sum(dim=1)           # (B, d)
-    return total / real.sum(dim=1, keepdim=True).to(h.dtype)
+    total = torch.where(real.unsqueeze(-1), h, 0.0).sum(dim=1, dtype=acc)  # (B, d)
+    return (total / real.sum(dim=1, keepdim=True)).to(h.dtype)
 
 
 def max_pool(h: Tensor, pad: Optional[Tensor]) -> Tensor:
