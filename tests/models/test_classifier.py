@@ -19,6 +19,16 @@ EXTRA = {"srupp": {"proj_size": 8, "num_heads": 2}, "sru": {}, "lstm": {},
 V = 30
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and on a shared machine spinning threads
+    made this file 5x slower; the thread count is put back afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def tiny(kind, **kw):
     """A tiny classifier of ``kind`` (d = 16, 2 layers, vocab 30, 3 labels), in eval mode."""
     torch.manual_seed(0)
