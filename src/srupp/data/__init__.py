@@ -19,7 +19,7 @@ terms of this API that names the fix.
 """
 
 from .batching import Batch, LengthBatch, LengthBatcher, StreamBatcher
-from . import download  # registers enwik8, text8, wikitext-103 (no download at import)
+from . import download  # registers the downloadable corpora and tables (no download at import)
 from .tables import (
     TABLES,
     TableSplits,
