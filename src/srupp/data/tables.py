@@ -141,7 +141,7 @@ def _check_columns(columns: Sequence[str]) -> tuple[str, ...]:
         raise ValueError("columns is empty; name the columns to read, e.g. columns=('de', 'en')")
     dupes = sorted({c for c in columns if columns.count(c) > 1})
     if dupes:
-        raise ValueError(f"columns names {', '.join(map(repr, dupes))} more than once; "
+        raise ValueError(f"columns name {', '.join(map(repr, dupes))} more than once; "
                          "name each column once")
     return columns
 
