@@ -1,4 +1,4 @@
-"""The ``srupp`` command: train, eval, generate, params, compare, demo.
+"""The ``srupp`` command: train, eval, generate, translate, classify, params, compare, demo.
 
 Problems with the user's input print one line on stderr and exit with code 2:
 a ``UserError``, any ``ValueError`` or ``TypeError`` the library raises for bad
@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
 import sys
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Iterator, List, Optional
 
 from .errors import UserError
 
@@ -43,30 +45,101 @@ def cmd_train(args) -> int:
     return 130 if summary["interrupted"] else 0
 
 
+def _load_for(args, command: str, task: str):
+    """load_run, refusing a checkpoint of another task with one line."""
+    from .train.checkpoint import load_run
+
+    run_cfg, tokenizer, model, ckpt = load_run(args.checkpoint)
+    have = getattr(model.config, "task", "lm")
+    if have != task:
+        use = {"lm": "eval or generate", "translate": "eval or translate",
+               "classify": "eval or classify"}[have]
+        raise UserError(f"srupp {command} needs a {TASK_NAMES[task]} checkpoint; "
+                        f"{args.checkpoint} holds a {TASK_NAMES[have]} ({have}) model: "
+                        f"use srupp {use}")
+    return run_cfg, tokenizer, model, ckpt
+
+
+TASK_NAMES = {"lm": "language-model", "translate": "translation", "classify": "classification"}
+
+
 def cmd_eval(args) -> int:
     import torch
 
-    from .data import load_corpus
-    from .train import build_config, evaluate
+    from .train import build_config
     from .train.checkpoint import load_run
+
+    run_cfg, tokenizer, model, ckpt = load_run(args.checkpoint)
+    task = getattr(model.config, "task", "lm")
+    base = dict(run_cfg or {})
+    if base and task != "lm":
+        base["task"] = task
+    cfg = build_config(None, args.set, base=base or None)
+    if cfg.task != task:  # a run config that disagrees with its model (or none, for a folder)
+        cfg = build_config(None, [f"task={task}", *args.set])
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    if args.data:
+        cfg.data.corpus = args.data
+    result = {"lm": _eval_lm, "translate": _eval_translate,
+              "classify": _eval_classify}[task](cfg, tokenizer, model, ckpt, args.split)
+    print(json.dumps({**result, "split": args.split, "checkpoint": str(ckpt)}))
+    return 0
+
+
+def _eval_lm(cfg, tokenizer, model, ckpt, split: str) -> dict:
+    from .data import load_corpus
+    from .train import evaluate
     from .train.evaluate import metric_for
     from .train.trainer import check_tokenizer_fits
 
-    run_cfg, tokenizer, model, ckpt = load_run(args.checkpoint)
-    cfg = build_config(None, args.set, base=run_cfg or None)
-    corpus = load_corpus(args.data or cfg.data.corpus)
-    text = corpus.split(args.split)
-    oov = check_tokenizer_fits(tokenizer, text, cfg.data.max_oov, f"the {args.split} split")
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    text = load_corpus(cfg.data.corpus).split(split)
+    oov = check_tokenizer_fits(tokenizer, text, cfg.data.max_oov, f"the {split} split")
     res = evaluate(model, tokenizer.encode(text), batch_size=cfg.eval.batch_size,
                    unroll=cfg.eval.unroll or cfg.train.unroll, mem_len=cfg.eval.mem_len,
                    precision="fp32")
     metric = metric_for(tokenizer)  # bits per character, or perplexity per token
-    print(json.dumps({metric: res[metric], "loss": res["loss"], "tokens": res["tokens"],
-                      "seconds": res["seconds"], "oov_rate": oov, "split": args.split,
-                      "checkpoint": str(ckpt)}))
-    return 0
+    return {metric: res[metric], "loss": res["loss"], "tokens": res["tokens"],
+            "seconds": res["seconds"], "oov_rate": oov}
+
+
+def _eval_translate(cfg, tokenizer, model, ckpt, split: str) -> dict:
+    from .data import load_table
+    from .train.translate import translation_scores
+
+    d, e = cfg.data, cfg.eval
+    rows = load_table(d.corpus, (d.src, d.tgt), test_size=d.test_size,
+                      valid_size=d.valid_size).split(split)
+    res = translation_scores(model, tokenizer, [r[0] for r in rows], [r[1] for r in rows],
+                             beam=e.beam, lenpen=e.lenpen, max_len_a=e.max_len_a,
+                             max_len_b=e.max_len_b, max_tokens=cfg.train.max_tokens,
+                             max_len=d.max_len, truncate=d.truncate)
+    res.pop("hypotheses")
+    return {**res, "beam": e.beam, "lenpen": e.lenpen}
+
+
+def _eval_classify(cfg, tokenizer, model, ckpt, split: str) -> dict:
+    from .data import load_table
+    from .train.checkpoint import load_labels
+    from .train.classify import classification_scores, label_indices
+    from .train.tasks import encode_lines
+
+    d = cfg.data
+    labels = load_labels(ckpt)
+    rows = load_table(d.corpus, (d.text, d.label), stratify=d.label, test_size=d.test_size,
+                      valid_size=d.valid_size).split(split)
+    gold = label_indices(labels, [r[1] for r in rows], f"the {split} split of {d.corpus}")
+    ids = encode_lines(tokenizer, [r[0] for r in rows])
+    if any(len(x) > d.max_len for x in ids):
+        if not d.truncate:
+            raise UserError(f"some texts of the {split} split are longer than data.max_len="
+                            f"{d.max_len} tokens; raise it, or --set data.truncate=true")
+        ids = [x[:d.max_len] for x in ids]
+    start = time.perf_counter()
+    res = classification_scores(model, list(zip(ids, gold)), len(labels),
+                                max_tokens=cfg.train.max_tokens)
+    seconds = time.perf_counter() - start
+    return {**res, "seconds": seconds, "texts_per_s": len(rows) / max(seconds, 1e-9)}
 
 
 class _Streamer:
@@ -97,15 +170,13 @@ class _Streamer:
 def cmd_generate(args) -> int:
     import torch
 
-    from .train.checkpoint import load_run
-
     if args.max_new_tokens < 0:
         raise UserError("--max-new-tokens must be >= 0")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         raise UserError("--top-p must be in (0, 1]")
     if args.top_k is not None and args.top_k < 1:
         raise UserError("--top-k must be >= 1")
-    _, tokenizer, model, _ = load_run(args.checkpoint)
+    _, tokenizer, model, _ = _load_for(args, "generate", "lm")
     prompt_ids = tokenizer.encode(args.prompt).tolist()
     if not prompt_ids:
         raise UserError("--prompt is empty: give at least one character")
@@ -122,6 +193,96 @@ def cmd_generate(args) -> int:
     print(json.dumps({"prompt_tokens": len(prompt_ids), "new_tokens": len(new),
                       "seconds": round(seconds, 3),
                       "tokens_per_s": round(len(new) / max(seconds, 1e-9), 1)}), file=sys.stderr)
+    return 0
+
+
+def _input_batches(stream, max_lines: int) -> Iterator[List[str]]:
+    """Lines of ``stream`` in batches: as many as are already there, up to ``max_lines``.
+
+    A batch is handed on as soon as no further complete line is waiting, so
+    lines typed one by one are answered one by one, and a file is read in
+    full batches.
+    """
+    fd = stream.fileno()
+    pending, buf, eof = [], b"", False
+    while not eof or pending:
+        # wait for input only when there is nothing to hand on
+        while not eof and len(pending) < max_lines:
+            ready, _, _ = select.select([fd], [], [], None if not pending else 0)
+            if not ready:
+                break
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                eof = True
+                if buf:
+                    pending.append(buf)
+                    buf = b""
+                break
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            pending.extend(lines)
+        if pending:
+            batch, pending = pending[:max_lines], pending[max_lines:]
+            yield [ln.decode("utf-8", errors="replace").rstrip("\r") for ln in batch]
+
+
+def cmd_translate(args) -> int:
+    import torch
+
+    from .train.translate import translate_lines
+
+    if args.beam < 1:
+        raise UserError("--beam must be >= 1")
+    if args.batch_size < 1:
+        raise UserError("--batch-size must be >= 1")
+    run_cfg, tokenizer, model, _ = _load_for(args, "translate", "translate")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    data, ev = run_cfg.get("data", {}), run_cfg.get("eval", {})
+    max_len = args.max_len or data.get("max_len")
+    lines = tokens = 0
+    start = time.perf_counter()
+    for batch in _input_batches(sys.stdin, args.batch_size):
+        out = translate_lines(model, tokenizer, batch, beam=args.beam, lenpen=args.lenpen,
+                              max_len_a=ev.get("max_len_a", 1.2), max_len_b=ev.get("max_len_b", 10),
+                              max_len=max_len, truncate=args.truncate)
+        sys.stdout.write("".join(o + "\n" for o in out))
+        sys.stdout.flush()
+        lines += len(batch)
+    seconds = time.perf_counter() - start
+    print(json.dumps({"sentences": lines, "seconds": round(seconds, 3), "beam": args.beam,
+                      "sentences_per_s": round(lines / max(seconds, 1e-9), 2)}),
+          file=sys.stderr)
+    return 0
+
+
+def cmd_classify(args) -> int:
+    import torch
+
+    from .train.checkpoint import load_labels
+    from .train.classify import predict
+    from .train.tasks import encode_lines
+
+    run_cfg, tokenizer, model, ckpt = _load_for(args, "classify", "classify")
+    labels = load_labels(ckpt)
+    if args.top_k is not None and not 1 <= args.top_k <= len(labels):
+        raise UserError(f"--top-k must be between 1 and the number of labels ({len(labels)})")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    max_len = run_cfg.get("data", {}).get("max_len", 256)
+    for batch in _input_batches(sys.stdin, args.batch_size):
+        texts = [t if t.strip() else " " for t in batch]
+        ids = [x[:max_len] or [0] for x in encode_lines(tokenizer, texts)]
+        probs = predict(model, ids)
+        for p in probs:
+            best = int(p.argmax())
+            record = {"label": labels[best], "prob": round(float(p[best]), 6)}
+            if args.top_k:
+                top = p.topk(args.top_k)
+                record["top_k"] = [[labels[int(i)], round(float(v), 6)]
+                                   for v, i in zip(top.values, top.indices)]
+            sys.stdout.write(json.dumps(record) + "\n")
+        sys.stdout.flush()
     return 0
 
 
@@ -171,12 +332,14 @@ def _add_set(parser: argparse.ArgumentParser, help: Optional[str] = None) -> Non
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="srupp", description="SRU++ language models")
+    p = argparse.ArgumentParser(prog="srupp", description="SRU++ sequence models: language "
+                                                         "models, translation, classification")
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="train a language model")
+    t = sub.add_parser("train", help="train a model (task lm, translate or classify)")
     t.add_argument("recipe", nargs="?", help="a TOML recipe (default: built-in defaults)")
-    t.add_argument("--data", help="corpus name, text file or split directory")
+    t.add_argument("--data", help="lm: corpus name, text file or split directory; "
+                                  "translate/classify: a TSV or a split directory")
     t.add_argument("--out", help="run directory (default: runs/<recipe name>)")
     _add_set(t, "override config fields, e.g. --set train.lr=1e-3 model.num_layers=6")
     t.add_argument("--resume", action="store_true", help="continue the run in --out")
@@ -187,8 +350,26 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--checkpoint", required=True, help="run directory or checkpoint folder")
     e.add_argument("--data", help="corpus (default: the run's)")
     e.add_argument("--split", choices=["valid", "test"], default="valid")
-    _add_set(e, "e.g. eval.unroll=512 eval.mem_len=1024 eval.batch_size=1")
+    _add_set(e, "e.g. eval.unroll=512 eval.mem_len=1024 eval.batch_size=1, or eval.beam=1")
     e.set_defaults(func=cmd_eval)
+
+    tr = sub.add_parser("translate", help="translate stdin line by line to stdout")
+    tr.add_argument("--checkpoint", required=True, help="run directory or checkpoint folder")
+    tr.add_argument("--beam", type=int, default=5, help="beam size (1: greedy)")
+    tr.add_argument("--lenpen", type=float, default=1.0,
+                    help="length penalty: a hypothesis scores log p / length**lenpen")
+    tr.add_argument("--batch-size", type=int, default=32, help="sentences decoded together")
+    tr.add_argument("--max-len", type=int, help="source tokens at most (default: the run's)")
+    tr.add_argument("--truncate", action="store_true", help="cut longer sources, not an error")
+    tr.add_argument("--threads", type=int, help="torch threads")
+    tr.set_defaults(func=cmd_translate)
+
+    cl = sub.add_parser("classify", help="label each line of stdin; one JSON line each")
+    cl.add_argument("--checkpoint", required=True, help="run directory or checkpoint folder")
+    cl.add_argument("--top-k", type=int, help="also list the k most likely labels")
+    cl.add_argument("--batch-size", type=int, default=64, help="texts classified together")
+    cl.add_argument("--threads", type=int, help="torch threads")
+    cl.set_defaults(func=cmd_classify)
 
     g = sub.add_parser("generate", help="generate text from a checkpoint")
     g.add_argument("--checkpoint", required=True)

@@ -150,7 +150,7 @@ def test_final_evaluation_on_a_saved_step_updates_the_best_loss(tmp_path, corpus
     """The final evaluation lands on step 8, saved before it: its better loss is stored too."""
     losses = iter([3.0, 2.5, 2.0])  # evaluations at steps 4 and 8, then the final one at 8
 
-    def validate(self, max_batches=None):
+    def validate(self, max_batches=None, *, final=False):
         loss = next(losses)
         return {"loss": loss, "bpc": loss / math.log(2), "ppl": math.exp(loss), "tokens": 1,
                 "seconds": 0.0}

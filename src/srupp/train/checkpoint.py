@@ -5,7 +5,8 @@ A run directory holds one folder per saved step plus two pointer files::
     RUN_DIR/
       config.json            the resolved run config
       tokenizer.json         the tokenizer and its vocabulary
-      ckpt-000500/           model.safetensors, config.json (model), tokenizer.json,
+      labels.json            classification: the labels, in the model's output order
+      ckpt-000500/           model.safetensors, config.json (model), tokenizer.json, labels.json,
                              state.safetensors (the carried SRUppState or TensorState), trainer.pt
                              (optimiser, scheduler, RNG, data position; read with
                              weights_only=True): a folder that stands on its own
@@ -40,9 +41,12 @@ def read_json(path: Path, what: str) -> Any:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, carried_state, trainer_state: Dict[str, Any],
-                    *, tokenizer: Optional[dict] = None, pointers: Tuple[str, ...] = ("last",),
-                    info: Optional[dict] = None) -> Path:
+                    *, files: Optional[Dict[str, Any]] = None,
+                    pointers: Tuple[str, ...] = ("last",), info: Optional[dict] = None) -> Path:
     """Write ``ckpt-<step>`` and point ``pointers`` (e.g. "last", "best") at it.
+
+    ``files``: ``{name: JSON}`` saved beside the model (the tokenizer, a
+    classifier's labels), so that the folder stands on its own.
 
     A folder for ``step`` that a pointer names already holds this run's weights,
     state and data position at ``step``; only its ``trainer.pt`` is replaced
@@ -65,8 +69,8 @@ def save_checkpoint(run_dir: Path, step: int, model, carried_state, trainer_stat
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         model.save_pretrained(tmp)
-        if tokenizer is not None:
-            atomic_write_json(tmp / "tokenizer.json", tokenizer)
+        for file_name, content in (files or {}).items():
+            atomic_write_json(tmp / file_name, content)
         if carried_state is not None:
             with atomic_path(tmp / "state.safetensors") as f:
                 save_file({k: v.contiguous() for k, v in carried_state.to_dict().items()}, str(f))
@@ -162,3 +166,19 @@ def load_run(path, *, device="cpu", prefer: str = "best"):
         raise UserError(f"{ckpt}: the model's vocabulary ({model.config.vocab_size}) does not "
                         f"match its tokenizer ({tokenizer.vocab_size}); the run is damaged")
     return run_cfg, tokenizer, model, ckpt
+
+
+def load_labels(ckpt: Path) -> list:
+    """A classifier's labels, in its output order, from its checkpoint folder (or the run's)."""
+    f = Path(ckpt) / "labels.json"
+    if not f.exists():
+        f = Path(ckpt).parent / "labels.json"
+    return labels_from_json(read_json(f, "labels"), f)
+
+
+def labels_from_json(saved: Any, where) -> list:
+    """The label list of a ``labels.json`` ({"labels": [...]})."""
+    labels = saved.get("labels") if isinstance(saved, dict) else None
+    if not isinstance(labels, list) or not all(isinstance(x, str) for x in labels):
+        raise UserError(f"{where} is corrupt (expected {{\"labels\": [...]}}); the run is damaged")
+    return labels

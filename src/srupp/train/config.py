@@ -1,9 +1,13 @@
 """Run configuration: a TOML recipe plus ``--set key=value`` overrides.
 
-A recipe has four tables, ``[model]``, ``[data]``, ``[train]`` and ``[eval]``;
-every key is optional. Each field below says why it exists; the ``[model]``
-keys are the fields of the config of ``model.type`` (:mod:`srupp.models.config`),
-and a key of another model type is an error.
+A recipe has one top-level key, ``task`` ("lm", the default, "translate" or
+"classify"; ``--set task=translate``), and four tables, ``[model]``,
+``[data]``, ``[train]`` and ``[eval]``; every key is optional. Each field
+below says why it exists; the ``[model]`` keys are the fields of the config
+of the task's ``model.type`` (:mod:`srupp.models`), and a key of another
+model type is an error. Some keys apply to some tasks only: the LM's stream
+layout (``train.batch_size``, ``train.unroll``), the sentence tasks' columns
+and token batches (``data.src``, ``train.max_tokens``, ...).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Union, get_args, get_origin, get_type_hints
 
 from ..errors import UserError
-from ..models import MODELS, LMConfig, config_from_dict
+from ..models import REGISTRY, TASKS, config_from_dict, task_models
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -32,18 +36,35 @@ def _check_minima(section: str, cfg: Any, minima: Dict[str, int]) -> None:
             raise UserError(f"{section}.{name} must be >= {low}, got {value}")
 
 
+# The tokenizer each task uses unless data.tokenizer says otherwise
+DEFAULT_TOKENIZER = {"lm": "byte", "translate": "sentencepiece", "classify": "word"}
+# The data each task reads unless data.corpus says otherwise
+DEFAULT_CORPUS = {"lm": "shakespeare", "translate": "iwslt14-de-en", "classify": None}
+
+
 @dataclass
 class DataConfig:
-    corpus: str = "shakespeare"       # a known corpus name, a text file, or a split directory
-    tokenizer: str = "byte"           # "byte" (256), "char", "word" or "sentencepiece" (built from train)
+    corpus: Optional[str] = None      # lm: a corpus name, text file or split dir; else a TSV or dir
+    tokenizer: Optional[str] = None   # byte|char|word|sentencepiece, built from train (None: task's)
     max_oov: float = 0.01             # refuse data a saved tokenizer covers worse than this
     vocab_size: Optional[int] = None  # word/sentencepiece vocabulary cap; srupp params counts with it
     min_freq: int = 1                 # word level: rarer training words become <unk>
     lowercase: bool = False           # word level: fold case (PTB-style)
+    subword_type: str = "bpe"         # sentencepiece model for translate/classify (lm: unigram)
+    src: str = "de"                   # translate: the source column of the TSV
+    tgt: str = "en"                   # translate: the target column
+    text: str = "text"                # classify: the text column
+    label: str = "label"              # classify: the label column
+    test_size: Optional[int] = None   # TSV rows held out for test (None: min(1000, 5%))
+    valid_size: Optional[int] = None  # TSV rows held out for validation (None: min(1000, 5%))
+    max_len: int = 256                # tokens per source/text sentence the model takes
+    truncate: bool = False            # longer sentences: cut (with a count warned), not an error
 
     def tokenizer_options(self) -> dict:
         """Keyword options for ``build_tokenizer`` that apply to this tokenizer type."""
         opts = {} if self.vocab_size is None else {"vocab_size": self.vocab_size}
+        if self.tokenizer == "sentencepiece" and self.subword_type != "unigram":
+            opts["model_type"] = self.subword_type
         if self.tokenizer == "word":
             opts.update(min_freq=self.min_freq, lowercase=self.lowercase)
         return opts
@@ -52,9 +73,15 @@ class DataConfig:
         if not 0 <= self.max_oov <= 1:
             raise UserError(f"data.max_oov must be in [0, 1], got {self.max_oov}")
         _check_minima("data", self, {"min_freq": 1, "vocab_size": 1})
+        if self.tokenizer is None:
+            return  # the task's default: RunConfig resolves it and checks again
         if (self.min_freq != 1 or self.lowercase) and self.tokenizer != "word":
             raise UserError("data.min_freq and data.lowercase apply to the word tokenizer only; "
                             "unset them or use data.tokenizer=word")
+        _check_minima("data", self, {"test_size": 0, "valid_size": 0, "max_len": 1})
+        if self.subword_type not in ("bpe", "unigram"):
+            raise UserError(f"data.subword_type must be bpe or unigram, "
+                            f"got {self.subword_type!r}")
         if self.vocab_size is not None and self.tokenizer in ("byte", "char"):
             raise UserError(f"data.vocab_size applies to word and sentencepiece tokenizers, "
                             f"not {self.tokenizer!r} ones (their vocabulary is fixed by "
@@ -65,12 +92,16 @@ class DataConfig:
 class TrainConfig:
     max_steps: int = 10_000           # optimiser steps; the cosine ends here unless time ends first
     max_seconds: Optional[float] = None  # training-time budget (evaluation excluded)
-    batch_size: int = 16              # parallel streams B
-    unroll: int = 256                 # tokens per segment L (backprop through time)
+    batch_size: int = 16              # lm: parallel streams B
+    unroll: int = 256                 # lm: tokens per segment L (backprop through time)
+    max_tokens: int = 4096            # translate/classify: padded tokens per batch (one side)
+    label_smoothing: float = 0.1      # translate: ε of the label-smoothed loss
     lr: float = 2e-3                  # peak learning rate
     weight_decay: float = 0.1         # decoupled (AdamW-style), as the paper's RAdam
     no_decay_bias_norm: bool = False  # exempt biases, norms, α and peepholes from decay
-    warmup_steps: int = 200           # linear warm-up, then cosine decay to min_lr_ratio·lr
+    warmup_steps: int = 200           # linear warm-up, then the decay
+    warmup_fraction: Optional[float] = None  # warm-up as a share of the fitted schedule (budgets)
+    schedule: str = "cosine"          # after warm-up: cosine to min_lr_ratio·lr, or inverse_sqrt
     min_lr_ratio: float = 0.0         # where the cosine ends
     grad_clip: float = 1.0            # max global gradient norm (0: off)
     grad_accum: int = 1               # consecutive segments per optimiser step
@@ -86,7 +117,7 @@ class TrainConfig:
 
     def __post_init__(self):
         positive = ("max_steps", "batch_size", "unroll", "grad_accum", "log_every",
-                    "eval_every", "save_every", "calibration_steps")
+                    "eval_every", "save_every", "calibration_steps", "max_tokens")
         _check_minima("train", self, {**dict.fromkeys(positive, 1), "warmup_steps": 0})
         if self.max_seconds is not None and self.max_seconds <= 0:
             raise UserError(f"train.max_seconds must be > 0, got {self.max_seconds}")
@@ -99,16 +130,33 @@ class TrainConfig:
                             f"train.save_every ({self.save_every})")
         if not 0 <= self.min_lr_ratio <= 1:
             raise UserError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0 <= self.label_smoothing < 1:
+            raise UserError(f"train.label_smoothing must be in [0, 1), "
+                            f"got {self.label_smoothing}")
+        if self.schedule not in ("cosine", "inverse_sqrt"):
+            raise UserError(f"train.schedule must be cosine or inverse_sqrt, "
+                            f"got {self.schedule!r}")
+        if self.warmup_fraction is not None and not 0 <= self.warmup_fraction < 1:
+            raise UserError(f"train.warmup_fraction must be in [0, 1), "
+                            f"got {self.warmup_fraction}")
 
 
 @dataclass
 class EvalConfig:
     unroll: Optional[int] = None      # segment length for evaluation (None: train.unroll)
     mem_len: Optional[int] = None     # attention window for evaluation (None: model.mem_len)
-    batch_size: int = 16              # streams; 1 evaluates every token with full context
+    batch_size: int = 16              # lm: streams; 1 evaluates every token with full context
+    beam: int = 5                     # translate: beam size of the final evaluation
+    lenpen: float = 1.0               # translate: length penalty (score / length**lenpen)
+    max_len_a: float = 1.2            # translate: hypotheses end by a·source length + b tokens
+    max_len_b: int = 10
+    bleu_sentences: int = 200         # translate: greedy BLEU on this many during training
 
     def __post_init__(self):
-        _check_minima("eval", self, {"batch_size": 1, "unroll": 1, "mem_len": 0})
+        _check_minima("eval", self, {"batch_size": 1, "unroll": 1, "mem_len": 0, "beam": 1,
+                                     "max_len_b": 0, "bleu_sentences": 1})
+        if self.max_len_a < 0:
+            raise UserError(f"eval.max_len_a must be >= 0, got {self.max_len_a}")
 
 
 @dataclass
@@ -117,27 +165,61 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    task: str = "lm"                  # lm, translate or classify: what the run trains
 
-    def model_config(self, vocab_size: int) -> LMConfig:
-        """The model's config for this run: mem_len defaults to train.unroll (one segment)."""
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise UserError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        d = self.data
+        if d.tokenizer is None:
+            d.tokenizer = DEFAULT_TOKENIZER[self.task]
+        if d.corpus is None:
+            d.corpus = DEFAULT_CORPUS[self.task]
+            if d.corpus is None:
+                raise UserError(f"task={self.task} needs data: give --data FILE.tsv "
+                                f"(or data.corpus in the recipe)")
+        if self.task == "translate" and d.tokenizer != "sentencepiece":
+            raise UserError(f"task=translate uses a joint sentencepiece tokenizer, not "
+                            f"data.tokenizer={d.tokenizer}; unset data.tokenizer")
+        if self.task != "lm" and d.tokenizer in ("byte", "char") and d.vocab_size is not None:
+            raise UserError("data.vocab_size applies to word and sentencepiece tokenizers")
+        DataConfig.__post_init__(d)  # checks that need the resolved tokenizer
+
+    def model_config(self, vocab_size: int, num_labels: Optional[int] = None):
+        """The model's config for this run.
+
+        lm: mem_len defaults to train.unroll (one segment); classify: the
+        number of labels comes from the training data.
+        """
         cfg = {**self.model, "vocab_size": vocab_size}
-        if cfg.get("mem_len") is None:
-            cfg["mem_len"] = self.train.unroll
+        if self.task == "lm":
+            if cfg.get("mem_len") is None:
+                cfg["mem_len"] = self.train.unroll
+        else:
+            cfg["task"] = self.task
+        if self.task == "classify":
+            cfg["num_labels"] = num_labels if num_labels is not None else 2
         return _model_config(cfg)
 
     def to_dict(self) -> Dict[str, Any]:
-        return asdict(self)
+        """The config as build_config(base=...) reads it; ``task`` only when not lm (as
+        language-model runs were saved before there were tasks)."""
+        d = asdict(self)
+        if d["task"] == "lm":
+            del d["task"]
+        return d
 
 
 SECTIONS = ("data", "train", "eval", "model")
-# {key: type} of each section; model: the fields of every model type's config
+# {key: type} of each section; model: the fields of every task's model types' configs
 TYPES = {"data": get_type_hints(DataConfig), "train": get_type_hints(TrainConfig),
          "eval": get_type_hints(EvalConfig),
-         "model": {**{k: t for config_class, _ in MODELS.values()
-                      for k, t in get_type_hints(config_class).items()}, "type": str}}
+         "model": {**{k: t for models in REGISTRY.values() for config_class, _ in models.values()
+                      for k, t in get_type_hints(config_class).items()
+                      if k not in ("task", "type", "num_labels")}, "type": str}}
 
 
-def _model_config(d: Dict[str, Any]) -> LMConfig:
+def _model_config(d: Dict[str, Any]):
     """config_from_dict, with its errors in config keys (num_heads -> model.num_heads)."""
     try:
         return config_from_dict(d)
@@ -201,7 +283,8 @@ def _probe_vocab(tree: Dict[str, Dict[str, Any]]) -> int:
     return 256
 
 
-def _drop_other_types_keys(model: Dict[str, Any], keep: frozenset = frozenset()) -> None:
+def _drop_other_types_keys(model: Dict[str, Any], task: str,
+                           keep: frozenset = frozenset()) -> None:
     """Drop model keys that do not apply to model.type, except those in ``keep``.
 
     Used for a saved run's config (runs saved before the per-type configs
@@ -209,9 +292,9 @@ def _drop_other_types_keys(model: Dict[str, Any], keep: frozenset = frozenset())
     and for a recipe's keys once ``--set model.type=...`` changed the type.
     Keys left in ``keep`` (given with ``--set``) are errors (config_from_dict's).
     """
-    mtype = model.get("type", "srupp")
-    if mtype in MODELS:
-        own = {f.name for f in fields(MODELS[mtype][0])} | {"type"}
+    mtype, models = model.get("type", "srupp"), REGISTRY.get(task, {})
+    if mtype in models:
+        own = {f.name for f in fields(models[mtype][0])} | {"type"}
         for key in set(model) & set(TYPES["model"]) - own - keep:
             del model[key]
 
@@ -223,17 +306,20 @@ def build_config(recipe: Optional[Union[str, Path]] = None,
 
     Args:
         recipe: a TOML file, or None for the defaults.
-        overrides: strings ``"section.key=value"``.
+        overrides: strings ``"section.key=value"``, or ``"task=translate"``.
         base: a dict in the shape of :meth:`RunConfig.to_dict` to start from
             (a saved run's config) instead of the defaults.
     """
     tree: Dict[str, Dict[str, Any]] = {s: {} for s in SECTIONS}
+    task = "lm"
     if base:
+        base = dict(base)
+        task = base.pop("task", "lm")
         for s, vals in base.items():
             if s not in SECTIONS:
                 raise _unknown(s)
             tree[s].update(vals)
-        _drop_other_types_keys(tree["model"])
+        _drop_other_types_keys(tree["model"], task)
     if recipe is not None:
         path = Path(recipe)
         if not path.is_file():
@@ -242,6 +328,11 @@ def build_config(recipe: Optional[Union[str, Path]] = None,
             data = tomllib.loads(path.read_text())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise UserError(f"recipe {path} is not valid TOML: {e}") from None
+        if "task" in data:
+            task = data.pop("task")
+            if not isinstance(task, str):
+                raise UserError(f"recipe {path}: task must be a string "
+                                f"({', '.join(TASKS)}), got {task!r}")
         for s, vals in data.items():
             if s not in SECTIONS or not isinstance(vals, dict):
                 raise UserError(f"recipe {path}: unknown section [{s}]; "
@@ -253,6 +344,9 @@ def build_config(recipe: Optional[Union[str, Path]] = None,
             raise UserError(f"--set expects key=value, got {item!r}")
         key, value = item.split("=", 1)
         key = key.strip()
+        if key == "task":
+            task = value.strip()
+            continue
         if key.count(".") != 1 or key.split(".")[0] not in SECTIONS:
             raise _unknown(key)
         s, name = key.split(".")
@@ -262,7 +356,9 @@ def build_config(recipe: Optional[Union[str, Path]] = None,
     if "type" in set_model_keys:
         # --set model.type=lstm on an SRU++ recipe: the recipe's SRU++-only keys
         # no longer apply; keys given with --set still must
-        _drop_other_types_keys(tree["model"], keep=frozenset(set_model_keys))
+        _drop_other_types_keys(tree["model"], task, keep=frozenset(set_model_keys))
+    if task not in TASKS:
+        raise UserError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
     for s in SECTIONS:
         for name, value in list(tree[s].items()):
             if name not in TYPES[s]:
@@ -271,6 +367,12 @@ def build_config(recipe: Optional[Union[str, Path]] = None,
     tree["model"].pop("vocab_size", None)  # always taken from the tokenizer
     # validate the model fields now; the vocabulary is only known once the tokenizer is
     # built, so vocabulary-dependent checks use data.vocab_size, or else just pass
-    _model_config({**tree["model"], "vocab_size": _probe_vocab(tree)})
+    probe = {**tree["model"], "vocab_size": _probe_vocab(tree)}
+    if task != "lm":
+        probe["task"] = task
+    if task == "classify":
+        probe["num_labels"] = 2
+    _model_config(probe)
     return RunConfig(model=tree["model"], data=DataConfig(**tree["data"]),
-                     train=TrainConfig(**tree["train"]), eval=EvalConfig(**tree["eval"]))
+                     train=TrainConfig(**tree["train"]), eval=EvalConfig(**tree["eval"]),
+                     task=task)

@@ -1,7 +1,10 @@
-"""The language-model trainer: one run directory, exact resume, progress and metrics.
+"""The trainer of every task: one run directory, exact resume, progress and metrics.
 
-The loop, in order: carry the state across segments (detached), accumulate
-gradients over ``grad_accum`` segments, clip, step RAdam, step the schedule;
+The task (:mod:`srupp.train.tasks`: language modelling, translation or
+classification) supplies the data, batches, loss and evaluation; the loop is
+the same for all. In order: accumulate gradients over ``grad_accum``
+micro-batches (a language model carries its state across segments,
+detached), clip, step RAdam, step the schedule;
 log every ``log_every`` steps, validate every ``eval_every``, checkpoint every
 ``save_every``. Everything a resumed run needs is in the checkpoint: weights,
 optimiser, schedule (with its length), RNG, data position, the carried state
@@ -29,14 +32,15 @@ from typing import Any, Dict, Optional
 import torch
 
 from .._files import atomic_write_json, atomic_write_text
-from ..data import StreamBatcher, build_tokenizer, load_corpus, tokenizer_from_dict
 from ..errors import UserError
 from ..models import build_model
 from ..ops import cpu_has_native_bf16, warm_up
 from .checkpoint import (load_carried_state, load_trainer_state, read_json, resolve_checkpoint,
                          save_checkpoint)
+from .classify import ClassificationTask
 from .config import RunConfig
-from .evaluate import autocast_context, evaluate, metric_for
+from .tasks import LMTask, Task, check_tokenizer_fits  # noqa: F401  (re-exported)
+from .translate import TranslationTask
 
 
 CALIBRATION_SKIP = 5  # untimed warm-up steps before the calibration window
@@ -46,26 +50,31 @@ CALIBRATION_SKIP = 5  # untimed warm-up steps before the calibration window
 REFIT_AT = 0.25
 
 
-def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine decay to ``min_ratio`` at ``total``."""
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float,
+              schedule: str = "cosine") -> float:
+    """Linear warm-up over ``warmup`` steps, then the decay.
+
+    cosine: to ``min_ratio`` at ``total``; inverse_sqrt: √(warmup / step),
+    which needs no end (at least ``min_ratio``).
+    """
     if step < warmup:
         return (step + 1) / warmup
+    if schedule == "inverse_sqrt":
+        return max(min_ratio, math.sqrt(max(1, warmup) / (step + 1)))
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def check_tokenizer_fits(tokenizer, text: str, max_oov: float, where: str) -> float:
-    rate = tokenizer.oov_rate(text)
-    if rate > max_oov:
-        raise UserError(
-            f"the saved {tokenizer.to_dict()['type']} tokenizer does not fit {where}: "
-            f"{rate:.1%} of it is out of vocabulary (data.max_oov={max_oov:.1%}); "
-            f"use the data the run was trained on, or raise data.max_oov")
-    return rate
+TASKS = {"lm": LMTask, "translate": TranslationTask, "classify": ClassificationTask}
+
+
+def make_task(cfg: RunConfig) -> Task:
+    """The task ``cfg.task`` names."""
+    return TASKS[cfg.task](cfg)
 
 
 class Trainer:
-    """Train a language model (:func:`~srupp.models.build_model`, any ``model.type``) into ``run_dir``.
+    """Train the model of ``cfg.task`` and ``model.type`` into ``run_dir``.
 
     Args:
         cfg: the run configuration.
@@ -118,24 +127,18 @@ class Trainer:
 
     def _set_up(self, cfg: RunConfig, ckpt: Optional[Path]) -> None:
         t = cfg.train
-        # ---- data and tokenizer
+        # ---- data, tokenizer (and labels)
+        self.task = make_task(cfg)
+        saved = None
         if ckpt is not None:
-            self.tokenizer = tokenizer_from_dict(read_json(self.run_dir / "tokenizer.json",
-                                                           "tokenizer"))
-            self.model_config = cfg.model_config(self.tokenizer.vocab_size)
+            saved = {name: read_json(self.run_dir / name, name.split(".")[0])
+                     for name in self.task.file_names}
+        self.task.load(saved)
+        self.model_config = self.task.model_config
+        if ckpt is not None:
             check_same_shape(self.run_dir, ckpt, self.model_config)
-            self.corpus = load_corpus(cfg.data.corpus)
-            check_tokenizer_fits(self.tokenizer, self.corpus.valid, cfg.data.max_oov,
-                                 f"the validation split of {cfg.data.corpus}")
-        else:
-            self.corpus = load_corpus(cfg.data.corpus)
-            self.tokenizer = build_tokenizer(cfg.data.tokenizer, self.corpus.train,
-                                             **cfg.data.tokenizer_options())
-            self.model_config = cfg.model_config(self.tokenizer.vocab_size)
-        self.metric = metric_for(self.tokenizer)
-        self.train_ids = self.tokenizer.encode(self.corpus.train)
-        self.valid_ids = self.tokenizer.encode(self.corpus.valid)
-        self.batcher = StreamBatcher(self.train_ids, t.batch_size, t.unroll)
+        self.metric = self.task.metric
+        self.batcher = self.task.batcher
 
         # ---- model, optimiser, schedule
         torch.manual_seed(t.seed)
@@ -149,7 +152,8 @@ class Trainer:
         self.calibrated_at = (0, 0.0)  # (step, train_seconds) when first calibrated
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
-            lambda s: lr_factor(s, t.warmup_steps, self.total_steps, t.min_lr_ratio))
+            lambda s: lr_factor(s, self._warmup_steps(), self.total_steps, t.min_lr_ratio,
+                                t.schedule))
         # disabled (every call a no-op or a plain optimizer.step()) unless fp16
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.precision == "fp16")
 
@@ -157,18 +161,40 @@ class Trainer:
         self.train_seconds = 0.0
         self.carried = None
         self.best_loss = float("inf")  # the best validation loss (nats per token)
-        self.interval = {"loss_sum": 0.0, "tokens": 0, "seconds": 0.0}
+        self.interval = _new_interval()
         self._mid_step = False  # inside an optimiser step: the state is not consistent
         self._signals = 0  # SIGINT/SIGTERM received during train()
         if ckpt is not None:
             self._restore(ckpt)
         else:
             atomic_write_json(self.run_dir / "config.json", cfg.to_dict())
-            atomic_write_json(self.run_dir / "tokenizer.json", self.tokenizer.to_dict())
+            for name, content in self.task.files().items():
+                atomic_write_json(self.run_dir / name, content)
             # lines of a run killed before its first checkpoint: it starts again from step 0
             self._truncate_metrics(0)
 
     # ----------------------------------------------------------------- setup
+    @property
+    def tokenizer(self):
+        return self.task.tokenizer
+
+    @property
+    def train_ids(self):  # language modelling only
+        return self.task.train_ids
+
+    @property
+    def valid_ids(self):
+        return self.task.valid_ids
+
+    def _warmup_steps(self) -> int:
+        """train.warmup_steps, or warmup_fraction of the schedule once it is fitted."""
+        t = self.cfg.train
+        if t.warmup_fraction is None:
+            return t.warmup_steps
+        if not self.calibrated:  # the schedule's length is not known yet: warm up as for max_steps
+            return max(1, round(t.warmup_fraction * t.max_steps))
+        return max(1, round(t.warmup_fraction * self.total_steps))
+
     def _param_groups(self):
         if not self.cfg.train.no_decay_bias_norm:
             return [{"params": list(self.model.parameters())}]
@@ -215,11 +241,13 @@ class Trainer:
         # checkpoints from before the metric was named by its unit stored bits per token
         self.best_loss = (state["best_loss"] if "best_loss" in state
                           else state["best_bpc"] * math.log(2))
-        self.interval = dict(state["interval"])
+        self.interval = {**_new_interval(), **state["interval"]}
+        if "count" not in state["interval"]:  # saved when every count was a token count
+            self.interval["count"] = self.interval["tokens"]
         torch.set_rng_state(state["rng"])
         if state.get("cuda_rng"):
             torch.cuda.set_rng_state_all(state["cuda_rng"])
-        carried = load_carried_state(ckpt)
+        carried = load_carried_state(ckpt) if self.task.carries_state else None
         self.carried = None if carried is None else carried.to(self.device)
         self._truncate_metrics(self.step)
 
@@ -242,20 +270,17 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def _train_step(self, it) -> float:
         t = self.cfg.train
-        model, loss_sum, tokens = self.model, 0.0, 0
+        model, loss_sum, count, tokens = self.model, 0.0, 0, 0
         self._mid_step = True
         for _ in range(t.grad_accum):
-            batch = next(it)
-            if batch.epoch_start:
-                self.carried = None  # the streams start again from their beginning
-            x, y = batch.inputs.to(self.device), batch.targets.to(self.device)
-            with autocast_context(self.precision, self.device.type):
-                out = model(x, self.carried, targets=y)
-            loss = out.loss / t.grad_accum if t.grad_accum > 1 else out.loss
+            loss, part_sum, part_count, part_tokens, self.carried = self.task.loss(
+                model, next(it), self.carried, self.device, self.precision)
+            if t.grad_accum > 1:
+                loss = loss / t.grad_accum
             self.scaler.scale(loss).backward()
-            self.carried = out.state.detach()
-            loss_sum += out.loss.item() * y.numel()
-            tokens += y.numel()
+            loss_sum += part_sum
+            count += part_count
+            tokens += part_tokens
         self.scaler.unscale_(self.optimizer)
         if t.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
@@ -265,19 +290,20 @@ class Trainer:
         self.scheduler.step()
         self.step += 1
         self.interval["loss_sum"] += loss_sum
+        self.interval["count"] += count
         self.interval["tokens"] += tokens
         self._mid_step = False
-        return loss_sum / tokens
+        return loss_sum / max(count, 1)
 
-    def validate(self, max_batches: Optional[int] = None) -> Dict[str, float]:
-        e = self.cfg.eval
-        return evaluate(self.model, self.valid_ids, batch_size=e.batch_size,
-                        unroll=e.unroll or self.cfg.train.unroll, mem_len=e.mem_len,
-                        precision=self.precision, max_batches=max_batches)
+    def validate(self, max_batches: Optional[int] = None, *, final: bool = False
+                 ) -> Dict[str, float]:
+        """The task's validation results: ``loss`` and its metrics."""
+        return self.task.validate(self.model, self.precision, final=final,
+                                  max_batches=max_batches)
 
     def _save(self, pointers=("last",), info=None) -> None:
         save_checkpoint(self.run_dir, self.step, self.model, self.carried, self._trainer_state(),
-                        tokenizer=self.tokenizer.to_dict(), pointers=pointers, info=info)
+                        files=self.task.files(), pointers=pointers, info=info)
 
     def _refit(self) -> None:
         """Fit the schedule length again from the mean step time since calibration."""
@@ -366,14 +392,17 @@ class Trainer:
                         last_postfix = now
                         left = (f"{max(0.0, t.max_seconds - self.train_seconds):.0f}s"
                                 if t.max_seconds else "-")
-                        bar.set_postfix(loss=f"{loss:.3f}", **{self.metric: _fmt_metric(
-                            self.metric, loss)}, tok_s=f"{tok_s:.0f}", left=left, refresh=False)
+                        shown = {} if self.task.name != "lm" else {
+                            self.metric: self.task.bar_value(loss)}
+                        bar.set_postfix(loss=f"{loss:.3f}", **shown, tok_s=f"{tok_s:.0f}",
+                                        left=left, refresh=False)
                     if self.step % t.log_every == 0:
                         iv = self.interval
-                        self._log({"step": self.step, "train_loss": iv["loss_sum"] / iv["tokens"],
+                        self._log({"step": self.step,
+                                   "train_loss": iv["loss_sum"] / max(iv["count"], 1),
                                    "lr": self.scheduler.get_last_lr()[0],
                                    "tokens_per_s": tok_s, "train_seconds": self.train_seconds})
-                        self.interval = {"loss_sum": 0.0, "tokens": 0, "seconds": 0.0}
+                        self.interval = _new_interval()
                     if self.step % t.eval_every == 0:
                         self._evaluate_and_save(t.eval_max_batches)
                     elif self.step % t.save_every == 0:
@@ -385,12 +414,10 @@ class Trainer:
             return self._stop_and_save()
         if self._signals:
             return self._stop_and_save()
-        final = self._evaluate_and_save(None)
+        final = self._evaluate_and_save(None, final=True)
         self.plot()
-        summary = {"interrupted": False, "step": self.step, "valid_loss": final["loss"],
-                   "valid_ppl": final["ppl"]}
-        if self.metric == "bpc":
-            summary["valid_bpc"] = final["bpc"]
+        summary = {"interrupted": False, "step": self.step}
+        summary.update({f"valid_{k}": final[k] for k in self.task.summary_keys()})
         summary.update(train_seconds=self.train_seconds, params=self.model.num_parameters())
         return summary
 
@@ -409,25 +436,27 @@ class Trainer:
         print(f"interrupted at once: nothing saved; {where}", file=sys.stderr)
         return {"interrupted": True, "step": step}
 
-    def _evaluate_and_save(self, max_batches) -> Dict[str, float]:
-        res = self.validate(max_batches)
+    def _evaluate_and_save(self, max_batches, *, final: bool = False) -> Dict[str, float]:
+        res = self.validate(max_batches, final=final)
         record = {"step": self.step}
-        if self.metric == "bpc":  # bits per character: only when tokens are characters
-            record["valid_bpc"] = res["bpc"]
-        record.update(valid_ppl=res["ppl"], valid_loss=res["loss"], valid_tokens=res["tokens"],
-                      train_seconds=self.train_seconds)
+        record.update({f"valid_{k}": v for k, v in res.items()})
+        record["train_seconds"] = self.train_seconds
         self._log(record)
         pointers = ["last"]
-        if res["loss"] < self.best_loss:
+        if res["loss"] < self.best_loss:  # every task: the best checkpoint by validation loss
             self.best_loss = res["loss"]
             pointers.append("best")
-        self._save(tuple(pointers), info={"valid_loss": res["loss"],
-                                          f"valid_{self.metric}": res[self.metric]})
+        info = {"valid_loss": res["loss"]}
+        if self.metric in res:
+            info[f"valid_{self.metric}"] = res[self.metric]
+        self._save(tuple(pointers), info=info)
         return res
 
     def plot(self) -> Optional[Path]:
-        """Write ``curves.png``: training and validation bpc (byte and character runs) or
-        perplexity (word and subword runs) against step."""
+        """Write ``curves.png``: training and validation bpc (byte and character runs),
+        perplexity (word and subword runs), or loss (translation: nats per target
+        token; classification: per text), against step; and the task's metric
+        (BLEU, macro-F1) beside it."""
         from .._extras import MissingExtra, require
 
         try:
@@ -438,11 +467,16 @@ class Trainer:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         rows = [json.loads(ln) for ln in self.metrics_path.read_text().splitlines() if ln.strip()]
-        value = (lambda loss: loss / math.log(2)) if self.metric == "bpc" else (
-            lambda loss: math.exp(min(loss, 700.0)))
+        lm = self.task.name == "lm"
+        value = ((lambda loss: loss / math.log(2)) if self.metric == "bpc" else
+                 (lambda loss: math.exp(min(loss, 700.0))) if lm else (lambda loss: loss))
         train = [(r["step"], value(r["train_loss"])) for r in rows if "train_loss" in r]
         valid = [(r["step"], value(r["valid_loss"])) for r in rows if "valid_loss" in r]
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        metric = [(r["step"], r[f"valid_{self.metric}"]) for r in rows
+                  if not lm and f"valid_{self.metric}" in r]
+        fig, axes = plt.subplots(1, 2 if metric else 1, figsize=(12 if metric else 7, 4.5),
+                                 squeeze=False)
+        ax = axes[0][0]
         if train:
             ax.plot(*zip(*train), label="train", alpha=0.8)
         if valid:
@@ -450,11 +484,18 @@ class Trainer:
         ax.set_xlabel("step")
         if self.metric == "bpc":
             ax.set_ylabel("bits per character")
-        else:
+        elif lm:
             ax.set_ylabel("perplexity per token")
             ax.set_yscale("log")
+        else:
+            ax.set_ylabel("loss (nats)")
         ax.grid(alpha=0.3)
         ax.legend()
+        if metric:
+            axes[0][1].plot(*zip(*metric), "o-")
+            axes[0][1].set_xlabel("step")
+            axes[0][1].set_ylabel(f"validation {self.metric}")
+            axes[0][1].grid(alpha=0.3)
         fig.tight_layout()
         out = self.run_dir / "curves.png"
         fig.savefig(out, dpi=100)
@@ -462,8 +503,9 @@ class Trainer:
         return out
 
 
-def _fmt_metric(metric: str, loss: float) -> str:
-    return f"{loss / math.log(2):.3f}" if metric == "bpc" else f"{math.exp(min(loss, 700.0)):.1f}"
+def _new_interval() -> Dict[str, float]:
+    """The sums of one logging interval: the loss's sum and count, tokens read, seconds."""
+    return {"loss_sum": 0.0, "count": 0, "tokens": 0, "seconds": 0.0}
 
 
 def _param_shapes(config: Dict[str, Any]) -> Optional[Dict[str, tuple]]:

@@ -1,0 +1,141 @@
+"""Text classification: labelled texts from a TSV, accuracy and macro-F1.
+
+Data: ``data.corpus`` is a TSV with a header (``data.text`` and
+``data.label`` name the columns), split by :func:`srupp.data.load_table`'s
+one rule, stratified by label so that every validation and test label occurs
+in training; or a directory of ``train.tsv``/``valid.tsv``/``test.tsv``. The
+tokenizer (``data.tokenizer``: word by default, or sentencepiece) is built
+from the training texts; the labels are the training split's, sorted, and
+saved with the run as ``labels.json``.
+
+The logged ``train_loss`` and ``valid_loss`` are the mean cross-entropy per
+text; tokens/s counts text tokens. Macro-F1 averages the F1 of every label
+that occurs in the gold labels or the predictions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from ..data import LengthBatcher, build_tokenizer, load_table, tokenizer_from_dict
+from ..errors import UserError
+from .checkpoint import labels_from_json
+from .evaluate import autocast_context
+from .tasks import SentenceTask, encode_lines, pad_batch
+
+
+class ClassificationTask(SentenceTask):
+    name = "classify"
+    metric = "macro_f1"
+    higher_is_better = True
+    file_names = ("tokenizer.json", "labels.json")
+
+    def load(self, saved: Optional[Dict[str, Any]]) -> None:
+        d = self.cfg.data
+        self.splits = load_table(d.corpus, (d.text, d.label), stratify=d.label,
+                                 test_size=d.test_size, valid_size=d.valid_size)
+        if saved is not None:
+            self.tokenizer = tokenizer_from_dict(saved["tokenizer.json"])
+            self.labels = labels_from_json(saved["labels.json"], "labels.json of this run")
+        else:
+            self.tokenizer = build_tokenizer(
+                d.tokenizer, "\n".join(r[0] for r in self.splits.train),
+                **d.tokenizer_options())
+            self.labels = sorted({r[1] for r in self.splits.train})
+        if len(self.labels) < 2:
+            raise UserError(f"the training split of {d.corpus} has {len(self.labels)} label(s) "
+                            f"in column {d.label!r}; classification needs at least 2")
+        self.model_config = self.cfg.model_config(self.tokenizer.vocab_size, len(self.labels))
+        self.train_items = self.encode_rows(self.splits.train, "the training split")
+        self.valid_items = self.encode_rows(self.splits.valid, "the validation split")
+        self.batcher = LengthBatcher([len(ids) for ids, _ in self.train_items],
+                                     self.cfg.train.max_tokens, seed=self.cfg.train.seed)
+
+    def encode_rows(self, rows: Sequence[Sequence[str]], where: str) -> List[tuple]:
+        """(ids, label index) per row; a label training never saw is an error."""
+        ids = self.fit_lengths(encode_lines(self.tokenizer, [r[0] for r in rows]),
+                               f"the texts of {where}", keep_last=False)
+        return list(zip(ids, label_indices(self.labels, [r[1] for r in rows], where)))
+
+    def files(self) -> Dict[str, Any]:
+        return {"tokenizer.json": self.tokenizer.to_dict(), "labels.json": {"labels": self.labels}}
+
+    def loss(self, model, batch, carried, device, precision):
+        items = [self.train_items[i] for i in batch.indices]
+        tokens, pad = pad_batch([ids for ids, _ in items], device)
+        labels = torch.tensor([y for _, y in items], device=device)
+        with autocast_context(precision, device.type):
+            out = model(tokens, mask_pad=pad, labels=labels)
+        return out.loss, out.loss.item() * len(items), len(items), int((~pad).sum()), None
+
+    def validate(self, model, precision, *, final, max_batches):
+        return classification_scores(model, self.valid_items, len(self.labels),
+                                     max_tokens=self.cfg.train.max_tokens, precision=precision,
+                                     max_batches=None if final else max_batches)
+
+    def summary_keys(self):
+        return ("loss", "accuracy", "macro_f1")
+
+
+def label_indices(labels: Sequence[str], given: Sequence[str], where: str) -> List[int]:
+    """The index of each label in ``labels``; ValueError listing the known ones for others."""
+    index = {name: i for i, name in enumerate(labels)}
+    unseen = sorted({g for g in given if g not in index})
+    if unseen:
+        shown = ", ".join(repr(u) for u in unseen[:5]) + (" ..." if len(unseen) > 5 else "")
+        raise ValueError(f"{where} has label(s) training never saw: {shown}; "
+                         f"the known labels are {', '.join(labels)}")
+    return [index[g] for g in given]
+
+
+@torch.no_grad()
+def predict(model, items: Sequence[Sequence[int]], *, max_tokens: int = 4096,
+            precision: str = "fp32") -> torch.Tensor:
+    """Class probabilities (N, C) of texts given as token ids, in their order."""
+    was_training = model.training
+    model.eval()
+    device = model.device
+    probs: List[Optional[torch.Tensor]] = [None] * len(items)
+    try:
+        for idx in LengthBatcher([len(x) for x in items], max_tokens, shuffle=False).batches():
+            tokens, pad = pad_batch([items[i] for i in idx], device)
+            with autocast_context(precision, device.type):
+                logits = model(tokens, mask_pad=pad).logits
+            for i, p in zip(idx, logits.float().softmax(-1).cpu()):
+                probs[i] = p
+    finally:
+        model.train(was_training)
+    return torch.stack(probs)
+
+
+@torch.no_grad()
+def classification_scores(model, items: Sequence[tuple], num_labels: int, *,
+                          max_tokens: int = 4096, precision: str = "fp32",
+                          max_batches: Optional[int] = None) -> Dict[str, float]:
+    """Loss, accuracy and macro-F1 of ``items`` ((ids, label index) pairs).
+
+    With ``max_batches``, only the texts of the first that many length batches count.
+    """
+    if max_batches is not None:
+        batches = LengthBatcher([len(x) for x, _ in items], max_tokens, shuffle=False).batches()
+        items = [items[i] for idx in batches[:max_batches] for i in idx]
+    probs = predict(model, [x for x, _ in items], max_tokens=max_tokens, precision=precision)
+    gold = torch.tensor([y for _, y in items])
+    pred = probs.argmax(-1)
+    loss = -probs[torch.arange(len(items)), gold].clamp_min(1e-30).log().mean()
+    return {"loss": float(loss), "accuracy": float((pred == gold).float().mean()),
+            "macro_f1": macro_f1(gold, pred, num_labels), "texts": len(items)}
+
+
+def macro_f1(gold: torch.Tensor, pred: torch.Tensor, num_labels: int) -> float:
+    """The mean F1 over labels that occur in ``gold`` or ``pred``."""
+    f1s = []
+    for c in range(num_labels):
+        g, p = gold == c, pred == c
+        if not (g.any() or p.any()):
+            continue
+        tp = int((g & p).sum())
+        f1s.append(2 * tp / (int(g.sum()) + int(p.sum())))
+    return sum(f1s) / len(f1s) if f1s else 0.0
