@@ -159,6 +159,7 @@ class Trainer:
 
         self.step = 0
         self.train_seconds = 0.0
+        self.tokens_seen = 0  # tokens read by training steps (lm: inputs; translate: targets)
         self.carried = None
         self.best_loss = float("inf")  # the best validation loss (nats per token)
         self.interval = _new_interval()
@@ -206,7 +207,7 @@ class Trainer:
     def _trainer_state(self) -> Dict[str, Any]:
         return {
             **{k: getattr(self, k) for k in ("step", "total_steps", "calibrated", "refitted",
-                                             "train_seconds", "best_loss")},
+                                             "train_seconds", "best_loss", "tokens_seen")},
             "calibrated_at": list(self.calibrated_at),
             "interval": dict(self.interval),
             "optimizer": self.optimizer.state_dict(),
@@ -236,6 +237,7 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         for k in ("step", "total_steps", "calibrated", "train_seconds"):
             setattr(self, k, state[k])
+        self.tokens_seen = state.get("tokens_seen", 0)  # absent in checkpoints from before
         self.refitted = state.get("refitted", True)  # checkpoints from before the re-fit
         self.calibrated_at = tuple(state.get("calibrated_at", (0, 0.0)))
         # checkpoints from before the metric was named by its unit stored bits per token
@@ -292,6 +294,7 @@ class Trainer:
         self.interval["loss_sum"] += loss_sum
         self.interval["count"] += count
         self.interval["tokens"] += tokens
+        self.tokens_seen += tokens
         self._mid_step = False
         return loss_sum / max(count, 1)
 
