@@ -30,3 +30,9 @@ __all__ = ["Classifier", "ClassifierBase", "ClassifierConfig", "ClassifierOutput
            "model_class", "parameter_counts", "sample", "state_from_dict"]
 __all__ += ["LSTMSeq2Seq", "LSTMSeq2SeqConfig", "SRUSeq2Seq", "SRUSeq2SeqConfig",
             "TransformerSeq2Seq", "TransformerSeq2SeqConfig"]
+from .seq2seq import (EncoderOutput, Seq2Seq, Seq2SeqConfig, Seq2SeqModel, Seq2SeqOutput,
+                      SRUppSeq2SeqConfig)
+from .decoding import Hypothesis, beam_search, greedy_decode, max_target_length
+__all__ += ["EncoderOutput", "Seq2Seq", "Seq2SeqConfig", "Seq2SeqModel", "Seq2SeqOutput",
+            "SRUppSeq2SeqConfig", "Hypothesis", "beam_search", "greedy_decode",
+            "max_target_length"]
