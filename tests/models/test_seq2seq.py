@@ -237,7 +237,7 @@ def test_source_keys_and_values_are_computed_once_per_sentence(design):
         assert calls == source_calls
 
 
-def test_decode_step_keeps_the_encoder_output_unchanged():
+def test_decode_steps_grow_memory_and_cache_and_keep_the_encoder_output():
     m = make("memory")
     src, pad, tgt = batch()
     with torch.no_grad():
@@ -247,6 +247,8 @@ def test_decode_step_keeps_the_encoder_output_unchanged():
         for t in range(3):
             _, state = m.decode_step(tgt[:, t], state)
     assert torch.equal(enc.states, before)
+    # memory and K/V cache: the source, then one row per step
     assert state.memory_length == src.shape[1] + 3
+    assert [kv.kv.shape[:2] for kv in state.kv_cache] == [(3, src.shape[1] + 3)] * 2
     assert isinstance(EncoderOutput(enc.states, None).index_select(torch.tensor([0])),
                       EncoderOutput)

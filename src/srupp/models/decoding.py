@@ -54,7 +54,7 @@ class Hypothesis:
 
 
 def max_target_length(src_len: int, a: float, b: int) -> int:
-    """Most tokens before EOS for a source of ``src_len`` tokens: floor(a·src_len + b), at least 1."""
+    """Most tokens before EOS for a source of ``src_len`` tokens: floor(a·src_len + b), >= 1."""
     return max(1, math.floor(a * src_len + b))
 
 

@@ -222,7 +222,7 @@ class SRUppSeq2SeqConfig(Seq2SeqConfig):
 
     type: ClassVar[str] = "srupp"
 
-    proj_size: Optional[int] = None       # d′: attention width; None: d_model // 4 (the paper's d/4)
+    proj_size: Optional[int] = None       # d′: attention width; None: d_model // 4 (paper)
     num_heads: int = 1                    # the paper uses single-head attention
     attn_dropout: float = 0.0             # on attention weights
     highway_bias: float = -2.0            # initial b_r: start close to the skip path
@@ -289,7 +289,8 @@ class CrossAttention(nn.Module):
         return self._heads(k), self._heads(v)
 
     def forward(self, h: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
-        """h (B, L, d); k, v from :meth:`keys_values`; mask from :func:`source_mask` -> (B, L, d)."""
+        """h (B, L, d); k, v from :meth:`keys_values`; mask from :func:`source_mask`
+        -> (B, L, d)."""
         B, L, _ = h.shape
         q = self._heads(self.query(self.layer_norm(h)))                 # (B, H, L, d′/H)
         o = F.scaled_dot_product_attention(
