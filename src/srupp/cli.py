@@ -81,6 +81,8 @@ def cmd_eval(args) -> int:
         torch.set_num_threads(cfg.train.threads)
     if args.data:
         cfg.data.corpus = args.data
+        if Path(args.data).is_dir():  # its own splits: the run's split sizes do not apply
+            cfg.data.test_size = cfg.data.valid_size = None
     result = {"lm": _eval_lm, "translate": _eval_translate,
               "classify": _eval_classify}[task](cfg, tokenizer, model, ckpt, args.split)
     print(json.dumps({**result, "split": args.split, "checkpoint": str(ckpt)}))
@@ -126,7 +128,9 @@ def _eval_classify(cfg, tokenizer, model, ckpt, split: str) -> dict:
 
     d = cfg.data
     labels = load_labels(ckpt)
-    rows = load_table(d.corpus, (d.text, d.label), stratify=d.label, test_size=d.test_size,
+    # a split directory's labels are checked against the model's below, not its train.tsv
+    stratify = None if Path(d.corpus).is_dir() else d.label  # a file: split as in training
+    rows = load_table(d.corpus, (d.text, d.label), stratify=stratify, test_size=d.test_size,
                       valid_size=d.valid_size).split(split)
     gold = label_indices(labels, [r[1] for r in rows], f"the {split} split of {d.corpus}")
     ids = encode_lines(tokenizer, [r[0] for r in rows])
