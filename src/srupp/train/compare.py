@@ -2,8 +2,18 @@
 
 Every model is sized to about the same number of parameters (its depth fixed,
 its width searched), trained for the same seconds on the same data, evaluated
-the same way, and timed generating at batch 1. The results go to
-``DIR/results.json``, ``DIR/results.md`` and ``DIR/curves.png``.
+the same way, and timed at inference. The results go to ``DIR/results.json``,
+``DIR/results.md`` and ``DIR/curves.png``.
+
+The task is the recipe's (``task = "lm" | "translate" | "classify"``, or
+``--set task=...``); without a recipe it is language modelling with the
+packaged default recipes. Per task:
+
+    lm         bits per character or perplexity (lower is better); generation
+               speed: tokens/s at batch 1
+    translate  BLEU (higher is better), chrF; translation speed: sentences/s
+               with greedy search and with a beam of 5
+    classify   macro-F1 (higher is better), accuracy; texts/s classified
 
 Each model trains into ``DIR/<name>/``. Before its trainer starts, compare
 creates that directory and writes ``compare.json`` into it: the settings the
@@ -19,8 +29,9 @@ refuses to use it. The one directory compare removes by itself is its own
 that never reached a checkpoint (nothing in it can be resumed).
 
 The default recipes and the tuned learning rates (``compare-tuned-lr.toml``,
-with how they were tuned) ship with the package: ``srupp/recipes``, which in
-a source checkout is the repository's ``recipes/`` directory.
+with how they were tuned; language modelling only) ship with the package:
+``srupp/recipes``, which in a source checkout is the repository's
+``recipes/`` directory.
 """
 
 from __future__ import annotations
@@ -30,16 +41,17 @@ import importlib.resources
 import json
 import math
 import shutil
+import statistics
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .._extras import require
 from .._files import atomic_write_json, atomic_write_text
 from ..errors import UserError
-from ..models import parameter_counts
+from ..models import build_model
 from .config import RunConfig, build_config
 from .evaluate import metric_for
 
@@ -64,6 +76,21 @@ MODELS: Dict[str, tuple] = {
     "srupp-attn-last-1": ("srupp", None, {"attention_last_n_layers": 1}),
 }
 DEFAULT_MODELS = ["srupp", "sru", "lstm", "gru", "transformer"]
+# The sentence tasks' models, as MODELS. SRU++ and the Transformer keep the
+# recipe's depth (the encoder and decoder layers when translating); the
+# recurrent baselines take their classic depth: a 2-layer encoder and a 2-layer
+# decoder for translation (Luong et al. 2015 style), 2 bidirectional layers for
+# classification. There is no GRU for these tasks.
+SENTENCE_MODELS: Dict[str, tuple] = {
+    "srupp": ("srupp", None, {}),
+    "sru": ("sru", 2, {}),
+    "lstm": ("lstm", 2, {}),
+    "transformer": ("transformer", None, {}),
+}
+TASK_MODELS: Dict[str, Dict[str, tuple]] = {
+    "lm": MODELS, "translate": SENTENCE_MODELS, "classify": SENTENCE_MODELS}
+TASK_DEFAULT_MODELS: Dict[str, List[str]] = {
+    "lm": DEFAULT_MODELS, "translate": list(SENTENCE_MODELS), "classify": list(SENTENCE_MODELS)}
 # {corpus: {model name or type: peak learning rate}}, with their provenance
 TUNED_LR_FILE = "compare-tuned-lr.toml"
 SETTINGS_FILE = "compare.json"  # compare's mark on a model directory it created
@@ -73,6 +100,9 @@ TOLERANCE = 0.10
 PROMPT_TOKENS = 64
 NEW_TOKENS = 256
 GENERATION_REPEATS = 3
+SPEED_SENTENCES = 100  # translate: the first validation sentences timed
+SPEED_BEAMS = (1, 5)   # translate: greedy, and the usual beam
+SPEED_TEXTS = 1000     # classify: the first validation texts timed
 
 
 _extracted = contextlib.ExitStack()  # packaged files copied out of a zip, if ever
@@ -112,13 +142,23 @@ def load_tuned_lr(path: Optional[Path] = None) -> Dict[str, Dict[str, float]]:
     return {c: {n: float(v) for n, v in r.items()} for c, r in table.items()}
 
 
-def parse_models(spec: Optional[str]) -> List[str]:
-    names = [n.strip() for n in (spec or ",".join(DEFAULT_MODELS)).split(",") if n.strip()]
+def parse_models(spec: Optional[str], task: str = "lm") -> List[str]:
+    """The ``--models`` names (default: the task's usual set); UserError for one
+    that is unknown or does not apply to ``task``."""
+    valid = TASK_MODELS[task]
+    names = [n.strip() for n in (spec or ",".join(TASK_DEFAULT_MODELS[task])).split(",")
+             if n.strip()]
     if not names:
-        raise UserError(f"--models is empty; choose from {', '.join(MODELS)}")
+        raise UserError(f"--models is empty; choose from {', '.join(valid)}")
     for n in names:
-        if n not in MODELS:
-            raise UserError(f"unknown model {n!r} in --models; valid ones: {', '.join(MODELS)}")
+        if n in valid:
+            continue
+        if any(n in models for models in TASK_MODELS.values()):
+            raise UserError(f"model {n!r} does not apply to task {task}; valid ones for "
+                            f"{task}: {', '.join(valid)}")
+        for_task = "" if task == "lm" else f" for {task}"
+        raise UserError(f"unknown model {n!r} in --models; valid ones{for_task}: "
+                        f"{', '.join(valid)}")
     if len(set(names)) != len(names):
         raise UserError("--models names a model twice")
     return names
@@ -131,11 +171,18 @@ def _heads_for(d: int) -> int:
 
 
 def shape_overrides(name: str, d: int, base: RunConfig) -> Dict[str, Any]:
-    """The model fields of ``name`` at width ``d``."""
-    mtype, depth, extra = MODELS[name]
+    """The model fields of ``name`` at width ``d`` for ``base``'s task.
+
+    An odd ``d`` gives a config that a bidirectional encoder (d/2 units per
+    direction) refuses; the width search skips such widths.
+    """
+    mtype, depth, extra = TASK_MODELS[base.task][name]
     fields: Dict[str, Any] = {"type": mtype, "d_model": d}
     if depth is not None:
-        fields["num_layers"] = depth
+        if base.task == "translate":
+            fields.update(encoder_layers=depth, decoder_layers=depth)
+        else:
+            fields["num_layers"] = depth
     if mtype == "transformer":
         fields["num_heads"] = _heads_for(d)
     elif mtype == "srupp":
@@ -144,6 +191,11 @@ def shape_overrides(name: str, d: int, base: RunConfig) -> Dict[str, Any]:
         fields["num_heads"] = heads if fields["proj_size"] % heads == 0 else 1
     fields.update(extra)
     return fields
+
+
+def _per_model_item(item: str) -> bool:
+    """``NAME:key=value`` (a ':' before the '='), not a ':' inside a value."""
+    return ":" in item.split("=", 1)[0]
 
 
 def split_overrides(overrides: List[str], names: List[str]) -> tuple:
@@ -155,7 +207,7 @@ def split_overrides(overrides: List[str], names: List[str]) -> tuple:
     shared: List[str] = []
     per_model: Dict[str, List[str]] = {n: [] for n in names}
     for item in overrides:
-        if ":" in item.split("=", 1)[0]:  # NAME:key=value, not a ':' in a value
+        if _per_model_item(item):
             name, rest = item.split(":", 1)
             name = name.strip()
             if name not in per_model:
@@ -182,14 +234,26 @@ class Sized:
     params: int
 
 
+def count_parameters(cfg: RunConfig, vocab: int, num_labels: Optional[int] = None) -> int:
+    """The parameters of ``cfg``'s model (any task), built on the meta device
+    so that nothing is allocated."""
+    import torch
+
+    config = cfg.model_config(vocab, num_labels)
+    with torch.device("meta"):
+        return build_model(config).num_parameters()
+
+
 def size_model(name: str, base: RunConfig, vocab: int, target: int,
-               overrides: Optional[List[str]] = None) -> Sized:
+               overrides: Optional[List[str]] = None,
+               num_labels: Optional[int] = None) -> Sized:
     """A width whose parameter count is within 10% of ``target``, or UserError.
 
     Counts grow with width. Multiples of 16 are preferred, then of 8 (the
     closest count among them); only when neither fits (tiny targets) are the
     widths between two multiples of 8 tried one by one. ``overrides`` are
-    this model's own ``key=value`` settings (its tuned learning rate, say).
+    this model's own ``key=value`` settings (its tuned learning rate, say);
+    ``num_labels``: a classifier's number of classes.
     """
     cache: Dict[int, Optional[Sized]] = {}
 
@@ -197,8 +261,8 @@ def size_model(name: str, base: RunConfig, vocab: int, target: int,
         if d not in cache:
             try:
                 cfg = model_run_config(base, shape_overrides(name, d, base), overrides)
-                cache[d] = Sized(name, cfg, parameter_counts(cfg.model_config(vocab))["params"])
-            except UserError:
+                cache[d] = Sized(name, cfg, count_parameters(cfg, vocab, num_labels))
+            except ValueError:  # UserError too: a width this model refuses (odd, say)
                 cache[d] = None
         return cache[d]
 
@@ -238,31 +302,81 @@ def _valid_curve(run_dir: Path, key: str) -> List[tuple]:
     return out
 
 
-def _generation_speed(trainer, repeats: int = GENERATION_REPEATS) -> float:
-    """Tokens/s decoding NEW_TOKENS at batch 1 after a PROMPT_TOKENS validation prompt.
-
-    The median of ``repeats`` timed runs after one untimed warm-up: a single
-    run of a quarter-second is at the mercy of one scheduler hiccup.
+def _median_rate(work: Callable[[], int], device, repeats: int) -> float:
+    """Items per second of ``work()`` (which returns how many it did): the median
+    of ``repeats`` timed runs after one untimed warm-up, in eval mode, without
+    gradients. One run of a quarter-second is at the mercy of one scheduler
+    hiccup, and the first warms caches and allocators.
     """
-    import statistics
+    import torch
 
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    speeds = []
+    with torch.no_grad():
+        for i in range(repeats + 1):
+            sync()
+            start = time.perf_counter()
+            done = work()
+            sync()
+            if i:
+                speeds.append(done / max(time.perf_counter() - start, 1e-9))
+    return statistics.median(speeds)
+
+
+def _generation_speed(trainer, repeats: int = GENERATION_REPEATS) -> float:
+    """Tokens/s decoding NEW_TOKENS at batch 1 after a PROMPT_TOKENS validation prompt."""
     import torch
 
     model = trainer.model
     model.eval()
     prompt = trainer.valid_ids[:PROMPT_TOKENS].tolist() or trainer.train_ids[:PROMPT_TOKENS].tolist()
-    sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
-    speeds = []
-    with torch.no_grad():
-        for i in range(repeats + 1):
-            gen = torch.Generator(device=trainer.device).manual_seed(0)
-            sync()
-            start = time.perf_counter()
-            new = model.generate([prompt], NEW_TOKENS, temperature=1.0, generator=gen)[0]
-            sync()
-            if i:  # the first run warms caches and allocators
-                speeds.append(len(new) / max(time.perf_counter() - start, 1e-9))
-    return statistics.median(speeds)
+
+    def work() -> int:
+        gen = torch.Generator(device=trainer.device).manual_seed(0)
+        return len(model.generate([prompt], NEW_TOKENS, temperature=1.0, generator=gen)[0])
+
+    return _median_rate(work, trainer.device, repeats)
+
+
+def _translation_speed(trainer, repeats: int = GENERATION_REPEATS) -> Dict[str, float]:
+    """Sentences/s translating the first SPEED_SENTENCES validation sources, per beam
+    in SPEED_BEAMS: ``{"sentences_per_s_beam1": ..., "sentences_per_s_beam5": ...}``.
+
+    Batched as the run's evaluation is (``train.max_tokens`` source tokens per
+    batch, the run's precision and length limits), so the figure is throughput.
+    """
+    from .translate import translate_lines
+
+    task, cfg, model = trainer.task, trainer.cfg, trainer.model
+    model.eval()
+    rows = task.splits.valid[:SPEED_SENTENCES] or task.splits.train[:SPEED_SENTENCES]
+    sources = [r[0] for r in rows]
+    e, d = cfg.eval, cfg.data
+    out = {}
+    for beam in SPEED_BEAMS:
+        def work(beam: int = beam) -> int:
+            translate_lines(model, task.tokenizer, sources, beam=beam, lenpen=e.lenpen,
+                            max_len_a=e.max_len_a, max_len_b=e.max_len_b,
+                            max_tokens=cfg.train.max_tokens, max_len=d.max_len,
+                            truncate=d.truncate, precision=trainer.precision)
+            return len(sources)
+        out[f"sentences_per_s_beam{beam}"] = _median_rate(work, trainer.device, repeats)
+    return out
+
+
+def _classification_speed(trainer, repeats: int = GENERATION_REPEATS) -> Dict[str, float]:
+    """Texts/s classifying the first SPEED_TEXTS validation texts (already tokenized),
+    batched under ``train.max_tokens`` in the run's precision: ``{"texts_per_s": ...}``."""
+    from .classify import predict
+
+    task, cfg, model = trainer.task, trainer.cfg, trainer.model
+    items = [ids for ids, _ in (task.valid_items[:SPEED_TEXTS] or task.train_items[:SPEED_TEXTS])]
+
+    def work() -> int:
+        predict(model, items, max_tokens=cfg.train.max_tokens, precision=trainer.precision)
+        return len(items)
+
+    return {"texts_per_s": _median_rate(work, trainer.device, repeats)}
 
 
 def run_settings(sized: Sized, target: int, overrides: List[str]) -> Dict[str, Any]:
@@ -360,17 +474,25 @@ def run_one(sized: Sized, run_dir: Path, settings: Dict[str, Any], state: str,
     result = trainer.train()
     if result.get("interrupted"):
         raise KeyboardInterrupt
-    t = sized.cfg.train
-    tokens = trainer.step * t.batch_size * t.unroll * t.grad_accum
+    t, task = sized.cfg.train, sized.cfg.task
     summary = {
         "name": sized.name, "params": trainer.model.num_parameters(),
-        "model": sized.cfg.model, "lr": t.lr, "step": trainer.step, "tokens": tokens,
+        "model": sized.cfg.model, "lr": t.lr, "step": trainer.step,
         "train_seconds": result["train_seconds"],
-        # valid_ppl always; valid_bpc only for byte and char tokenizers
-        **{k: result[k] for k in ("valid_bpc", "valid_ppl") if k in result},
         "tokenizer": trainer.tokenizer.to_dict()["type"],
-        "generate_tokens_per_s": _generation_speed(trainer),
     }
+    if task == "lm":
+        summary.update(
+            tokens=trainer.step * t.batch_size * t.unroll * t.grad_accum,
+            # valid_ppl always; valid_bpc only for byte and char tokenizers
+            **{k: result[k] for k in ("valid_bpc", "valid_ppl") if k in result},
+            generate_tokens_per_s=_generation_speed(trainer))
+    else:
+        # sentences vary in length: count what training read (targets; texts)
+        summary["tokens"] = trainer.tokens_seen
+        summary.update({k: v for k, v in result.items() if k.startswith("valid_")})
+        speed = _translation_speed if task == "translate" else _classification_speed
+        summary.update(speed(trainer))
     atomic_write_json(summary_path, summary)
     return summary
 
@@ -385,24 +507,82 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def write_markdown(path: Path, results: Dict[str, Any]) -> None:
-    cols = ["name", "params", "tokens", "tokens_per_s", "train_seconds", "final",
-            "time_to_best_baseline", "time_to_transformer_final", "generate_tokens_per_s", "lr"]
-    lines = [f"Validation metric: **{results['metric']}** (lower is better); the "
-             f"time_to_* columns are the training seconds at which a model's validation "
-             f"curve first reached the best baseline's (or the Transformer's) final value.", "",
+# the main validation metric of each task's results; higher is better for these
+HIGHER_IS_BETTER = ("bleu", "macro_f1")
+# results.md's columns between "final" and "lr", by metric (the LM's otherwise)
+TASK_COLUMNS = {
+    "bleu": ["bleu", "chrf", "time_to_best_baseline", "time_to_transformer_final",
+             "sentences_per_s_beam1", "sentences_per_s_beam5"],
+    "macro_f1": ["accuracy", "macro_f1", "time_to_best_baseline",
+                 "time_to_transformer_final", "texts_per_s"],
+}
+LM_COLUMNS = ["time_to_best_baseline", "time_to_transformer_final", "generate_tokens_per_s"]
+
+
+def first_time_at(curve: Sequence[tuple], level: Optional[float],
+                  higher_is_better: bool = False) -> Optional[float]:
+    """The training seconds of the first point of ``curve`` ((seconds, step, value), ...)
+    at ``level`` or better (>= when higher is better, else <=); None if none is."""
+    if level is None:
+        return None
+    reached = (lambda v: v >= level) if higher_is_better else (lambda v: v <= level)
+    return next((sec for sec, _, v in curve if reached(v)), None)
+
+
+def best_value(values: Sequence[Optional[float]], higher_is_better: bool = False
+               ) -> Optional[float]:
+    """The best of ``values`` (None ignored): the highest or the lowest; None if none."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return None
+    return max(known) if higher_is_better else min(known)
+
+
+def _header(metric: str, base: Optional[RunConfig]) -> str:
+    """results.md's first line: the metric, which way is better, how it was measured."""
+    reached = ("first reached (>=)" if metric in HIGHER_IS_BETTER else "first reached (<=)")
+    time_to = (f"the time_to_* columns are the training seconds at which a model's validation "
+               f"curve {reached} the best baseline's (or the Transformer's) final value.")
+    if metric == "bleu":
+        e = base.eval if base is not None else None
+        beam = f"beam {e.beam}" if e else "beam search"
+        capped = f"the first {e.bleu_sentences}" if e else "the first eval.bleu_sentences"
+        return (f"Validation metric: **bleu** (higher is better). `final` translates the whole "
+                f"validation split with {beam}; the curves' points during training are greedy "
+                f"BLEU on {capped} validation sentences, their last point is the final one; "
+                f"{time_to} Speeds: sentences/s on the first {SPEED_SENTENCES} validation "
+                f"sentences, batched as in evaluation (median of {GENERATION_REPEATS} after a "
+                f"warm-up).")
+    if metric == "macro_f1":
+        return (f"Validation metric: **macro_f1** (higher is better), on the validation split; "
+                f"{time_to} texts_per_s: classifying the first {SPEED_TEXTS} validation texts, "
+                f"batched as in evaluation (median of {GENERATION_REPEATS} after a warm-up).")
+    return (f"Validation metric: **{metric}** (lower is better); the time_to_* columns are the "
+            f"training seconds at which a model's validation curve first reached the best "
+            f"baseline's (or the Transformer's) final value.")
+
+
+def write_markdown(path: Path, results: Dict[str, Any], base: Optional[RunConfig] = None) -> None:
+    """``results`` as a table under a line that says what the metric is; ``base``
+    (the compared run config) names the translation evaluation's settings."""
+    metric = results["metric"]
+    cols = (["name", "params", "tokens", "tokens_per_s", "train_seconds", "final"]
+            + TASK_COLUMNS.get(metric, LM_COLUMNS) + ["lr"])
+    lines = [_header(metric, base), "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for m in results["models"]:
-        lines.append("| " + " | ".join(_fmt(m[c]) for c in cols) + " |")
+        lines.append("| " + " | ".join(_fmt(m.get(c)) for c in cols) + " |")
     atomic_write_text(path, "\n".join(lines) + "\n")
 
 
 def plot_curves(path: Path, curves: Dict[str, List[tuple]], metric: str,
-                tokens_per_step: Dict[str, int]) -> None:
+                tokens_per_step: Dict[str, float]) -> None:
     """Validation metric against training seconds (left) and training tokens (right).
 
     The right panel separates learning per token from speed: a model that is
     ahead per token but behind per second is held back by its throughput.
+    For the sentence tasks, whose steps read varying numbers of tokens,
+    ``tokens_per_step`` is each model's mean.
     """
     matplotlib = require("matplotlib", "plots", "srupp compare's curves.png")
     matplotlib.use("Agg")
@@ -416,7 +596,7 @@ def plot_curves(path: Path, curves: Dict[str, List[tuple]], metric: str,
             by_tokens.plot([s * tokens_per_step[name] / 1e6 for s in steps], values, "o-",
                            label=name, markersize=3)
     finals = [pts[-1][2] for pts in curves.values() if pts]
-    if finals:
+    if finals and metric not in HIGHER_IS_BETTER:
         # a loss spike would squash every curve into the bottom of the plot:
         # clip the top a little above the worst final value (the spike's start
         # still shows); perplexity, on a log axis, gets more head-room
@@ -426,7 +606,7 @@ def plot_curves(path: Path, curves: Dict[str, List[tuple]], metric: str,
     by_tokens.set_xlabel("training tokens (millions)")
     by_time.set_ylabel(f"validation {metric}")
     for ax in (by_time, by_tokens):
-        if metric == "ppl":
+        if metric == "ppl":  # BLEU and F1 are bounded, and read on a plain scale
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
     by_time.legend()
@@ -435,30 +615,66 @@ def plot_curves(path: Path, curves: Dict[str, List[tuple]], metric: str,
     plt.close(fig)
 
 
+def _task_set(overrides: Sequence[str]) -> Optional[str]:
+    """The task a ``--set task=...`` item names (the last one), or None."""
+    tasks = [o.split("=", 1)[1].strip() for o in overrides
+             if "=" in o and o.split("=", 1)[0].strip() == "task"]
+    return tasks[-1] if tasks else None
+
+
+def _sizing_data(base: RunConfig) -> tuple:
+    """(vocabulary size, number of labels or None, metric) of ``base``'s data.
+
+    The tokenizer is built as the trainer builds it: a language model's from
+    the training text; the sentence tasks' by the task itself (``load(None)``:
+    translation's joint SentencePiece on both columns of the training split,
+    classification's on the training texts, with the training labels).
+    """
+    if base.task == "lm":
+        from ..data import build_tokenizer, load_corpus
+
+        corpus = load_corpus(base.data.corpus)
+        tokenizer = build_tokenizer(base.data.tokenizer, corpus.train,
+                                    **base.data.tokenizer_options())
+        return tokenizer.vocab_size, None, metric_for(tokenizer)
+    from .trainer import make_task
+
+    task = make_task(base)
+    task.load(None)
+    labels = getattr(task, "labels", None)
+    return task.tokenizer.vocab_size, None if labels is None else len(labels), task.metric
+
+
 def compare(data: str, budget: float, params: int, models: Optional[str] = None,
             out: Optional[Path] = None, recipe: Optional[str] = None,
             overrides: Optional[List[str]] = None, progress: bool = True) -> Dict[str, Any]:
-    """Run the comparison; returns the results.json content."""
-    names = parse_models(models)
+    """Run the comparison; returns the results.json content.
+
+    The task is ``recipe``'s (or a ``task=...`` override's). Without a recipe:
+    the packaged language-modelling recipe for ``data``, or, when an override
+    names another task, the built-in defaults (the LM recipe's model does not
+    fit a translation or classification model).
+    """
     if not budget > 0 or not math.isfinite(budget):
         raise UserError(f"--budget must be > 0 seconds, got {budget}")
     if params <= 0:
         raise UserError(f"--params must be > 0, got {params}")
     require("matplotlib", "plots", "srupp compare's curves.png")  # before hours of training
-    recipe_path = Path(recipe) if recipe else default_recipe(data)
-    shared, per_model = split_overrides(list(overrides or []), names)
-    base = build_config(recipe_path, shared +
+    items = list(overrides or [])
+    if recipe:
+        recipe_path: Optional[Path] = Path(recipe)
+    elif _task_set([o for o in items if not _per_model_item(o)]) in (None, "lm"):
+        recipe_path = default_recipe(data)
+    else:
+        recipe_path = None
+    base = build_config(recipe_path, [o for o in items if not _per_model_item(o)] +
                         [f"data.corpus={data}", f"train.max_seconds={budget}"])
+    task = base.task
+    names = parse_models(models, task)
+    shared, per_model = split_overrides(items, names)
 
-    from ..data import build_tokenizer, load_corpus
-
-    corpus = load_corpus(base.data.corpus)
-    tokenizer = build_tokenizer(base.data.tokenizer, corpus.train, **base.data.tokenizer_options())
-    vocab = tokenizer.vocab_size
-    metric = metric_for(tokenizer)
-    key = f"valid_{metric}"
-
-    if not any(o.split("=", 1)[0].strip() == "train.lr" for o in shared):
+    if task == "lm" and not any(o.split("=", 1)[0].strip() == "train.lr" for o in shared):
+        # the tuned rates are for language modelling on the corpora named in the table
         tuned = load_tuned_lr().get(str(data), {})
         for n in names:
             base_name = n if n in tuned else MODELS[n][0]
@@ -467,7 +683,12 @@ def compare(data: str, budget: float, params: int, models: Optional[str] = None,
                 per_model[n] = [f"train.lr={tuned[base_name]}"] + per_model[n]
     for n in names:  # a bad per-model key fails here, not as "no shape fits"
         model_run_config(base, {}, per_model[n])
-    sized = [size_model(n, base, vocab, params, per_model[n]) for n in names]  # every error before training
+
+    vocab, num_labels, metric = _sizing_data(base)
+    key = f"valid_{metric}"
+    higher = metric in HIGHER_IS_BETTER
+    sized = [size_model(n, base, vocab, params, per_model[n], num_labels)
+             for n in names]  # every error before training
     out = Path(out) if out else Path("runs") / f"compare-{Path(str(data)).stem}"
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; choose a directory")
@@ -479,31 +700,41 @@ def compare(data: str, budget: float, params: int, models: Optional[str] = None,
                  for s in sized}
     curves = {n: _valid_curve(out / n, key) for n in names}
 
-    baselines = [n for n in names if MODELS[n][0] != "srupp"]
-    target = min((summaries[n][key] for n in baselines if summaries[n].get(key) is not None),
-                 default=None)
+    types = TASK_MODELS[task]
+    target = best_value([summaries[n].get(key) for n in names if types[n][0] != "srupp"],
+                        higher)
     # the paper's claim: SRU++ reaches the Transformer's final quality in a
     # fraction of its time; compare each model's time to it with the
     # Transformer's own training seconds
     tf_final = summaries["transformer"].get(key) if "transformer" in summaries else None
 
-    def first_time_at(n: str, level: Optional[float]) -> Optional[float]:
-        return next((sec for sec, _, v in curves[n] if level is not None and v <= level), None)
-
     rows = []
     for n in names:
         s = summaries[n]
-        rows.append({"name": n, "params": int(s["params"]), "tokens": int(s["tokens"]),
-                     "tokens_per_s": s["tokens"] / max(s["train_seconds"], 1e-9),
-                     "train_seconds": s["train_seconds"],
-                     "final": s.get(key), "time_to_best_baseline": first_time_at(n, target),
-                     "time_to_transformer_final": first_time_at(n, tf_final),
-                     "generate_tokens_per_s": s["generate_tokens_per_s"],
-                     "lr": s.get("lr")})
+        row = {"name": n, "params": int(s["params"]), "tokens": int(s["tokens"]),
+               "tokens_per_s": s["tokens"] / max(s["train_seconds"], 1e-9),
+               "train_seconds": s["train_seconds"], "final": s.get(key),
+               "time_to_best_baseline": first_time_at(curves[n], target, higher),
+               "time_to_transformer_final": first_time_at(curves[n], tf_final, higher)}
+        if task == "lm":
+            row["generate_tokens_per_s"] = s["generate_tokens_per_s"]
+        elif task == "translate":
+            row.update(bleu=s.get("valid_bleu"), chrf=s.get("valid_chrf"),
+                       **{f"sentences_per_s_beam{b}": s.get(f"sentences_per_s_beam{b}")
+                          for b in SPEED_BEAMS})
+        else:
+            row.update(accuracy=s.get("valid_accuracy"), macro_f1=s.get("valid_macro_f1"),
+                       texts_per_s=s.get("texts_per_s"))
+        row["lr"] = s.get("lr")
+        rows.append(row)
     results = {"metric": metric, "models": rows}
     atomic_write_json(out / "results.json", results)
-    write_markdown(out / "results.md", results)
-    tokens_per_step = {s.name: s.cfg.train.batch_size * s.cfg.train.unroll * s.cfg.train.grad_accum
-                       for s in sized}
+    write_markdown(out / "results.md", results, base)
+    if task == "lm":
+        tokens_per_step = {s.name: float(s.cfg.train.batch_size * s.cfg.train.unroll
+                                         * s.cfg.train.grad_accum) for s in sized}
+    else:  # steps read varying numbers of tokens: each model's mean
+        tokens_per_step = {n: summaries[n]["tokens"] / max(summaries[n]["step"], 1)
+                           for n in names}
     plot_curves(out / "curves.png", curves, metric, tokens_per_step)
     return results
