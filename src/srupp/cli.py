@@ -315,9 +315,11 @@ def cmd_params(args) -> int:
 def cmd_compare(args) -> int:
     from .train.compare import compare
 
+    if args.recipe and args.recipe_opt:
+        raise UserError("give the recipe once: as RECIPE or as --recipe, not both")
     out = Path(args.out) if args.out else None
     results = compare(args.data, args.budget, args.params, models=args.models, out=out,
-                      recipe=args.recipe, overrides=args.set,
+                      recipe=args.recipe or args.recipe_opt, overrides=args.set,
                       progress=not args.no_progress)
     print(json.dumps(results))
     return 0
@@ -393,15 +395,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("compare", help="train SRU++ and baselines at equal size and time; "
                                        "writes results.json, results.md, curves.png")
-    c.add_argument("--data", required=True, help="corpus name, text file or split directory")
+    c.add_argument("recipe", nargs="?",
+                   help="a TOML recipe: the task (lm, translate, classify), data, model and "
+                        "training settings (default: language modelling with "
+                        "recipes/brown-cpu.toml for brown, else shakespeare-cpu; with "
+                        "--set task=translate or classify, the built-in defaults)")
+    c.add_argument("--recipe", dest="recipe_opt", metavar="RECIPE",
+                   help="the same as the RECIPE argument")
+    c.add_argument("--data", required=True, help="lm: corpus name, text file or split "
+                                                 "directory; translate/classify: a TSV or a "
+                                                 "split directory")
     c.add_argument("--budget", type=float, required=True, help="training seconds per model")
     c.add_argument("--params", type=int, required=True, help="target parameter count (±10%%)")
-    c.add_argument("--models", help="comma-separated: srupp, sru, lstm, gru, transformer, "
-                                    "srupp-attn-every-2, srupp-attn-last-1 "
-                                    "(default: srupp,sru,lstm,gru,transformer)")
+    c.add_argument("--models", help="comma-separated; lm: srupp, sru, lstm, gru, transformer, "
+                                    "srupp-attn-every-2, srupp-attn-last-1 (default: "
+                                    "srupp,sru,lstm,gru,transformer); translate and classify: "
+                                    "srupp, sru, lstm, transformer (default: all four)")
     c.add_argument("--out", help="output directory (default: runs/compare-<data>)")
-    c.add_argument("--recipe", help="recipe for data and training settings (default: "
-                                    "recipes/brown-cpu.toml for brown, else shakespeare-cpu)")
     _add_set(c, "override config fields for every model, e.g. train.batch_size=8, "
                 "or for one model with its name first, e.g. lstm:train.lr=3e-3")
     c.add_argument("--no-progress", action="store_true", help="no progress bars")
