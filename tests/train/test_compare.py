@@ -232,3 +232,192 @@ def test_a_bad_tuned_rate_table_is_a_value_error(tmp_path, text, words):
     path.write_text(text)
     with pytest.raises(ValueError, match=words):
         compare_mod.load_tuned_lr(path)
+
+
+# --------------------------------------------------------------------------- translate, classify
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+# everything tiny: a few seconds per model, a short validation, BLEU on a few sentences
+SENTENCE_FAST = ["train.max_tokens=256", "train.eval_every=10", "train.save_every=10",
+                 "train.log_every=5", "train.threads=1", "train.calibration_steps=5",
+                 "train.warmup_steps=5", "train.max_steps=400"]
+
+
+def translation_table(path: Path) -> Path:
+    """200 pairs of a word-for-word mapping: each word spelt backwards."""
+    import random
+
+    r = random.Random(0)
+    rows = ["de\ten"]
+    for _ in range(200):
+        s = [r.choice(WORDS) for _ in range(r.randint(2, 6))]
+        rows.append(" ".join(s) + "\t" + " ".join(w[::-1] for w in s))
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def classification_table(path: Path) -> Path:
+    """200 texts of 3 labels, each text holding its label's key word among noise."""
+    import random
+
+    r = random.Random(0)
+    rows = ["text\tlabel"]
+    for _ in range(200):
+        label = r.choice(["pos", "neg", "neu"])
+        s = [r.choice(WORDS) for _ in range(r.randint(2, 6))]
+        s.insert(r.randint(0, len(s)), {"pos": "good", "neg": "bad", "neu": "okay"}[label])
+        rows.append(" ".join(s) + "\t" + label)
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def run_sentence(data, out, *extra, models="srupp,lstm", budget="1.5", params="8000", sets=()):
+    return main(["compare", *extra, "--data", str(data), "--budget", budget, "--params", params,
+                 "--models", models, "--out", str(out), "--no-progress",
+                 "--set", *SENTENCE_FAST, *sets])
+
+
+COMMON = {"name", "params", "tokens", "tokens_per_s", "train_seconds", "final",
+          "time_to_best_baseline", "time_to_transformer_final", "lr"}
+
+
+def check_common(res, out, metric):
+    assert set(res) == {"metric", "models"} and res["metric"] == metric
+    assert [m["name"] for m in res["models"]] == ["srupp", "lstm"]
+    for m in res["models"]:
+        summary = json.loads((out / m["name"] / "summary.json").read_text())
+        assert m["final"] == summary[f"valid_{metric}"]  # the final evaluation's
+        assert m["tokens"] == summary["tokens"] > 0 and m["tokens_per_s"] > 0
+        assert abs(m["params"] - 8000) <= 800
+    # the best baseline's curve reaches its own final value (>=: higher is better)
+    lstm = res["models"][1]
+    assert lstm["time_to_best_baseline"] is not None
+    assert lstm["time_to_best_baseline"] <= lstm["train_seconds"] + 1e-6
+    assert all(m["time_to_transformer_final"] is None for m in res["models"])  # none compared
+    md = (out / "results.md").read_text()
+    assert f"**{metric}** (higher is better)" in md and "(>=)" in md
+    assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def eval_json(capsys, run_dir, *sets):
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run_dir), *(("--set", *sets) if sets else ())]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_compare_translation(tmp_path, capsys):
+    data = translation_table(tmp_path / "pairs.tsv")
+    recipe = tmp_path / "mt.toml"  # the task comes from the recipe (the positional RECIPE)
+    recipe.write_text('task = "translate"\n[data]\nvocab_size = 60\n[eval]\nbeam = 2\n'
+                      'bleu_sentences = 5\n[model]\nencoder_layers = 1\ndecoder_layers = 1\n')
+    out = tmp_path / "cmp"
+    assert run_sentence(data, out, str(recipe)) == 0
+    res = json.loads((out / "results.json").read_text())
+    check_common(res, out, "bleu")
+    for m in res["models"]:
+        assert set(m) == COMMON | {"bleu", "chrf", "sentences_per_s_beam1",
+                                   "sentences_per_s_beam5"}
+        assert m["bleu"] == m["final"] and 0 <= m["chrf"] <= 100
+        assert m["sentences_per_s_beam1"] > 0 and m["sentences_per_s_beam5"] > 0
+    models = {n: json.loads((out / n / "summary.json").read_text())["model"]
+              for n in ("srupp", "lstm")}
+    # SRU++ keeps the recipe's depth with d' = d/4; the LSTM its classic 2 + 2 layers
+    assert models["srupp"]["encoder_layers"] == models["srupp"]["decoder_layers"] == 1
+    assert models["srupp"]["proj_size"] == models["srupp"]["d_model"] // 4
+    assert models["lstm"]["encoder_layers"] == models["lstm"]["decoder_layers"] == 2
+    assert models["lstm"]["d_model"] % 2 == 0  # its encoder is bidirectional
+    assert "greedy BLEU on the first 5" in (out / "results.md").read_text()
+    assert "bleu" in eval_json(capsys, out / "srupp", "eval.beam=1")
+
+
+def test_compare_classification_and_skipping_finished_models(tmp_path, capsys, monkeypatch):
+    data = classification_table(tmp_path / "texts.tsv")
+    out = tmp_path / "cmp"
+    # no recipe: --set task=classify on the built-in defaults
+    assert run_sentence(data, out, sets=["task=classify", "model.num_layers=1"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    check_common(res, out, "macro_f1")
+    for m in res["models"]:
+        assert set(m) == COMMON | {"accuracy", "macro_f1", "texts_per_s"}
+        assert m["macro_f1"] == m["final"] and 0 <= m["accuracy"] <= 1
+        assert m["texts_per_s"] > 0
+    # eval reads the run's best checkpoint (by validation loss), not always the final one
+    assert 0 <= eval_json(capsys, out / "srupp")["macro_f1"] <= 1
+    # the same settings again: nothing is trained, the results are the same
+    monkeypatch.setattr("srupp.train.trainer.Trainer.__init__", no_training)
+    assert run_sentence(data, out, sets=["task=classify", "model.num_layers=1"]) == 0
+    assert json.loads((out / "results.json").read_text()) == res
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"models": "srupp,gru"}, "model 'gru' does not apply to task translate; valid ones for "
+                              "translate: srupp, sru, lstm, transformer"),
+    ({"models": "srupp-attn-every-2"}, "does not apply to task translate"),
+    ({"models": "mamba"}, "unknown model 'mamba' in --models; valid ones for translate"),
+    ({"recipe": "both"}, "give the recipe once: as RECIPE or as --recipe, not both"),
+])
+def test_a_model_of_another_task_is_a_one_line_error(tmp_path, capsys, monkeypatch, extra,
+                                                      words):
+    recipe = tmp_path / "mt.toml"
+    recipe.write_text('task = "translate"\n')
+    monkeypatch.setattr("srupp.train.trainer.Trainer.__init__", no_training)
+    args = [str(recipe), "--recipe", str(recipe)] if extra.get("recipe") else [str(recipe)]
+    assert run_sentence(translation_table(tmp_path / "p.tsv"), tmp_path / "bad", *args,
+                        models=extra.get("models", "srupp")) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and "\n" not in err, err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_the_recipe_option_is_the_positional_recipe(tmp_path, corpus, monkeypatch):
+    seen = {}
+    monkeypatch.setattr("srupp.train.compare.compare", lambda *a, **k: seen.update(k) or {})
+    recipe = str(compare_mod.default_recipe("x"))
+    for args in (["--recipe", recipe], [recipe]):
+        assert main(["compare", *args, "--data", str(corpus), "--budget", "1",
+                     "--params", "1000"]) == 0
+        assert seen.pop("recipe") == recipe
+
+
+@pytest.mark.parametrize("task", ["translate", "classify"])
+def test_sizing_hits_the_target_for_every_sentence_model(task):
+    base = compare_mod.build_config(None, [f"task={task}", "data.corpus=x.tsv"])
+    labels = 3 if task == "classify" else None
+    for name in compare_mod.TASK_MODELS[task]:
+        s = compare_mod.size_model(name, base, 500, 60_000, num_labels=labels)
+        assert abs(s.params - 60_000) <= 6_000, name
+        m = s.cfg.model
+        assert s.params == compare_mod.count_parameters(s.cfg, 500, labels)
+        if name == "transformer":
+            assert m["d_model"] % m["num_heads"] == 0
+        else:  # bidirectional encoders split d over two directions
+            assert m["d_model"] % 2 == 0
+        if name == "srupp":
+            assert m["proj_size"] == m["d_model"] // 4
+        if name in ("sru", "lstm"):
+            depth = ((m["encoder_layers"], m["decoder_layers"]) if task == "translate"
+                     else m["num_layers"])
+            assert depth == ((2, 2) if task == "translate" else 2)
+
+
+def test_time_to_a_level_knows_which_way_is_better(tmp_path):
+    curve = [(1.0, 10, 5.0), (2.0, 20, 12.0), (3.0, 30, 9.0), (4.0, 40, 15.0)]
+    # higher is better (BLEU, macro-F1): the first point at or above the level
+    assert compare_mod.first_time_at(curve, 12.0, higher_is_better=True) == 2.0
+    assert compare_mod.first_time_at(curve, 13.0, higher_is_better=True) == 4.0
+    assert compare_mod.first_time_at(curve, 16.0, higher_is_better=True) is None
+    # lower is better (bpc, perplexity): at or below
+    assert compare_mod.first_time_at(curve, 9.0) == 1.0
+    assert compare_mod.first_time_at(curve, 4.0) is None
+    assert compare_mod.first_time_at(curve, None, higher_is_better=True) is None
+    assert compare_mod.best_value([3.0, None, 7.0], higher_is_better=True) == 7.0
+    assert compare_mod.best_value([3.0, None, 7.0]) == 3.0
+    assert compare_mod.best_value([None]) is None
+    row = {"name": "srupp", "params": 1, "tokens": 2, "tokens_per_s": 3.0, "train_seconds": 4.0,
+           "final": 30.0, "time_to_best_baseline": None, "time_to_transformer_final": 1.0,
+           "bleu": 30.0, "chrf": 50.0, "sentences_per_s_beam1": 9.0,
+           "sentences_per_s_beam5": 3.0, "lr": 1e-3}
+    compare_mod.write_markdown(tmp_path / "r.md", {"metric": "bleu", "models": [row]})
+    md = (tmp_path / "r.md").read_text()
+    assert "**bleu** (higher is better)" in md and "greedy" in md and "(>=)" in md
+    assert "| sentences_per_s_beam1 | sentences_per_s_beam5 |" in md
