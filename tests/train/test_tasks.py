@@ -221,3 +221,8 @@ def test_unseen_labels_and_a_checkpoint_of_another_task(tmp_path, texts, pairs, 
                         "needs a translation checkpoint")
     _one_line_error(capsys, ["generate", "--checkpoint", str(run), "--prompt", "a"],
                     "srupp eval or classify")
+
+
+def test_classification_needs_data(tmp_path, capsys):
+    _one_line_error(capsys, ["train", "--out", str(tmp_path / "r"), "--set", *CLASSIFY],
+                    "task=classify needs data")

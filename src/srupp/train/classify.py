@@ -34,7 +34,7 @@ class ClassificationTask(SentenceTask):
 
     def load(self, saved: Optional[Dict[str, Any]]) -> None:
         d = self.cfg.data
-        self.splits = load_table(d.corpus, (d.text, d.label), stratify=d.label,
+        self.splits = load_table(self.table_source(), (d.text, d.label), stratify=d.label,
                                  test_size=d.test_size, valid_size=d.valid_size)
         if saved is not None:
             self.tokenizer = tokenizer_from_dict(saved["tokenizer.json"])

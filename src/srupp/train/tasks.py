@@ -176,6 +176,13 @@ class SentenceTask(Task):
     """Shared by translation and classification: a TSV table, sentences batched
     by length under ``train.max_tokens``, and the length limit ``data.max_len``."""
 
+    def table_source(self) -> str:
+        """data.corpus, which a sentence task cannot do without."""
+        if self.cfg.data.corpus is None:
+            raise UserError(f"task={self.name} needs data: give --data FILE.tsv "
+                            f"(or data.corpus in the recipe)")
+        return self.cfg.data.corpus
+
     def fit_lengths(self, seqs: List[List[int]], where: str, keep_last: bool = True
                     ) -> List[List[int]]:
         """Sequences longer than data.max_len: an error, or cut (warned) when data.truncate.

@@ -54,7 +54,7 @@ class TranslationTask(SentenceTask):
 
     def load(self, saved: Optional[Dict[str, Any]]) -> None:
         d = self.cfg.data
-        self.splits = load_table(d.corpus, (d.src, d.tgt), test_size=d.test_size,
+        self.splits = load_table(self.table_source(), (d.src, d.tgt), test_size=d.test_size,
                                  valid_size=d.valid_size)
         if saved is not None:
             self.tokenizer = tokenizer_from_dict(saved["tokenizer.json"])
