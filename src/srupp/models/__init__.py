@@ -13,8 +13,8 @@ from .classifier import (Classifier, ClassifierBase, ClassifierConfig, Classifie
                          SRUClassifierConfig, SRUppClassifierConfig, TransformerClassifier,
                          TransformerClassifierConfig)
 from .base import (REGISTRY, TASKS, SavedModel, build_model, config_from_dict, load_config,
-                   load_model, model_class, task_models)
-from .lm import MODELS, CausalLM, LanguageModel, LMOutput, parameter_counts, sample
+                   load_model, model_class, parameter_counts, task_models)
+from .lm import MODELS, CausalLM, LanguageModel, LMOutput, sample
 from .state import TensorState, state_from_dict
 from .seq2seq_baselines import (LSTMSeq2Seq, LSTMSeq2SeqConfig, SRUSeq2Seq, SRUSeq2SeqConfig,
                                 TransformerSeq2Seq, TransformerSeq2SeqConfig)

@@ -184,3 +184,24 @@ def load_config(directory: Union[str, os.PathLike]):
 def load_model(directory: Union[str, os.PathLike], *, device=None) -> SavedModel:
     """A model saved by ``save_pretrained``, of whatever task and type, in eval mode."""
     return SavedModel.from_pretrained(directory, device=device)
+
+
+def parameter_counts(config) -> Dict[str, int]:
+    """The model's parameters: ``params`` in all = ``embedding`` + ``layers`` + ``output``.
+
+    Counted on the meta device, so nothing is allocated; tied output weights
+    count once, in the embedding. ``layers`` is a language model's body
+    (``body_modules()``), or for other models everything but the embedding
+    and the output layer.
+    """
+    with torch.device("meta"):
+        model = build_model(config)
+    count = lambda *ms: sum(p.numel() for m in ms for p in m.parameters())  # noqa: E731
+    total, emb = model.num_parameters(), count(model.embedding)
+    if hasattr(model, "body_modules"):
+        layers = count(*model.body_modules())
+    else:
+        shared = {id(p) for p in model.embedding.parameters()}
+        head = model.output if hasattr(model, "output") else model.head  # a classifier's
+        layers = total - emb - sum(p.numel() for p in head.parameters() if id(p) not in shared)
+    return {"params": total, "embedding": emb, "layers": layers, "output": total - emb - layers}

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from ..nn import SRUpp, SRUppState
 from ..nn.adaptive import AdaptiveInput, ProjectedAdaptiveLogSoftmax
-from .base import REGISTRY, SavedModel, build_model
+from .base import REGISTRY, SavedModel
 from .config import LMConfig, SRUppConfig
 
 # The language models' registry: model.type -> (config class, model class). Each CausalLM
@@ -299,17 +299,3 @@ def _cut_at_stop(ids: List[int], decode: Callable, stops: Sequence[str]) -> List
     while n < len(ids) and len(decode(ids[:n + 1])) <= start:
         n += 1
     return ids[:n]
-
-
-def parameter_counts(config: Union[LMConfig, dict]) -> Dict[str, int]:
-    """The model's parameters: ``params`` in all = ``embedding`` + ``layers`` + ``output``.
-
-    Counted on the meta device, so nothing is allocated; tied output weights
-    count once, in the embedding.
-    """
-    with torch.device("meta"):
-        model = build_model(config)
-    count = lambda *ms: sum(p.numel() for m in ms for p in m.parameters())  # noqa: E731
-    total, emb = model.num_parameters(), count(model.embedding)
-    layers = count(*model.body_modules())
-    return {"params": total, "embedding": emb, "layers": layers, "output": total - emb - layers}
