@@ -15,6 +15,7 @@ import os
 import select
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Iterator, List, Optional
 
@@ -63,26 +64,48 @@ def _load_for(args, command: str, task: str):
 TASK_NAMES = {"lm": "language-model", "translate": "translation", "classify": "classification"}
 
 
+def _run_config(run_cfg: dict, task: str, overrides: List[str]):
+    """The run's config (with ``overrides``), or the defaults of ``task`` for a bare
+    checkpoint folder."""
+    from .train import build_config
+
+    base = dict(run_cfg or {})
+    if base and task != "lm":
+        base["task"] = task
+    cfg = build_config(None, overrides, base=base or None)
+    if cfg.task != task:  # no run config (a checkpoint folder given on its own)
+        cfg = build_config(None, [f"task={task}", *overrides])
+    return cfg
+
+
+def _checked_labels(ckpt, model) -> list:
+    from .train.checkpoint import load_labels
+
+    labels = load_labels(ckpt)
+    if len(labels) != model.config.num_labels:
+        raise UserError(f"{ckpt}: labels.json lists {len(labels)} labels, the model has "
+                        f"{model.config.num_labels} outputs; the run is damaged")
+    return labels
+
+
 def cmd_eval(args) -> int:
     import torch
 
-    from .train import build_config
     from .train.checkpoint import load_run
 
     run_cfg, tokenizer, model, ckpt = load_run(args.checkpoint)
     task = getattr(model.config, "task", "lm")
-    base = dict(run_cfg or {})
-    if base and task != "lm":
-        base["task"] = task
-    cfg = build_config(None, args.set, base=base or None)
-    if cfg.task != task:  # a run config that disagrees with its model (or none, for a folder)
-        cfg = build_config(None, [f"task={task}", *args.set])
+    cfg = _run_config(run_cfg, task, args.set)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     if args.data:
+        from .data import TABLES
+
         cfg.data.corpus = args.data
-        if Path(args.data).is_dir():  # its own splits: the run's split sizes do not apply
+        if Path(args.data).is_dir() or args.data in TABLES:  # fixed splits: sizes do not apply
             cfg.data.test_size = cfg.data.valid_size = None
+    if cfg.data.corpus is None:
+        raise UserError(f"{args.checkpoint} names no data to evaluate on; give --data")
     result = {"lm": _eval_lm, "translate": _eval_translate,
               "classify": _eval_classify}[task](cfg, tokenizer, model, ckpt, args.split)
     print(json.dumps({**result, "split": args.split, "checkpoint": str(ckpt)}))
@@ -122,23 +145,18 @@ def _eval_translate(cfg, tokenizer, model, ckpt, split: str) -> dict:
 
 def _eval_classify(cfg, tokenizer, model, ckpt, split: str) -> dict:
     from .data import load_table
-    from .train.checkpoint import load_labels
     from .train.classify import classification_scores, label_indices
-    from .train.tasks import encode_lines
+    from .train.tasks import encode_lines, fit_length
 
     d = cfg.data
-    labels = load_labels(ckpt)
+    labels = _checked_labels(ckpt, model)
     # a split directory's labels are checked against the model's below, not its train.tsv
     stratify = None if Path(d.corpus).is_dir() else d.label  # a file: split as in training
     rows = load_table(d.corpus, (d.text, d.label), stratify=stratify, test_size=d.test_size,
                       valid_size=d.valid_size).split(split)
     gold = label_indices(labels, [r[1] for r in rows], f"the {split} split of {d.corpus}")
-    ids = encode_lines(tokenizer, [r[0] for r in rows])
-    if any(len(x) > d.max_len for x in ids):
-        if not d.truncate:
-            raise UserError(f"some texts of the {split} split are longer than data.max_len="
-                            f"{d.max_len} tokens; raise it, or --set data.truncate=true")
-        ids = [x[:d.max_len] for x in ids]
+    ids = fit_length(encode_lines(tokenizer, [r[0] for r in rows]), d.max_len,
+                     truncate=d.truncate, where=f"the {split} split", keep_last=False)
     start = time.perf_counter()
     res = classification_scores(model, list(zip(ids, gold)), len(labels),
                                 max_tokens=cfg.train.max_tokens)
@@ -240,16 +258,16 @@ def cmd_translate(args) -> int:
     if args.batch_size < 1:
         raise UserError("--batch-size must be >= 1")
     run_cfg, tokenizer, model, _ = _load_for(args, "translate", "translate")
+    cfg = _run_config(run_cfg, "translate", [])
     if args.threads:
         torch.set_num_threads(args.threads)
-    data, ev = run_cfg.get("data", {}), run_cfg.get("eval", {})
-    max_len = args.max_len or data.get("max_len")
-    lines = tokens = 0
+    lines = 0
     start = time.perf_counter()
     for batch in _input_batches(sys.stdin, args.batch_size):
         out = translate_lines(model, tokenizer, batch, beam=args.beam, lenpen=args.lenpen,
-                              max_len_a=ev.get("max_len_a", 1.2), max_len_b=ev.get("max_len_b", 10),
-                              max_len=max_len, truncate=args.truncate)
+                              max_len_a=cfg.eval.max_len_a, max_len_b=cfg.eval.max_len_b,
+                              max_len=args.max_len or cfg.data.max_len,
+                              truncate=args.truncate or cfg.data.truncate, first_line=lines + 1)
         sys.stdout.write("".join(o + "\n" for o in out))
         sys.stdout.flush()
         lines += len(batch)
@@ -263,20 +281,24 @@ def cmd_translate(args) -> int:
 def cmd_classify(args) -> int:
     import torch
 
-    from .train.checkpoint import load_labels
     from .train.classify import predict
-    from .train.tasks import encode_lines
+    from .train.tasks import encode_lines, fit_length
 
     run_cfg, tokenizer, model, ckpt = _load_for(args, "classify", "classify")
-    labels = load_labels(ckpt)
+    cfg = _run_config(run_cfg, "classify", [])
+    labels = _checked_labels(ckpt, model)
     if args.top_k is not None and not 1 <= args.top_k <= len(labels):
         raise UserError(f"--top-k must be between 1 and the number of labels ({len(labels)})")
     if args.threads:
         torch.set_num_threads(args.threads)
-    max_len = run_cfg.get("data", {}).get("max_len", 256)
+    lines = 0
     for batch in _input_batches(sys.stdin, args.batch_size):
-        texts = [t if t.strip() else " " for t in batch]
-        ids = [x[:max_len] or [0] for x in encode_lines(tokenizer, texts)]
+        # an empty line is classified as an empty text (its <eos> alone, for word tokenizers)
+        ids = [x or [0] for x in encode_lines(tokenizer, batch)]
+        ids = fit_length(ids, cfg.data.max_len, truncate=cfg.data.truncate,
+                         where=f"lines {lines + 1}-{lines + len(batch)} of the input",
+                         keep_last=False)
+        lines += len(batch)
         probs = predict(model, ids)
         for p in probs:
             best = int(p.argmax())
@@ -306,8 +328,18 @@ def cmd_params(args) -> int:
         vocab = cfg.data.vocab_size
     else:
         vocab = build_tokenizer(cfg.data.tokenizer, load_corpus(cfg.data.corpus).train).vocab_size
-    config = cfg.model_config(vocab)
+    num_labels = None
+    if cfg.task == "classify" and cfg.data.corpus:  # the output layer's width: the labels
+        from .data import load_table
+
+        d = cfg.data
+        splits = load_table(d.corpus, (d.text, d.label), stratify=d.label,
+                            test_size=d.test_size, valid_size=d.valid_size)
+        num_labels = len({label for _, label in splits.train})
+    config = cfg.model_config(vocab, num_labels)
     out = {"type": config.type, **parameter_counts(config), "vocab_size": vocab}
+    if cfg.task == "classify":
+        out["num_labels"] = config.num_labels
     print(json.dumps(out))
     return 0
 
@@ -432,6 +464,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     # them every step (srupp.allocator; SRUPP_TUNE_ALLOCATOR=0 opts out).
     from .allocator import tune_from_env
     tune_from_env()
+    previous = warnings.showwarning
+    warnings.showwarning = _warn_one_line
     try:
         return args.func(args)
     except (UserError, ValueError, TypeError) as e:
@@ -451,6 +485,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print("srupp: interrupted", file=sys.stderr)
         return 130
+    finally:
+        warnings.showwarning = previous
+
+
+def _warn_one_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """Warnings as one line on stderr, without the library's file and line."""
+    print(f"srupp: warning: {_one_line(message)}", file=sys.stderr)
 
 
 def _error(message: str) -> int:

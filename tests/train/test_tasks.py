@@ -226,3 +226,88 @@ def test_unseen_labels_and_a_checkpoint_of_another_task(tmp_path, texts, pairs, 
 def test_classification_needs_data(tmp_path, capsys):
     _one_line_error(capsys, ["train", "--out", str(tmp_path / "r"), "--set", *CLASSIFY],
                     "task=classify needs data")
+
+
+def test_input_batches_from_a_pipe_keep_order_and_every_line():
+    """Lines split across writes, CRLF, a last line without newline, batch caps."""
+    import os
+    import threading
+
+    from srupp.cli import _input_batches
+
+    r, w = os.pipe()
+    chunks = [b"one\r\ntw", b"o\n\nthree\nfour\nfive\nsix", b"\nseven"]
+
+    def writer():
+        for c in chunks:
+            os.write(w, c)
+            time.sleep(0.05)  # the reader sees the lines in pieces, as from a terminal
+        os.close(w)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    with open(r, "rb", buffering=0) as stream:
+        batches = list(_input_batches(stream, 3))
+    t.join()
+    assert [ln for b in batches for ln in b] == ["one", "two", "", "three", "four", "five",
+                                                 "six", "seven"]
+    assert all(1 <= len(b) <= 3 for b in batches)
+    assert batches[0] == ["one"]  # answered before the rest arrived
+
+
+def test_a_long_source_to_translate_names_its_line(tmp_path, pairs, capsys, monkeypatch):
+    run = tmp_path / "run"
+    assert _run(capsys, "train", "--data", str(pairs), "--out", str(run), "--no-progress",
+                "--set", *TRANSLATE, "train.max_steps=2")[0] == 0
+    text = "haus\n" * 40 + " ".join(["katze"] * 300) + "\n"
+    with _stdin(monkeypatch, tmp_path, text):
+        _one_line_error(capsys, ["translate", "--checkpoint", str(run), "--batch-size", "8"],
+                        "line 41 has")
+    with _stdin(monkeypatch, tmp_path, text):
+        rc, out, err = _run(capsys, "translate", "--checkpoint", str(run), "--truncate",
+                            "--beam", "1")
+    assert rc == 0 and len(out.split("\n")) == 42
+    assert "srupp: warning: 1 sentence(s) of the input cut" in err
+
+
+def test_accumulated_micro_batches_weigh_by_their_tokens(tmp_path, pairs):
+    """grad_accum over sentence batches of different sizes = one batch holding them all."""
+    import torch
+
+    from srupp.data import LengthBatch
+    from srupp.train.translate import PairBatch
+
+    cfg = build_config(None, [*TRANSLATE, f"data.corpus={pairs}", "train.grad_accum=2",
+                              "model.dropout=0", "train.grad_clip=0"])
+    tr = Trainer(cfg, tmp_path / "r", progress=False)
+    model, pairs_ = tr.model, tr.task.train_pairs
+    b = PairBatch([pairs_[i] for i in range(4)], tr.device)
+    model.zero_grad()
+    model(b.src, b.tgt_in, src_pad=b.src_pad, tgt_pad=b.tgt_pad, targets=b.targets,
+          label_smoothing=0.1).loss.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    seen = {}
+    tr.optimizer.step = lambda *a, **k: seen.update(
+        {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    tr._train_step(iter([LengthBatch([0, 1, 2], 0, True), LengthBatch([3], 0, False)]))
+    assert seen.keys() == expected.keys()
+    for n in expected:
+        torch.testing.assert_close(seen[n], expected[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_an_empty_validation_split_stops_before_training(tmp_path, pairs, capsys):
+    _one_line_error(capsys, ["train", "--data", str(pairs), "--out", str(tmp_path / "r"),
+                             "--set", *TRANSLATE, "data.valid_size=0"],
+                    "the valid split of")
+
+
+def test_resume_refuses_other_data_of_the_same_lengths(tmp_path, texts, capsys):
+    run = tmp_path / "run"
+    assert _run(capsys, "train", "--data", str(texts), "--out", str(run), "--no-progress",
+                "--set", *CLASSIFY, "train.max_steps=4")[0] == 0
+    rows = [ln.split("\t") for ln in texts.read_text().splitlines()[1:]]
+    flipped = [(t, {"animal": "thing", "thing": "animal"}[y]) for t, y in rows]
+    _write_tsv(texts, ("text", "label"), flipped)  # the same texts, other labels
+    _one_line_error(capsys, ["train", "--out", str(run), "--resume", "--no-progress",
+                             "--set", "train.max_steps=8"], "content_crc32")

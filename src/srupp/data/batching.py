@@ -258,7 +258,11 @@ class LengthBatcher:
     """
 
     def __init__(self, lengths: Sequence[int], max_tokens: int, *, seed: int = 0,
-                 shuffle: bool = True, max_batch_size: Optional[int] = None):
+                 shuffle: bool = True, max_batch_size: Optional[int] = None,
+                 content_crc32: int = 0):
+        # the caller's checksum of the items themselves (ids, labels): lengths alone
+        # would let a resumed run continue silently on other data of the same lengths
+        self.content_crc32 = int(content_crc32)
         self.max_tokens = _int_at_least("max_tokens", max_tokens, 1)
         self.max_batch_size = (None if max_batch_size is None
                                else _int_at_least("max_batch_size", max_batch_size, 1))
@@ -364,7 +368,7 @@ class LengthBatcher:
 
     def _layout(self) -> dict[str, int]:
         return {"num_items": len(self.lengths), "lengths_crc32": self._lengths_crc32,
-                "max_tokens": self.max_tokens, "max_batch_size": self.max_batch_size or 0,
+                "content_crc32": self.content_crc32, "max_tokens": self.max_tokens, "max_batch_size": self.max_batch_size or 0,
                 "seed": self.seed, "shuffle": int(self.shuffle)}
 
     def state_dict(self) -> dict[str, int]:

@@ -201,10 +201,19 @@ class Seq2SeqModel(SavedModel):
         logits = self.output(h)                                  # (B, T, V)
         if targets is None:
             return Seq2SeqOutput(logits)
-        flat, tgt = logits.float().flatten(0, 1), targets.flatten()
-        loss = F.cross_entropy(flat, tgt, ignore_index=-100, label_smoothing=label_smoothing)
-        nll = loss if label_smoothing == 0 else F.cross_entropy(flat.detach(), tgt,
-                                                                ignore_index=-100)
+        # both losses from one log-softmax (at least fp32): as F.cross_entropy with
+        # label_smoothing=ε, loss = (1 − ε)·nll + ε·mean over the vocabulary of −log p
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        logp = F.log_softmax(logits.to(dtype), dim=-1).flatten(0, 1)         # (B·T, V)
+        tgt = targets.flatten()
+        keep = tgt != -100
+        n = keep.sum()
+        picked = logp.gather(1, tgt.clamp_min(0).unsqueeze(1)).squeeze(1)   # (B·T,)
+        nll = -torch.where(keep, picked, 0.0).sum() / n
+        loss = nll
+        if label_smoothing:
+            smooth = -torch.where(keep, logp.mean(dim=-1), 0.0).sum() / n
+            loss = (1 - label_smoothing) * nll + label_smoothing * smooth
         return Seq2SeqOutput(logits, loss, nll)
 
     @torch.no_grad()

@@ -23,7 +23,7 @@ from ..data import LengthBatcher, build_tokenizer, load_table, tokenizer_from_di
 from ..errors import UserError
 from .checkpoint import labels_from_json
 from .evaluate import autocast_context
-from .tasks import SentenceTask, encode_lines, pad_batch
+from .tasks import SentenceTask, content_crc32, encode_lines, length_batches, pad_batch
 
 
 class ClassificationTask(SentenceTask):
@@ -36,6 +36,7 @@ class ClassificationTask(SentenceTask):
         d = self.cfg.data
         self.splits = load_table(self.table_source(), (d.text, d.label), stratify=d.label,
                                  test_size=d.test_size, valid_size=d.valid_size)
+        self.check_splits(self.splits)
         if saved is not None:
             self.tokenizer = tokenizer_from_dict(saved["tokenizer.json"])
             self.labels = labels_from_json(saved["labels.json"], "labels.json of this run")
@@ -50,8 +51,10 @@ class ClassificationTask(SentenceTask):
         self.model_config = self.cfg.model_config(self.tokenizer.vocab_size, len(self.labels))
         self.train_items = self.encode_rows(self.splits.train, "the training split")
         self.valid_items = self.encode_rows(self.splits.valid, "the validation split")
-        self.batcher = LengthBatcher([len(ids) for ids, _ in self.train_items],
-                                     self.cfg.train.max_tokens, seed=self.cfg.train.seed)
+        self.batcher = LengthBatcher(
+            [len(ids) for ids, _ in self.train_items], self.cfg.train.max_tokens,
+            seed=self.cfg.train.seed,
+            content_crc32=content_crc32([ids + [-1 - y] for ids, y in self.train_items]))
 
     def encode_rows(self, rows: Sequence[Sequence[str]], where: str) -> List[tuple]:
         """(ids, label index) per row; a label training never saw is an error."""
@@ -99,7 +102,7 @@ def predict(model, items: Sequence[Sequence[int]], *, max_tokens: int = 4096,
     device = model.device
     probs: List[Optional[torch.Tensor]] = [None] * len(items)
     try:
-        for idx in LengthBatcher([len(x) for x in items], max_tokens, shuffle=False).batches():
+        for idx in length_batches([len(x) for x in items], max_tokens):
             tokens, pad = pad_batch([items[i] for i in idx], device)
             with autocast_context(precision, device.type):
                 logits = model(tokens, mask_pad=pad).logits
@@ -116,11 +119,12 @@ def classification_scores(model, items: Sequence[tuple], num_labels: int, *,
                           max_batches: Optional[int] = None) -> Dict[str, float]:
     """Loss, accuracy and macro-F1 of ``items`` ((ids, label index) pairs).
 
-    With ``max_batches``, only the texts of the first that many length batches count.
+    With ``max_batches``, only the texts of that many length batches (a fixed
+    random choice) count.
     """
     if max_batches is not None:
-        batches = LengthBatcher([len(x) for x, _ in items], max_tokens, shuffle=False).batches()
-        items = [items[i] for idx in batches[:max_batches] for i in idx]
+        batches = length_batches([len(x) for x, _ in items], max_tokens, max_batches)
+        items = [items[i] for idx in batches for i in idx]
     probs = predict(model, [x for x, _ in items], max_tokens=max_tokens, precision=precision)
     gold = torch.tensor([y for _, y in items])
     pred = probs.argmax(-1)

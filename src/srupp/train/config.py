@@ -50,20 +50,20 @@ class DataConfig:
     vocab_size: Optional[int] = None  # word/sentencepiece vocabulary cap; srupp params counts with it
     min_freq: int = 1                 # word level: rarer training words become <unk>
     lowercase: bool = False           # word level: fold case (PTB-style)
-    subword_type: str = "bpe"         # sentencepiece model for translate/classify (lm: unigram)
+    subword_type: Optional[str] = None  # sentencepiece bpe|unigram (None: lm unigram, else bpe)
     src: str = "de"                   # translate: the source column of the TSV
     tgt: str = "en"                   # translate: the target column
     text: str = "text"                # classify: the text column
     label: str = "label"              # classify: the label column
     test_size: Optional[int] = None   # TSV rows held out for test (None: min(1000, 5%))
     valid_size: Optional[int] = None  # TSV rows held out for validation (None: min(1000, 5%))
-    max_len: int = 256                # tokens per source/text sentence the model takes
+    max_len: int = 256                # tokens per sentence (source, target or text) at most
     truncate: bool = False            # longer sentences: cut (with a count warned), not an error
 
     def tokenizer_options(self) -> dict:
         """Keyword options for ``build_tokenizer`` that apply to this tokenizer type."""
         opts = {} if self.vocab_size is None else {"vocab_size": self.vocab_size}
-        if self.tokenizer == "sentencepiece" and self.subword_type != "unigram":
+        if self.tokenizer == "sentencepiece" and self.subword_type not in (None, "unigram"):
             opts["model_type"] = self.subword_type
         if self.tokenizer == "word":
             opts.update(min_freq=self.min_freq, lowercase=self.lowercase)
@@ -79,7 +79,7 @@ class DataConfig:
             raise UserError("data.min_freq and data.lowercase apply to the word tokenizer only; "
                             "unset them or use data.tokenizer=word")
         _check_minima("data", self, {"test_size": 0, "valid_size": 0, "max_len": 1})
-        if self.subword_type not in ("bpe", "unigram"):
+        if self.subword_type not in (None, "bpe", "unigram"):
             raise UserError(f"data.subword_type must be bpe or unigram, "
                             f"got {self.subword_type!r}")
         if self.vocab_size is not None and self.tokenizer in ("byte", "char"):
@@ -110,7 +110,8 @@ class TrainConfig:
     log_every: int = 50               # steps between metrics lines; must divide save_every
     eval_every: int = 500             # steps between validation passes
     save_every: int = 500             # steps between checkpoints
-    eval_max_batches: Optional[int] = None  # cap validation batches during training (None: all)
+    eval_max_batches: Optional[int] = None  # cap validation batches during training (None: all;
+                                      # sentence tasks: a fixed random choice of length batches)
     calibration_steps: int = 20       # timed steps that fix the schedule length under max_seconds
     threads: Optional[int] = None     # torch intra-op threads (None: torch's default)
     device: str = "cpu"               # "cpu" or "cuda"
@@ -173,6 +174,8 @@ class RunConfig:
         d = self.data
         if d.tokenizer is None:
             d.tokenizer = DEFAULT_TOKENIZER[self.task]
+        if d.subword_type is None and self.task != "lm":
+            d.subword_type = "bpe"  # the usual subwords of translation
         if d.corpus is None:
             d.corpus = DEFAULT_CORPUS[self.task]  # classify has none: its task asks for --data
         if self.task == "translate" and d.tokenizer != "sentencepiece":

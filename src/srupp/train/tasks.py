@@ -13,9 +13,12 @@ curves. Three tasks, chosen by the recipe's top-level ``task`` key:
 from __future__ import annotations
 
 import math
+import random
 import warnings
+import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from ..data import (LengthBatcher, StreamBatcher, build_tokenizer, load_corpus,
@@ -50,6 +53,7 @@ class Task:
     metric = "loss"
     higher_is_better = False
     carries_state = False  # the LM carries its recurrent state from batch to batch
+    weighted_accumulation = False  # micro-batches differ in size: weight them by their count
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -150,7 +154,9 @@ def encode_lines(tokenizer, texts: Sequence[str]) -> List[List[int]]:
         return [tokenizer.encode(t).tolist() for t in texts]
     if not texts:
         return []
-    ids = tokenizer.encode("\n".join(texts)).tolist()
+    # a final "\n" ends the last line without starting another: one line per text,
+    # an empty last text included
+    ids = tokenizer.encode("\n".join(texts) + "\n").tolist()
     out, start = [], 0
     for i, t in enumerate(ids):
         if t == eos:
@@ -159,6 +165,50 @@ def encode_lines(tokenizer, texts: Sequence[str]) -> List[List[int]]:
     if len(out) != len(texts):  # a text held a newline after all
         raise ValueError("a text holds a line break; give one text per line")
     return out
+
+
+def fit_length(seqs: List[List[int]], limit: int, *, truncate: bool, where: str,
+               keep_last: bool = True) -> List[List[int]]:
+    """Sequences longer than ``limit``: a ValueError, or cut (the count warned) when ``truncate``.
+
+    A cut sequence keeps its last token (``<eos>``) when ``keep_last``.
+    """
+    long = [i for i, s in enumerate(seqs) if len(s) > limit]
+    if not long:
+        return seqs
+    if not truncate:
+        raise ValueError(f"{len(long)} sentence(s) of {where} are longer than "
+                         f"data.max_len={limit} tokens (the first is number {long[0] + 1}, "
+                         f"{len(seqs[long[0]])} tokens); raise data.max_len, or set "
+                         f"data.truncate=true to cut them")
+    warnings.warn(f"{len(long)} sentence(s) of {where} cut to data.max_len={limit} tokens",
+                  stacklevel=2)
+    cut = (lambda s: s[:limit - 1] + s[-1:]) if keep_last else (lambda s: s[:limit])
+    return [cut(s) if len(s) > limit else s for s in seqs]
+
+
+def length_batches(lengths: Sequence[int], max_tokens: int,
+                   max_batches: Optional[int] = None) -> List[List[int]]:
+    """Fixed batches of similar lengths, for evaluation and inference.
+
+    With ``max_batches``, a fixed random choice of that many: the first
+    batches in length order would hold only the shortest sentences.
+    """
+    if not lengths:
+        return []
+    batches = LengthBatcher(lengths, max_tokens, shuffle=False).batches()
+    if max_batches is not None and max_batches < len(batches):
+        chosen = sorted(random.Random(0).sample(range(len(batches)), max_batches))
+        batches = [batches[i] for i in chosen]
+    return batches
+
+
+def content_crc32(seqs: Sequence[Sequence[int]]) -> int:
+    """A checksum of the training items, so that a resumed run refuses other data."""
+    crc = 0
+    for s in seqs:
+        crc = zlib.crc32(np.asarray(s, dtype=np.int64).tobytes(), crc)
+    return crc
 
 
 def pad_batch(seqs: Sequence[Sequence[int]], device) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -176,6 +226,8 @@ class SentenceTask(Task):
     """Shared by translation and classification: a TSV table, sentences batched
     by length under ``train.max_tokens``, and the length limit ``data.max_len``."""
 
+    weighted_accumulation = True
+
     def table_source(self) -> str:
         """data.corpus, which a sentence task cannot do without."""
         if self.cfg.data.corpus is None:
@@ -183,26 +235,19 @@ class SentenceTask(Task):
                             f"(or data.corpus in the recipe)")
         return self.cfg.data.corpus
 
+    def check_splits(self, splits) -> None:
+        """Training and validation rows must exist before any training time is spent."""
+        for name in ("train", "valid"):
+            if not splits.split(name):
+                raise UserError(f"the {name} split of {self.cfg.data.corpus} is empty; give "
+                                f"more rows, or set data.valid_size (a TSV's splits default to "
+                                f"min(1000, 5%) of its rows)")
+
     def fit_lengths(self, seqs: List[List[int]], where: str, keep_last: bool = True
                     ) -> List[List[int]]:
-        """Sequences longer than data.max_len: an error, or cut (warned) when data.truncate.
-
-        A cut sequence keeps its last token (``<eos>``) when ``keep_last``.
-        """
-        limit = self.cfg.data.max_len
-        long = [i for i, s in enumerate(seqs) if len(s) > limit]
-        if not long:
-            return seqs
-        if not self.cfg.data.truncate:
-            raise UserError(f"{len(long)} sentence(s) of {where} are longer than "
-                            f"data.max_len={limit} tokens (the first is number "
-                            f"{long[0] + 1}, {len(seqs[long[0]])} tokens); raise data.max_len, "
-                            f"or set data.truncate=true to cut them")
-        warnings.warn(f"{len(long)} sentence(s) of {where} cut to data.max_len={limit} tokens",
-                      stacklevel=2)
-        cut = (lambda s: s[:limit - 1] + s[-1:]) if keep_last else (lambda s: s[:limit])
-        return [cut(s) if len(s) > limit else s for s in seqs]
-
-    def eval_batches(self, lengths: Sequence[int]) -> List[List[int]]:
-        """Fixed batches of similar lengths, for evaluation."""
-        return LengthBatcher(lengths, self.cfg.train.max_tokens, shuffle=False).batches()
+        d = self.cfg.data
+        try:
+            return fit_length(seqs, d.max_len, truncate=d.truncate, where=where,
+                              keep_last=keep_last)
+        except ValueError as e:
+            raise UserError(str(e)) from None

@@ -274,16 +274,25 @@ class Trainer:
         t = self.cfg.train
         model, loss_sum, count, tokens = self.model, 0.0, 0, 0
         self._mid_step = True
+        # micro-batches of sentences hold different numbers of tokens: weight each by
+        # its count, so that the step's gradient is the mean over all of them
+        by_count = self.task.weighted_accumulation and t.grad_accum > 1
         for _ in range(t.grad_accum):
             loss, part_sum, part_count, part_tokens, self.carried = self.task.loss(
                 model, next(it), self.carried, self.device, self.precision)
-            if t.grad_accum > 1:
+            if by_count:
+                loss = loss * part_count
+            elif t.grad_accum > 1:
                 loss = loss / t.grad_accum
             self.scaler.scale(loss).backward()
             loss_sum += part_sum
             count += part_count
             tokens += part_tokens
         self.scaler.unscale_(self.optimizer)
+        if by_count:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(max(count, 1))
         if t.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         self.scaler.step(self.optimizer)

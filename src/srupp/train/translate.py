@@ -31,7 +31,8 @@ from ..data import LengthBatcher, build_tokenizer, load_table, tokenizer_from_di
 from ..errors import UserError
 from ..models.decoding import beam_search, greedy_decode
 from .evaluate import autocast_context
-from .tasks import SentenceTask, encode_lines, pad_batch
+from .tasks import (SentenceTask, content_crc32, encode_lines, fit_length, length_batches,
+                    pad_batch)
 
 
 class PairBatch:
@@ -56,6 +57,7 @@ class TranslationTask(SentenceTask):
         d = self.cfg.data
         self.splits = load_table(self.table_source(), (d.src, d.tgt), test_size=d.test_size,
                                  valid_size=d.valid_size)
+        self.check_splits(self.splits)
         if saved is not None:
             self.tokenizer = tokenizer_from_dict(saved["tokenizer.json"])
         else:
@@ -68,8 +70,10 @@ class TranslationTask(SentenceTask):
                             f"({eos}); unset them")
         self.train_pairs = self.encode_pairs(self.splits.train, "the training split")
         self.valid_pairs = self.encode_pairs(self.splits.valid, "the validation split")
-        self.batcher = LengthBatcher([max(len(s), len(t)) for s, t in self.train_pairs],
-                                     self.cfg.train.max_tokens, seed=self.cfg.train.seed)
+        self.batcher = LengthBatcher(
+            [max(len(s), len(t)) for s, t in self.train_pairs], self.cfg.train.max_tokens,
+            seed=self.cfg.train.seed,
+            content_crc32=content_crc32([s + t for s, t in self.train_pairs]))
 
     def encode_pairs(self, rows: Sequence[Sequence[str]], where: str) -> List[tuple]:
         src = self.fit_lengths(encode_lines(self.tokenizer, [r[0] for r in rows]),
@@ -92,10 +96,8 @@ class TranslationTask(SentenceTask):
     def valid_loss(self, model, precision: str, max_batches: Optional[int]) -> Dict[str, float]:
         """Mean negative log-likelihood per target token on the validation split."""
         device, total, count = model.device, 0.0, 0
-        batches = self.eval_batches([max(len(s), len(t)) for s, t in self.valid_pairs])
-        for i, idx in enumerate(batches):
-            if max_batches is not None and i >= max_batches:
-                break
+        for idx in length_batches([max(len(s), len(t)) for s, t in self.valid_pairs],
+                                  self.cfg.train.max_tokens, max_batches):
             b = PairBatch([self.valid_pairs[j] for j in idx], device)
             with autocast_context(precision, device.type):
                 out = model(b.src, b.tgt_in, src_pad=b.src_pad, tgt_pad=b.tgt_pad,
@@ -129,17 +131,28 @@ class TranslationTask(SentenceTask):
 def translate_lines(model, tokenizer, lines: Sequence[str], *, beam: int = 5,
                     lenpen: float = 1.0, max_len_a: float = 1.2, max_len_b: int = 10,
                     max_tokens: int = 4096, max_len: Optional[int] = None,
-                    truncate: bool = False, precision: str = "fp32") -> List[str]:
+                    truncate: bool = False, precision: str = "fp32",
+                    first_line: int = 1) -> List[str]:
     """Translate ``lines`` (in order); an empty line gives an empty translation.
 
     Sentences are batched by length (at most ``max_tokens`` padded source
     tokens per batch), decoded greedily (``beam`` 1) or with beam search, and
-    detokenised. A source longer than ``max_len`` tokens is a ValueError, or
-    cut to it when ``truncate``.
+    detokenised. A source longer than ``max_len`` tokens is a ValueError
+    naming its line (``first_line`` is the number of ``lines[0]``), or is cut
+    to it, with a warning, when ``truncate``.
     """
+    return [tokenizer.decode(ids) for ids in _translate_ids(
+        model, tokenizer, lines, beam=beam, lenpen=lenpen, max_len_a=max_len_a,
+        max_len_b=max_len_b, max_tokens=max_tokens, max_len=max_len, truncate=truncate,
+        precision=precision, first_line=first_line)]
+
+
+def _translate_ids(model, tokenizer, lines, *, beam, lenpen, max_len_a, max_len_b, max_tokens,
+                   max_len, truncate, precision, first_line) -> List[List[int]]:
+    """The translations' token ids (EOS excluded); see :func:`translate_lines`."""
     if beam < 1:
         raise ValueError(f"beam must be >= 1, got {beam}")
-    out = [""] * len(lines)
+    out: List[List[int]] = [[] for _ in lines]
     todo = [i for i, ln in enumerate(lines) if ln.strip()]
     if not todo:
         return out
@@ -147,11 +160,12 @@ def translate_lines(model, tokenizer, lines: Sequence[str], *, beam: int = 5,
     if max_len is not None:
         long = [k for k, s in enumerate(src) if len(s) > max_len]
         if long and not truncate:
-            raise ValueError(f"line {todo[long[0]] + 1} has {len(src[long[0]])} source tokens, "
-                             f"more than the model's max_len={max_len}; shorten it, or truncate")
-        src = [s[:max_len - 1] + s[-1:] if len(s) > max_len else s for s in src]
+            raise ValueError(f"line {first_line + todo[long[0]]} has {len(src[long[0]])} source "
+                             f"tokens, more than the model's max_len={max_len}; shorten it, "
+                             f"or truncate")
+        src = fit_length(src, max_len, truncate=True, where="the input")
     device = model.device
-    for idx in LengthBatcher([len(s) for s in src], max_tokens, shuffle=False).batches():
+    for idx in length_batches([len(s) for s in src], max_tokens):
         ids, pad = pad_batch([src[k] for k in idx], device)
         with autocast_context(precision, device.type):
             if beam == 1:
@@ -160,7 +174,7 @@ def translate_lines(model, tokenizer, lines: Sequence[str], *, beam: int = 5,
                 hyps = beam_search(model, ids, pad, beam=beam, lenpen=lenpen,
                                    max_len_a=max_len_a, max_len_b=max_len_b)
         for k, h in zip(idx, hyps):
-            out[todo[k]] = tokenizer.decode(h.tokens)
+            out[todo[k]] = h.tokens
     return out
 
 
@@ -169,16 +183,22 @@ def translation_scores(model, tokenizer, sources: Sequence[str], references: Seq
     """Translate ``sources`` and score them against ``references`` with sacrebleu.
 
     Returns BLEU and chrF (on detokenised text, sacrebleu's defaults), BLEU's
-    signature, and the translation speed (sentences/s, target tokens/s).
+    signature, and the translation speed (sentences/s, and generated tokens/s,
+    EOS included).
     """
     sacrebleu = require("sacrebleu", "translation", "BLEU")
     start = time.perf_counter()
-    hyps = translate_lines(model, tokenizer, sources, **options)
+    ids = _translate_ids(model, tokenizer, sources, **{"beam": 5, "lenpen": 1.0,
+                                                       "max_len_a": 1.2, "max_len_b": 10,
+                                                       "max_tokens": 4096, "max_len": None,
+                                                       "truncate": False, "precision": "fp32",
+                                                       "first_line": 1, **options})
     seconds = time.perf_counter() - start
+    hyps = [tokenizer.decode(x) for x in ids]
     bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
     bleu_score = bleu.corpus_score(hyps, [list(references)])
     chrf_score = chrf.corpus_score(hyps, [list(references)])
-    new_tokens = sum(len(ids) for ids in encode_lines(tokenizer, [h for h in hyps if h]))
+    new_tokens = sum(len(x) + 1 for x, src in zip(ids, sources) if src.strip())
     return {"bleu": bleu_score.score, "chrf": chrf_score.score,
             "signature": str(bleu.get_signature()), "sentences": len(sources),
             "seconds": seconds, "sentences_per_s": len(sources) / max(seconds, 1e-9),
