@@ -45,7 +45,8 @@ __all__ = ["Hypothesis", "max_target_length", "greedy_decode", "beam_search"]
 
 @dataclass
 class Hypothesis:
-    """tokens: the output without EOS; score: the length-penalised score; logprob: the sum
+    """tokens: the output without EOS; score: the length-penalised score (beam search;
+    greedy decoding's is its logprob); logprob: the sum
     of the token log-probabilities, EOS included."""
 
     tokens: List[int]

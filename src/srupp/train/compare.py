@@ -54,6 +54,7 @@ from ..errors import UserError
 from ..models import build_model
 from .config import RunConfig, build_config
 from .evaluate import metric_for
+from .trainer import TASKS, Trainer, make_task
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -451,7 +452,6 @@ def run_one(sized: Sized, run_dir: Path, settings: Dict[str, Any], state: str,
 
     Returns its summary.json content.
     """
-    from .trainer import Trainer
 
     summary_path = run_dir / "summary.json"
     if state == "done":
@@ -508,7 +508,8 @@ def _fmt(v: Any) -> str:
 
 
 # the main validation metric of each task's results; higher is better for these
-HIGHER_IS_BETTER = ("bleu", "macro_f1")
+# the metrics each sentence task reports, where higher is better (srupp.train.tasks)
+HIGHER_IS_BETTER = tuple(cls.metric for cls in TASKS.values() if cls.higher_is_better)
 # results.md's columns between "final" and "lr", by metric (the LM's otherwise)
 TASK_COLUMNS = {
     "bleu": ["bleu", "chrf", "time_to_best_baseline", "time_to_transformer_final",
@@ -637,7 +638,6 @@ def _sizing_data(base: RunConfig) -> tuple:
         tokenizer = build_tokenizer(base.data.tokenizer, corpus.train,
                                     **base.data.tokenizer_options())
         return tokenizer.vocab_size, None, metric_for(tokenizer)
-    from .trainer import make_task
 
     task = make_task(base)
     task.load(None)
