@@ -311,3 +311,20 @@ def test_resume_refuses_other_data_of_the_same_lengths(tmp_path, texts, capsys):
     _write_tsv(texts, ("text", "label"), flipped)  # the same texts, other labels
     _one_line_error(capsys, ["train", "--out", str(run), "--resume", "--no-progress",
                              "--set", "train.max_steps=8"], "content_crc32")
+
+
+def test_the_best_checkpoint_has_the_best_metric_not_the_lowest_loss(tmp_path, texts,
+                                                                      monkeypatch):
+    """Classification: macro-F1 picks the best checkpoint; its loss may be higher."""
+    results = iter([(0.5, 0.6), (0.9, 0.8), (0.4, 0.7)])  # (loss, macro-F1) at steps 4, 8, 8
+
+    def validate(self, max_batches=None, *, final=False):
+        loss, f1 = next(results)
+        return {"loss": loss, "accuracy": f1, "macro_f1": f1}
+
+    monkeypatch.setattr(Trainer, "validate", validate)
+    run = tmp_path / "run"
+    Trainer(build_config(None, [*CLASSIFY, f"data.corpus={texts}", "train.max_steps=8"]), run,
+            progress=False).train()
+    best = json.loads((run / "best.json").read_text())
+    assert best["step"] == 8 and best["valid_macro_f1"] == 0.8

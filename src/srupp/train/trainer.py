@@ -162,6 +162,8 @@ class Trainer:
         self.tokens_seen = 0  # tokens read by training steps (lm: inputs; translate: targets)
         self.carried = None
         self.best_loss = float("inf")  # the best validation loss (nats per token)
+        # translation and classification: the best validation BLEU or macro-F1
+        self.best_metric = float("-inf")
         self.interval = _new_interval()
         self._mid_step = False  # inside an optimiser step: the state is not consistent
         self._signals = 0  # SIGINT/SIGTERM received during train()
@@ -207,7 +209,8 @@ class Trainer:
     def _trainer_state(self) -> Dict[str, Any]:
         return {
             **{k: getattr(self, k) for k in ("step", "total_steps", "calibrated", "refitted",
-                                             "train_seconds", "best_loss", "tokens_seen")},
+                                             "train_seconds", "best_loss", "best_metric",
+                                             "tokens_seen")},
             "calibrated_at": list(self.calibrated_at),
             "interval": dict(self.interval),
             "optimizer": self.optimizer.state_dict(),
@@ -238,6 +241,7 @@ class Trainer:
         for k in ("step", "total_steps", "calibrated", "train_seconds"):
             setattr(self, k, state[k])
         self.tokens_seen = state.get("tokens_seen", 0)  # absent in checkpoints from before
+        self.best_metric = state.get("best_metric", float("-inf"))
         self.refitted = state.get("refitted", True)  # checkpoints from before the re-fit
         self.calibrated_at = tuple(state.get("calibrated_at", (0, 0.0)))
         # checkpoints from before the metric was named by its unit stored bits per token
@@ -455,8 +459,16 @@ class Trainer:
         record["train_seconds"] = self.train_seconds
         self._log(record)
         pointers = ["last"]
-        if res["loss"] < self.best_loss:  # every task: the best checkpoint by validation loss
-            self.best_loss = res["loss"]
+        # the best checkpoint: by validation loss for language models; by the task's
+        # metric (BLEU, macro-F1) for the others, where the loss can rise while it improves
+        if self.task.higher_is_better:
+            better = res[self.metric] > self.best_metric
+        else:
+            better = res["loss"] < self.best_loss
+        self.best_loss = min(self.best_loss, res["loss"])
+        if better:
+            if self.task.higher_is_better:
+                self.best_metric = res[self.metric]
             pointers.append("best")
         info = {"valid_loss": res["loss"]}
         if self.metric in res:
