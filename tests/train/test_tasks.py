@@ -288,7 +288,7 @@ def test_accumulated_micro_batches_weigh_by_their_tokens(tmp_path, pairs):
     expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
     seen = {}
-    tr.optimizer.step = lambda *a, **k: seen.update(
+    tr.scaler.step = lambda *a, **k: seen.update(  # the step's gradients, before the update
         {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     tr._train_step(iter([LengthBatch([0, 1, 2], 0, True), LengthBatch([3], 0, False)]))
     assert seen.keys() == expected.keys()
