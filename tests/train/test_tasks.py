@@ -288,8 +288,14 @@ def test_accumulated_micro_batches_weigh_by_their_tokens(tmp_path, pairs):
     expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
     seen = {}
-    tr.scaler.step = lambda *a, **k: seen.update(  # the step's gradients, before the update
-        {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    real_step = tr.scaler.step
+
+    def step(optimizer):  # the step's gradients, before the update
+        seen.update({n: p.grad.clone() for n, p in model.named_parameters()
+                     if p.grad is not None})
+        return real_step(optimizer)
+
+    tr.scaler.step = step
     tr._train_step(iter([LengthBatch([0, 1, 2], 0, True), LengthBatch([3], 0, False)]))
     assert seen.keys() == expected.keys()
     for n in expected:
