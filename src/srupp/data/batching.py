@@ -69,6 +69,31 @@ def _int_at_least(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
+def _saved_position(state: Any, mine: dict[str, int], other: str, what: str,
+                    same: str) -> int:
+    """The position of a batcher's saved state, after checking it was saved for ``mine``.
+
+    ``other``: where a state lacking keys may come from; ``what``: what a
+    difference is in; ``same``: what a resumed run must keep.
+    """
+    if not isinstance(state, dict) or "position" not in state:
+        raise ValueError("a saved batcher state must be a dict with a 'position'; "
+                         "the checkpoint is corrupt")
+    missing = [k for k in mine if k not in state]
+    if missing:
+        raise ValueError(f"the saved batcher state lacks {', '.join(missing)}; the "
+                         f"checkpoint is corrupt or from {other}")
+    diffs = [f"{k}: saved {state[k]!r}, now {v!r}" for k, v in mine.items() if state[k] != v]
+    if diffs:
+        raise ValueError(f"cannot resume: the batcher state was saved for different data or "
+                         f"{what} ({'; '.join(diffs)}); resume with the same {same}")
+    pos = state["position"]
+    if not _is_int(pos) or pos < 0:
+        raise ValueError(f"the saved batcher position must be a non-negative integer, "
+                         f"got {pos!r}; the checkpoint is corrupt")
+    return int(pos)
+
+
 class StreamBatcher:
     """Batches ``(inputs, targets)`` of shape ``(batch_size, <=unroll)`` from a
     1-D token stream, continuing each of ``batch_size`` streams from batch to
@@ -197,25 +222,9 @@ class StreamBatcher:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :attr:`position`; the data and layout must match the saved ones."""
-        if not isinstance(state, dict) or "position" not in state:
-            raise ValueError("a saved batcher state must be a dict with a 'position'; "
-                             "the checkpoint is corrupt")
-        mine = self._layout()
-        diffs = [f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in mine.items()
-                 if k in state and state[k] != v]
-        missing = [k for k in mine if k not in state]
-        if missing:
-            raise ValueError(f"the saved batcher state lacks {', '.join(missing)}; the "
-                             "checkpoint is corrupt or from an incompatible srupp")
-        if diffs:
-            raise ValueError("cannot resume: the batcher state was saved for different data or "
-                             f"layout ({'; '.join(diffs)}); resume with the same corpus, "
-                             "tokenizer, batch_size, unroll, rank and world_size")
-        pos = state["position"]
-        if not _is_int(pos) or pos < 0:
-            raise ValueError(f"the saved batcher position must be a non-negative integer, "
-                             f"got {pos!r}; the checkpoint is corrupt")
-        self.position = int(pos)
+        self.position = _saved_position(
+            state, self._layout(), "an incompatible srupp", "layout",
+            "corpus, tokenizer, batch_size, unroll, rank and world_size")
 
 
 # ----------------------------------------------------------------------------- length batching
@@ -378,21 +387,6 @@ class LengthBatcher:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :attr:`position`; the data and settings must match the saved ones."""
-        if not isinstance(state, dict) or "position" not in state:
-            raise ValueError("a saved batcher state must be a dict with a 'position'; "
-                             "the checkpoint is corrupt")
-        mine = self._layout()
-        missing = [k for k in mine if k not in state]
-        if missing:
-            raise ValueError(f"the saved batcher state lacks {', '.join(missing)}; the "
-                             "checkpoint is corrupt or from another kind of batcher")
-        diffs = [f"{k}: saved {state[k]!r}, now {v!r}" for k, v in mine.items() if state[k] != v]
-        if diffs:
-            raise ValueError("cannot resume: the batcher state was saved for different data or "
-                             f"settings ({'; '.join(diffs)}); resume with the same data, "
-                             "tokenizer, max_tokens, max_batch_size, seed and shuffle")
-        pos = state["position"]
-        if not _is_int(pos) or pos < 0:
-            raise ValueError(f"the saved batcher position must be a non-negative integer, "
-                             f"got {pos!r}; the checkpoint is corrupt")
-        self.position = int(pos)
+        self.position = _saved_position(
+            state, self._layout(), "another kind of batcher", "settings",
+            "data, tokenizer, max_tokens, max_batch_size, seed and shuffle")
