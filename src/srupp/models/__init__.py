@@ -15,7 +15,7 @@ from .classifier import (Classifier, ClassifierBase, ClassifierConfig, Classifie
 from .base import (REGISTRY, TASKS, SavedModel, build_model, config_from_dict, load_config,
                    load_model, model_class, parameter_counts, task_models)
 from .lm import MODELS, CausalLM, LanguageModel, LMOutput, sample
-from .state import TensorState, state_from_dict
+from .state import TensorState, load_state, load_state_metadata, save_state, state_from_dict
 from .seq2seq_baselines import (LSTMSeq2Seq, LSTMSeq2SeqConfig, SRUSeq2Seq, SRUSeq2SeqConfig,
                                 TransformerSeq2Seq, TransformerSeq2SeqConfig)
 
@@ -28,6 +28,7 @@ __all__ = ["Classifier", "ClassifierBase", "ClassifierConfig", "ClassifierOutput
            "MODELS", "MODEL_TYPES", "SRUConfig", "SRUppConfig", "TensorState",
            "TransformerConfig", "build_model", "config_from_dict", "load_config", "load_model",
            "model_class", "parameter_counts", "sample", "state_from_dict"]
+__all__ += ["load_state", "load_state_metadata", "save_state"]
 __all__ += ["LSTMSeq2Seq", "LSTMSeq2SeqConfig", "SRUSeq2Seq", "SRUSeq2SeqConfig",
             "TransformerSeq2Seq", "TransformerSeq2SeqConfig"]
 from .seq2seq import (EncoderOutput, Seq2Seq, Seq2SeqConfig, Seq2SeqModel, Seq2SeqOutput,

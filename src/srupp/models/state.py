@@ -15,18 +15,35 @@ trainer (``detach()``), beam search (``index_select``) and checkpoints
 
 :func:`state_from_dict` reads either this or an :class:`~srupp.nn.SRUppState`
 dict: a TensorState dict carries the marker key :data:`KIND_KEY`.
+
+:func:`save_state` and :func:`load_state` keep either kind of state in a
+safetensors file (a conversation parked by a server, resumed later in another
+process; the carried state of a training checkpoint). The file's metadata
+names the state's class (:data:`CLASS_KEY`), so loading gives back the class
+that was saved, and a file that holds no state is refused by name.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from pathlib import Path
+from typing import Dict, Optional, Tuple
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch import Tensor
+
+from .._files import PathLike, atomic_path
+from ..nn.state import SRUppState
 
 KIND_KEY = "__kind__.tensor_state"
 _DIM_PREFIX = "__batch_dim__."
+
+# The safetensors metadata entry that names the class of a saved state. Metadata
+# keys starting with "srupp." are the library's; the caller's own go beside them.
+CLASS_KEY = "srupp.state_class"
+_RESERVED_PREFIX = "srupp."
 
 
 @dataclass
@@ -112,6 +129,113 @@ def state_from_dict(tensors: Dict[str, Tensor]):
     """A TensorState or an SRUppState, whichever wrote ``tensors``."""
     if KIND_KEY in tensors:
         return TensorState.from_dict(tensors)
-    from ..nn import SRUppState
-
     return SRUppState.from_dict(tensors)
+
+
+# ------------------------------------------------------------------ state files
+# The classes a state file may hold, by the name its metadata records.
+STATE_CLASSES = {"SRUppState": SRUppState, "TensorState": TensorState}
+
+
+def save_state(state, path: PathLike, metadata: Optional[Dict[str, str]] = None) -> None:
+    """Write ``state`` to the safetensors file ``path``, atomically.
+
+    :func:`load_state` gives back the same class with the same tensors
+    (values, dtypes, shapes), in this process or another. A kill during the
+    write leaves the previous file at ``path``, or none, never a partial one.
+
+    Args:
+        state: an :class:`~srupp.nn.SRUppState` or a :class:`TensorState`, as a
+            language model's ``forward``, ``step`` or ``initial_state`` returns it.
+            The cached keys and values of an SRUppState are not written (they
+            are derived from its memory): the first step after loading
+            recomputes them.
+        path: the file to write; its folder must exist.
+        metadata: your own ``{str: str}`` entries (a conversation id, the model
+            they belong to...), read back with :func:`load_state_metadata`.
+            Keys starting with ``"srupp."`` are reserved.
+    """
+    name = next((n for n, cls in STATE_CLASSES.items() if isinstance(state, cls)), None)
+    if name is None:
+        raise TypeError(f"save_state takes an SRUppState or a TensorState (the state a "
+                        f"model returns), got {type(state).__name__}")
+    metadata = dict(metadata or {})
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"save_state metadata maps str to str (safetensors stores only "
+                            f"strings), got {key!r}: {value!r}; convert with str() or "
+                            f"json.dumps")
+        if key.startswith(_RESERVED_PREFIX):
+            raise ValueError(f"save_state metadata key {key!r}: keys starting with "
+                             f"{_RESERVED_PREFIX!r} are srupp's own; rename it")
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise ValueError(f"cannot save the state to {path}: the folder {path.parent} does "
+                         f"not exist; create it first")
+    # safetensors wants contiguous CPU tensors that share no memory, but a decoding
+    # cache is a view into a larger buffer (srupp.nn.append): write fresh copies.
+    tensors = {k: t.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
+               for k, t in state.to_dict().items()}
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={**metadata, CLASS_KEY: name})
+
+
+def load_state(path: PathLike, device=None):
+    """The state :func:`save_state` wrote to ``path``, as the class that was saved.
+
+    Reads only safetensors: loading never executes code from the file.
+
+    Args:
+        path: a file written by :func:`save_state`.
+        device: where to put the tensors; the CPU by default.
+    Returns:
+        An :class:`~srupp.nn.SRUppState` or a :class:`TensorState`, ready for the
+        model's ``step`` or ``forward``.
+    Raises:
+        ValueError: ``path`` is missing, is not a state file, or is truncated or corrupt.
+    """
+    path = Path(path)
+    metadata, tensors = _read_state_file(path, with_tensors=True)
+    name = metadata[CLASS_KEY]
+    try:
+        state = STATE_CLASSES[name].from_dict(tensors)
+    except (ValueError, RuntimeError) as e:  # the header is sound but the tensors are not
+        raise ValueError(f"{path} holds a damaged {name} ({_first_line(e)})") from None
+    return state if device is None else state.to(device)
+
+
+def load_state_metadata(path: PathLike) -> Dict[str, str]:
+    """The ``metadata`` given to :func:`save_state` for ``path`` (the tensors are not read)."""
+    metadata, _ = _read_state_file(Path(path), with_tensors=False)
+    return {k: v for k, v in metadata.items() if not k.startswith(_RESERVED_PREFIX)}
+
+
+def _read_state_file(path: Path, *, with_tensors: bool
+                     ) -> Tuple[Dict[str, str], Optional[Dict[str, Tensor]]]:
+    """(metadata, tensors or None) of a state file; a ValueError says what else it is."""
+    if not path.is_file():
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise ValueError(f"cannot load a state from {path}: it {what}; give the file "
+                         f"save_state wrote")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            metadata = f.metadata() or {}
+            # check the class before reading tensors: a wrong file may be a large one
+            name = metadata.get(CLASS_KEY)
+            if name is None:
+                raise ValueError(f"{path} is a safetensors file but not a saved state (its "
+                                 f"metadata names no {CLASS_KEY!r}); write states with "
+                                 f"srupp.models.save_state")
+            if name not in STATE_CLASSES:
+                raise ValueError(f"{path} holds a state of class {name!r}, which this "
+                                 f"version of srupp cannot read (it reads "
+                                 f"{', '.join(STATE_CLASSES)})")
+            tensors = {k: f.get_tensor(k) for k in f.keys()} if with_tensors else None
+    except (SafetensorError, OSError, RuntimeError) as e:  # not safetensors, cut short...
+        raise ValueError(f"{path} is not a safetensors file, or it is truncated or corrupt "
+                         f"({_first_line(e)})") from None
+    return metadata, tensors
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0]

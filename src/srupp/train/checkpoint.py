@@ -7,7 +7,8 @@ A run directory holds one folder per saved step plus two pointer files::
       tokenizer.json         the tokenizer and its vocabulary
       labels.json            classification: the labels, in the model's output order
       ckpt-000500/           model.safetensors, config.json (model), tokenizer.json, labels.json,
-                             state.safetensors (the carried SRUppState or TensorState), trainer.pt
+                             state.safetensors (the carried SRUppState or TensorState, written
+                             by srupp.models.save_state), trainer.pt
                              (optimiser, scheduler, RNG, data position; read with
                              weights_only=True): a folder that stands on its own
       last.json, best.json   {"dir": "ckpt-000500", "step": 500, ...}
@@ -56,7 +57,7 @@ def save_checkpoint(run_dir: Path, step: int, model, carried_state, trainer_stat
     before its pointer, maybe by a run resumed since with other settings: it
     is written again.
     """
-    from safetensors.torch import save_file
+    from ..models.state import save_state
 
     name = f"ckpt-{step:06d}"
     final = run_dir / name
@@ -72,8 +73,7 @@ def save_checkpoint(run_dir: Path, step: int, model, carried_state, trainer_stat
         for file_name, content in (files or {}).items():
             atomic_write_json(tmp / file_name, content)
         if carried_state is not None:
-            with atomic_path(tmp / "state.safetensors") as f:
-                save_file({k: v.contiguous() for k, v in carried_state.to_dict().items()}, str(f))
+            save_state(carried_state, tmp / "state.safetensors")
         with atomic_path(tmp / "trainer.pt") as f:
             torch.save(trainer_state, f)
         shutil.rmtree(final, ignore_errors=True)  # a stale folder no pointer names
@@ -131,18 +131,26 @@ def load_trainer_state(ckpt: Path) -> Dict[str, Any]:
 
 
 def load_carried_state(ckpt: Path):
-    from safetensors import SafetensorError
+    """The SRUppState or TensorState a checkpoint carries, or None when it has none."""
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
 
-    from ..models.state import state_from_dict
+    from ..models.state import CLASS_KEY, load_state, state_from_dict
 
     f = ckpt / "state.safetensors"
     if not f.exists():
         return None
     try:
-        return state_from_dict(load_file(str(f)))  # SRUppState or TensorState
+        with safe_open(str(f), framework="pt") as h:
+            names_its_class = CLASS_KEY in (h.metadata() or {})
+        if not names_its_class:  # saved before state files named their class: the keys tell
+            return state_from_dict(load_file(str(f)))
     except (SafetensorError, OSError, ValueError) as e:
         raise UserError(f"{f} is truncated or corrupt ({str(e).splitlines()[0]})") from None
+    try:
+        return load_state(f)
+    except ValueError as e:  # its message names the file and what is wrong with it
+        raise UserError(str(e)) from None
 
 
 def load_run(path, *, device="cpu", prefer: str = "best"):
