@@ -105,6 +105,13 @@ def test_recipe_step_benchmarks(script, corpus):
         assert r["trainer_s_per_step"] > 0 and r["bare_s_per_step"] > 0
 
 
+def test_training_scale(corpus):
+    r = run_benchmark("training_scale.py", RECIPE, "--steps", "2", "--rounds", "1",
+                      "--set", *TINY, f"data.corpus={corpus}", "train.batch_size=4")
+    assert set(r["tokens_per_s"]) == {"1 process", "2 processes"}
+    assert min(r["tokens_per_s"].values()) > 0 and r["gemm_gflops_per_thread"] > 0
+
+
 def test_generation(tmp_path, corpus):
     from srupp.train import Trainer
 

@@ -23,8 +23,10 @@ from .errors import UserError
 
 
 def cmd_train(args) -> int:
-    from .train import Trainer, build_config
+    from .train import Trainer, build_config, distributed
     from .train.checkpoint import read_json
+
+    distributed.die_with_launcher()  # under torchrun: never outlive the launcher
 
     out = Path(args.out) if args.out else Path("runs") / (Path(args.recipe).stem if args.recipe
                                                          else "default")
@@ -37,12 +39,20 @@ def cmd_train(args) -> int:
             raise UserError(f"--resume: {out} holds no run to resume (no config.json)")
         base = read_json(out / "config.json", "run config")
     cfg = build_config(args.recipe, overrides, base=base)
-    trainer = Trainer(cfg, out, resume=args.resume, progress=not args.no_progress)
-    print(f"srupp: training {trainer.model.num_parameters():,} parameters into {out} "
-          f"({cfg.data.corpus}, {cfg.data.tokenizer} tokens, precision {trainer.precision})",
-          file=sys.stderr)
-    summary = trainer.train()
-    print(json.dumps(summary))
+    dist = distributed.setup(cfg.train.device, cfg.train.dist_backend, cfg.train.dist_timeout)
+    try:
+        trainer = Trainer(cfg, out, resume=args.resume, progress=not args.no_progress,
+                          dist=dist)
+        if dist.is_main:
+            ranks = f", {dist.world_size} processes" if dist.enabled else ""
+            print(f"srupp: training {trainer.model.num_parameters():,} parameters into {out} "
+                  f"({cfg.data.corpus}, {cfg.data.tokenizer} tokens, precision "
+                  f"{trainer.precision}{ranks})", file=sys.stderr)
+        summary = trainer.train()
+    finally:
+        distributed.teardown(dist)
+    if dist.is_main:
+        print(json.dumps(summary))
     return 130 if summary["interrupted"] else 0
 
 

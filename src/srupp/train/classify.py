@@ -22,6 +22,7 @@ import torch
 from ..data import LengthBatcher, build_tokenizer, load_table, tokenizer_from_dict
 from ..errors import UserError
 from .checkpoint import labels_from_json
+from .distributed import SINGLE, Dist
 from .evaluate import autocast_context
 from .tasks import SentenceTask, content_crc32, encode_lines, length_batches, pad_batch
 
@@ -66,17 +67,21 @@ class ClassificationTask(SentenceTask):
         return {"tokenizer.json": self.tokenizer.to_dict(), "labels.json": {"labels": self.labels}}
 
     def loss(self, model, batch, carried, device, precision):
-        items = [self.train_items[i] for i in batch.indices]
+        mine, counts = self.rank_share(batch.indices)
+        items = [self.train_items[i] for i in mine]
         tokens, pad = pad_batch([ids for ids, _ in items], device)
         labels = torch.tensor([y for _, y in items], device=device)
         with autocast_context(precision, device.type):
             out = model(tokens, mask_pad=pad, labels=labels)
+        if not counts:
+            return out.loss * 0.0, 0.0, 0, 0, None
         return out.loss, out.loss.item() * len(items), len(items), int((~pad).sum()), None
 
     def validate(self, model, precision, *, final, max_batches):
         return classification_scores(model, self.valid_items, len(self.labels),
                                      max_tokens=self.cfg.train.max_tokens, precision=precision,
-                                     max_batches=None if final else max_batches)
+                                     max_batches=None if final else max_batches,
+                                     dist=self.eval_dist)
 
     def summary_keys(self):
         return ("loss", "accuracy", "macro_f1")
@@ -116,16 +121,25 @@ def predict(model, items: Sequence[Sequence[int]], *, max_tokens: int = 4096,
 @torch.no_grad()
 def classification_scores(model, items: Sequence[tuple], num_labels: int, *,
                           max_tokens: int = 4096, precision: str = "fp32",
-                          max_batches: Optional[int] = None) -> Dict[str, float]:
+                          max_batches: Optional[int] = None,
+                          dist: Dist = SINGLE) -> Dict[str, float]:
     """Loss, accuracy and macro-F1 of ``items`` ((ids, label index) pairs).
 
     With ``max_batches``, only the texts of that many length batches (a fixed
-    random choice) count.
+    random choice) count. Under torchrun (``dist``) each rank predicts its
+    share of the texts and every rank scores them all.
     """
     if max_batches is not None:
         batches = length_batches([len(x) for x, _ in items], max_tokens, max_batches)
         items = [items[i] for idx in batches for i in idx]
-    probs = predict(model, [x for x, _ in items], max_tokens=max_tokens, precision=precision)
+
+    def probabilities(part):
+        if not part:
+            return []
+        return list(predict(model, [x for x, _ in part], max_tokens=max_tokens,
+                            precision=precision))
+
+    probs = torch.stack(dist.map_shares(probabilities, list(items)))
     gold = torch.tensor([y for _, y in items])
     pred = probs.argmax(-1)
     loss = -probs[torch.arange(len(items)), gold].clamp_min(1e-30).log().mean()

@@ -115,6 +115,10 @@ class TrainConfig:
     calibration_steps: int = 20       # timed steps that fix the schedule length under max_seconds
     threads: Optional[int] = None     # torch intra-op threads (None: torch's default)
     device: str = "cpu"               # "cpu" or "cuda"
+    compile: bool = False             # torch.compile the training forward (docs/performance.md)
+    dist_backend: str = "auto"        # torchrun: gloo on CPU, nccl on CUDA, or a backend name
+    shard: str = "ddp"                # torchrun: "ddp" (replicas) or "fsdp" (FSDP2: sharded weights)
+    dist_timeout: float = 300.0       # torchrun: seconds a collective waits for a rank that died
 
     def __post_init__(self):
         positive = ("max_steps", "batch_size", "unroll", "grad_accum", "log_every",
@@ -137,6 +141,10 @@ class TrainConfig:
         if self.schedule not in ("cosine", "inverse_sqrt"):
             raise UserError(f"train.schedule must be cosine or inverse_sqrt, "
                             f"got {self.schedule!r}")
+        if self.shard not in ("ddp", "fsdp"):
+            raise UserError(f"train.shard must be ddp or fsdp, got {self.shard!r}")
+        if not self.dist_timeout > 0:
+            raise UserError(f"train.dist_timeout must be > 0 seconds, got {self.dist_timeout}")
         if self.warmup_fraction is not None and not 0 <= self.warmup_fraction < 1:
             raise UserError(f"train.warmup_fraction must be in [0, 1), "
                             f"got {self.warmup_fraction}")

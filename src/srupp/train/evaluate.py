@@ -42,8 +42,13 @@ def autocast_context(precision: str, device: str):
 @torch.no_grad()
 def evaluate(model, ids: torch.Tensor, *, batch_size: int, unroll: int,
              mem_len: Optional[int] = None, precision: str = "fp32",
-             max_batches: Optional[int] = None) -> Dict[str, float]:
+             max_batches: Optional[int] = None, rank: int = 0,
+             world_size: int = 1) -> Dict[str, float]:
     """Mean loss over ``ids``, read as ``batch_size`` streams in segments of ``unroll``.
+
+    With ``world_size`` > 1, ``ids`` is cut into ``batch_size * world_size``
+    streams and this call scores share ``rank`` of them (the caller sums the
+    ranks' results).
 
     The state, memory included, is carried from segment to segment, with an
     attention window of ``mem_len`` (the model's when None).
@@ -61,7 +66,7 @@ def evaluate(model, ids: torch.Tensor, *, batch_size: int, unroll: int,
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    batcher = StreamBatcher(ids, batch_size, unroll)
+    batcher = StreamBatcher(ids, batch_size, unroll, rank=rank, world_size=world_size)
     start = time.perf_counter()
     total, count, state = 0.0, 0, None
     adaptive = getattr(model, "adaptive", False)

@@ -25,6 +25,7 @@ from ..data import (LengthBatcher, StreamBatcher, build_tokenizer, load_corpus,
                     tokenizer_from_dict)
 from ..errors import UserError
 from .config import RunConfig
+from .distributed import SINGLE, Dist
 from .evaluate import autocast_context, evaluate, metric_for
 
 
@@ -55,8 +56,12 @@ class Task:
     carries_state = False  # the LM carries its recurrent state from batch to batch
     weighted_accumulation = False  # micro-batches differ in size: weight them by their count
 
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, dist: Dist = SINGLE):
         self.cfg = cfg
+        self.dist = dist  # under torchrun: this rank's share of the batches
+        # and of evaluation; FSDP needs every rank in every forward, so the
+        # trainer makes each rank evaluate everything there (SINGLE)
+        self.eval_dist = dist
 
     def load(self, saved: Optional[Dict[str, Any]]) -> None:
         """Read the data and build the tokenizer, or take it from ``saved`` (a resumed run's files)."""
@@ -110,7 +115,14 @@ class LMTask(Task):
         self.metric = metric_for(self.tokenizer)
         self.train_ids = self.tokenizer.encode(self.corpus.train)
         self.valid_ids = self.tokenizer.encode(self.corpus.valid)
-        self.batcher = StreamBatcher(self.train_ids, cfg.train.batch_size, cfg.train.unroll)
+        world = self.dist.world_size
+        if cfg.train.batch_size % world:
+            raise UserError(f"train.batch_size={cfg.train.batch_size} is the global number of "
+                            f"streams and must be divisible by the {world} processes; choose "
+                            f"a multiple of {world}")
+        # the global streams, cut in W contiguous shares: the same streams as one process
+        self.batcher = StreamBatcher(self.train_ids, cfg.train.batch_size // world,
+                                     cfg.train.unroll, rank=self.dist.rank, world_size=world)
 
     def files(self) -> Dict[str, Any]:
         return {"tokenizer.json": self.tokenizer.to_dict()}
@@ -126,9 +138,18 @@ class LMTask(Task):
 
     def validate(self, model, precision, *, final, max_batches):
         e = self.cfg.eval
-        res = evaluate(model, self.valid_ids, batch_size=e.batch_size,
+        # the streams split across ranks when they divide; else every rank scores all
+        dist = self.eval_dist
+        world = dist.world_size if e.batch_size % dist.world_size == 0 else 1
+        res = evaluate(model, self.valid_ids, batch_size=e.batch_size // world,
                        unroll=e.unroll or self.cfg.train.unroll, mem_len=e.mem_len,
-                       precision=precision, max_batches=max_batches)
+                       precision=precision, max_batches=max_batches,
+                       rank=dist.rank if world > 1 else 0, world_size=world)
+        if world > 1:
+            total, count = dist.sum([res["loss"] * res["tokens"], res["tokens"]])
+            loss = total / max(count, 1)
+            res.update(loss=loss, bpc=loss / math.log(2), ppl=math.exp(min(loss, 700.0)),
+                       tokens=int(count))
         out = {"bpc": res["bpc"]} if self.metric == "bpc" else {}
         out.update(ppl=res["ppl"], loss=res["loss"], tokens=res["tokens"])
         return out
@@ -227,6 +248,16 @@ class SentenceTask(Task):
     by length under ``train.max_tokens``, and the length limit ``data.max_len``."""
 
     weighted_accumulation = True
+
+    def rank_share(self, indices: Sequence[int]) -> Tuple[List[int], bool]:
+        """This rank's items of a global batch, and whether they count.
+
+        A rank whose share is empty (a batch of fewer sentences than ranks)
+        still runs a forward and backward, on the batch's first item with
+        weight 0, so that every rank takes part in the gradient all-reduce.
+        """
+        mine = self.dist.share(indices)
+        return (mine, True) if mine else (list(indices[:1]), False)
 
     def table_source(self) -> str:
         """data.corpus, which a sentence task cannot do without."""

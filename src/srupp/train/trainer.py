@@ -35,10 +35,12 @@ from .._files import atomic_write_json, atomic_write_text
 from ..errors import UserError
 from ..models import build_model
 from ..ops import cpu_has_native_bf16, warm_up
+from ..models.state import state_from_dict
 from .checkpoint import (load_carried_state, load_trainer_state, read_json, resolve_checkpoint,
                          save_checkpoint)
 from .classify import ClassificationTask
 from .config import RunConfig
+from .distributed import SINGLE, Dist
 from .tasks import LMTask, Task, check_tokenizer_fits  # noqa: F401  (re-exported)
 from .translate import TranslationTask
 
@@ -68,9 +70,9 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float,
 TASKS = {"lm": LMTask, "translate": TranslationTask, "classify": ClassificationTask}
 
 
-def make_task(cfg: RunConfig) -> Task:
-    """The task ``cfg.task`` names."""
-    return TASKS[cfg.task](cfg)
+def make_task(cfg: RunConfig, dist: Dist = SINGLE) -> Task:
+    """The task ``cfg.task`` names, for this process's share of the data."""
+    return TASKS[cfg.task](cfg, dist)
 
 
 class Trainer:
@@ -81,17 +83,22 @@ class Trainer:
         run_dir: where checkpoints, metrics and plots go.
         resume: continue from ``run_dir``'s last checkpoint.
         progress: show a tqdm progress bar on stderr.
+        dist: this process's rank in a torchrun job (:func:`srupp.train.distributed.setup`);
+            rank 0 writes the run directory, every rank trains its share.
     """
 
-    def __init__(self, cfg: RunConfig, run_dir, *, resume: bool = False, progress: bool = True):
+    def __init__(self, cfg: RunConfig, run_dir, *, resume: bool = False, progress: bool = True,
+                 dist: Dist = SINGLE):
         self.cfg = cfg
+        self.dist = dist
         self.run_dir = Path(run_dir)
         self.metrics_path = self.run_dir / "metrics.jsonl"
-        self.progress = progress
+        self.progress = progress and dist.is_main
         t = cfg.train
         if t.threads:
             torch.set_num_threads(t.threads)
-        self.device = torch.device(t.device)
+        self.device = (torch.device("cuda", dist.local_rank)
+                       if dist.enabled and t.device == "cuda" else torch.device(t.device))
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise UserError("train.device=cuda but no CUDA device is available; use train.device=cpu")
         self.precision = t.precision
@@ -110,7 +117,9 @@ class Trainer:
         elif (self.run_dir / "last.json").exists():
             raise UserError(f"{self.run_dir} already holds a run; pass --resume to continue it "
                             f"or choose another --out")
-        created = not resume and not self.run_dir.is_dir()
+        # every rank has checked the directory before rank 0 creates it
+        dist.barrier()
+        created = dist.is_main and not resume and not self.run_dir.is_dir()
         if created:  # before any slow work
             try:
                 self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -128,12 +137,21 @@ class Trainer:
     def _set_up(self, cfg: RunConfig, ckpt: Optional[Path]) -> None:
         t = cfg.train
         # ---- data, tokenizer (and labels)
-        self.task = make_task(cfg)
+        self.task = make_task(cfg, self.dist)
         saved = None
         if ckpt is not None:
             saved = {name: read_json(self.run_dir / name, name.split(".")[0])
                      for name in self.task.file_names}
-        self.task.load(saved)
+        if self.dist.enabled and saved is None:
+            # rank 0 builds the tokenizer (and labels); the others take its files, so
+            # that every rank has the same vocabulary however the builder behaves
+            if self.dist.is_main:
+                self.task.load(None)
+            saved = self.dist.broadcast_object(self.task.files() if self.dist.is_main else None)
+            if not self.dist.is_main:
+                self.task.load(saved)
+        else:
+            self.task.load(saved)
         self.model_config = self.task.model_config
         if ckpt is not None:
             check_same_shape(self.run_dir, ckpt, self.model_config)
@@ -143,6 +161,11 @@ class Trainer:
         # ---- model, optimiser, schedule
         torch.manual_seed(t.seed)
         self.model = build_model(self.model_config, device=self.device)
+        if self.dist.enabled:
+            torch.manual_seed(t.seed + self.dist.rank)  # each rank its own dropout masks
+        self.train_model = self._wrap(self.model)
+        if self.sharded:
+            self.task.eval_dist = SINGLE
         self.optimizer = torch.optim.RAdam(self._param_groups(), lr=t.lr,
                                            weight_decay=t.weight_decay,
                                            decoupled_weight_decay=True)
@@ -169,12 +192,36 @@ class Trainer:
         self._signals = 0  # SIGINT/SIGTERM received during train()
         if ckpt is not None:
             self._restore(ckpt)
-        else:
+        elif self.dist.is_main:
             atomic_write_json(self.run_dir / "config.json", cfg.to_dict())
             for name, content in self.task.files().items():
                 atomic_write_json(self.run_dir / name, content)
             # lines of a run killed before its first checkpoint: it starts again from step 0
             self._truncate_metrics(0)
+        self.dist.barrier()
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2: each rank holds a shard of the weights and optimiser state."""
+        return self.dist.enabled and self.cfg.train.shard == "fsdp"
+
+    def _wrap(self, model):
+        """The module the training steps call: DDP under torchrun (or FSDP2 in place, with
+        train.shard=fsdp), compiled with train.compile."""
+        t = self.cfg.train
+        if self.sharded:
+            from .distributed import fully_shard_model
+
+            fully_shard_model(model, self.device)
+        elif self.dist.enabled:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            # the model has no buffers that change in training: nothing to broadcast per step
+            model = DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+        if t.compile:
+            model = torch.compile(model)
+        return model
 
     # ----------------------------------------------------------------- setup
     @property
@@ -213,25 +260,57 @@ class Trainer:
                                              "tokens_seen")},
             "calibrated_at": list(self.calibrated_at),
             "interval": dict(self.interval),
-            "optimizer": self.optimizer.state_dict(),
+            # under FSDP the whole state, gathered by _save (keyed by parameter name)
+            "optimizer": None if self.sharded else self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
             "rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else [],
             "data": self.batcher.state_dict(),
+            "world_size": self.dist.world_size,
+            "shard": self.cfg.train.shard if self.dist.enabled else None,
         }
+
+    def _rank_states(self) -> Optional[Dict[str, Any]]:
+        """Every rank's RNG (and carried LM state), gathered for rank 0 to save."""
+        if not self.dist.enabled:
+            return None
+        cuda = torch.cuda.get_rng_state() if self.device.type == "cuda" else None
+        mine = {"rng": torch.get_rng_state(), "cuda_rng": cuda,
+                "carried": None if self.carried is None else self.carried.to_dict()}
+        return {"ranks": self.dist.gather_objects(mine)}
 
     def _restore(self, ckpt: Path) -> None:
         from safetensors.torch import load_model
 
         state = load_trainer_state(ckpt)
+        saved_world = state.get("world_size", 1)
+        if saved_world != self.dist.world_size:
+            raise UserError(f"{self.run_dir} was trained on {saved_world} process(es), this run "
+                            f"has {self.dist.world_size}; resume it at world size {saved_world} "
+                            f"(torchrun --nproc_per_node), or train a new run into another --out")
+        shard = self.cfg.train.shard if self.dist.enabled else None
+        if state.get("shard") != shard:
+            raise UserError(f"{self.run_dir} was trained with train.shard={state.get('shard')}; "
+                            f"resume it with the same setting")
+        target = self.model
+        if self.sharded:  # rank 0 reads the whole model; the ranks take their shards from it
+            target = build_model(self.model_config, device="cpu")
         try:
-            load_model(self.model, str(ckpt / "model.safetensors"), device=str(self.device))
+            if self.dist.is_main or not self.sharded:
+                load_model(target, str(ckpt / "model.safetensors"), device=str(target.device))
         except Exception as e:
             raise UserError(f"{ckpt / 'model.safetensors'} is truncated or corrupt or does "
                             f"not fit the config ({str(e).splitlines()[0][:200]})") from None
         try:
-            self.optimizer.load_state_dict(state["optimizer"])
+            if self.sharded:
+                from .distributed import load_full_state
+
+                load_full_state(self.model, self.optimizer,
+                                target.state_dict() if self.dist.is_main else {},
+                                state["optimizer"] if self.dist.is_main else {})
+            else:
+                self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
             self.batcher.load_state_dict(state["data"])
         except (KeyError, ValueError, RuntimeError) as e:
@@ -250,12 +329,21 @@ class Trainer:
         self.interval = {**_new_interval(), **state["interval"]}
         if "count" not in state["interval"]:  # saved when every count was a token count
             self.interval["count"] = self.interval["tokens"]
-        torch.set_rng_state(state["rng"])
-        if state.get("cuda_rng"):
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
-        carried = load_carried_state(ckpt) if self.task.carries_state else None
+        if self.dist.enabled:
+            mine = state["ranks"][self.dist.rank]
+            torch.set_rng_state(mine["rng"])
+            if mine["cuda_rng"] is not None:
+                torch.cuda.set_rng_state(mine["cuda_rng"])
+            carried = (None if mine["carried"] is None
+                       else state_from_dict(mine["carried"]))
+        else:
+            torch.set_rng_state(state["rng"])
+            if state.get("cuda_rng"):
+                torch.cuda.set_rng_state_all(state["cuda_rng"])
+            carried = load_carried_state(ckpt) if self.task.carries_state else None
         self.carried = None if carried is None else carried.to(self.device)
-        self._truncate_metrics(self.step)
+        if self.dist.is_main:
+            self._truncate_metrics(self.step)
 
     # --------------------------------------------------------------- logging
     def _truncate_metrics(self, step: int) -> None:
@@ -270,46 +358,77 @@ class Trainer:
         atomic_write_text(self.metrics_path, "".join(ln + "\n" for ln in kept))
 
     def _log(self, record: Dict[str, Any]) -> None:
+        if not self.dist.is_main:
+            return
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
     # ------------------------------------------------------------------ loop
-    def _train_step(self, it) -> float:
+    def _train_step(self, it) -> tuple:
+        """One optimiser step; returns this rank's (loss sum, count, tokens)."""
         t = self.cfg.train
-        model, loss_sum, count, tokens = self.model, 0.0, 0, 0
+        model, loss_sum, count, tokens = self.train_model, 0.0, 0, 0
         self._mid_step = True
-        # micro-batches of sentences hold different numbers of tokens: weight each by
-        # its count, so that the step's gradient is the mean over all of them
-        by_count = self.task.weighted_accumulation and t.grad_accum > 1
-        for _ in range(t.grad_accum):
-            loss, part_sum, part_count, part_tokens, self.carried = self.task.loss(
-                model, next(it), self.carried, self.device, self.precision)
-            if by_count:
-                loss = loss * part_count
-            elif t.grad_accum > 1:
-                loss = loss / t.grad_accum
-            self.scaler.scale(loss).backward()
+        # micro-batches of sentences hold different numbers of tokens (and so do the
+        # ranks' shares of a batch): weight each by its count, so that the step's
+        # gradient is the mean over all of them
+        by_count = self.task.weighted_accumulation and (t.grad_accum > 1 or self.dist.enabled)
+        for micro in range(t.grad_accum):
+            # DDP averages gradients across ranks once, after the last micro-batch
+            last = micro == t.grad_accum - 1
+            if self.sharded:
+                model.set_requires_gradient_sync(last)
+            sync = (contextlib.nullcontext() if last or not self.dist.enabled or self.sharded
+                    else model.no_sync())
+            with sync:
+                loss, part_sum, part_count, part_tokens, self.carried = self.task.loss(
+                    model, next(it), self.carried, self.device, self.precision)
+                if by_count:
+                    loss = loss * part_count
+                elif t.grad_accum > 1:
+                    loss = loss / t.grad_accum
+                self.scaler.scale(loss).backward()
             loss_sum += part_sum
             count += part_count
             tokens += part_tokens
         self.scaler.unscale_(self.optimizer)
         if by_count:
-            for p in model.parameters():
+            # DDP averaged over ranks: the global mean divides by the global count / W
+            total = self.dist.sum([count])[0] if self.dist.enabled else count
+            scale = self.dist.world_size / max(total, 1)
+            for p in self.model.parameters():
                 if p.grad is not None:
-                    p.grad.div_(max(count, 1))
+                    p.grad.mul_(scale) if self.dist.enabled else p.grad.div_(max(count, 1))
         if t.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
+        self._mid_step = False
+        return loss_sum, count, tokens
+
+    def _account(self, loss_sum: float, count: int, tokens: int, dt: float) -> tuple:
+        """Add one step to the interval sums: over all ranks, timed by rank 0.
+
+        Under torchrun one all-reduce carries this rank's sums, whether it saw a
+        signal, and rank 0's step time, so that every rank logs the same loss,
+        fits the same schedule and stops at the same step. Returns (mean loss
+        of the step, step seconds, stop requested).
+        """
+        stop = bool(self._signals)
+        if self.dist.enabled:
+            loss_sum, count, tokens, stops, dt = self.dist.sum(
+                [loss_sum, count, tokens, float(stop), dt if self.dist.is_main else 0.0])
+            count, tokens, stop = int(count), int(tokens), stops > 0
+        self.train_seconds += dt
+        self.interval["seconds"] += dt
         self.interval["loss_sum"] += loss_sum
         self.interval["count"] += count
         self.interval["tokens"] += tokens
         self.tokens_seen += tokens
-        self._mid_step = False
-        return loss_sum / max(count, 1)
+        return loss_sum / max(count, 1), dt, stop
 
     def validate(self, max_batches: Optional[int] = None, *, final: bool = False
                  ) -> Dict[str, float]:
@@ -318,8 +437,26 @@ class Trainer:
                                   max_batches=max_batches)
 
     def _save(self, pointers=("last",), info=None) -> None:
-        save_checkpoint(self.run_dir, self.step, self.model, self.carried, self._trainer_state(),
-                        files=self.task.files(), pointers=pointers, info=info)
+        """Rank 0 writes the checkpoint (with every rank's RNG and state); the others wait."""
+        ranks = self._rank_states()  # collectives: every rank takes part
+        model = self.model
+        if self.sharded:
+            from .distributed import full_state
+
+            weights, optimizer = full_state(self.model, self.optimizer)
+            if self.dist.is_main:  # a plain copy, saved as one process saves its model
+                model = build_model(self.model_config, device="cpu")
+                model.load_state_dict(weights)
+        if self.dist.is_main:
+            state = self._trainer_state()
+            if ranks is not None:
+                state.update(ranks)
+            if self.sharded:
+                state["optimizer"] = optimizer
+            save_checkpoint(self.run_dir, self.step, model,
+                            None if self.dist.enabled else self.carried, state,
+                            files=self.task.files(), pointers=pointers, info=info)
+        self.dist.barrier()
 
     def _refit(self) -> None:
         """Fit the schedule length again from the mean step time since calibration."""
@@ -380,13 +517,13 @@ class Trainer:
         try:
             with tqdm(total=self.total_steps, initial=self.step, disable=not self.progress,
                       file=sys.stderr, dynamic_ncols=True, unit="step") as bar:
-                while (self.step < self.total_steps and not self._signals
+                stop = False
+                while (self.step < self.total_steps and not stop
+                       and not (self._signals and not self.dist.enabled)
                        and (t.max_seconds is None or self.train_seconds < t.max_seconds)):
                     start = time.perf_counter()
-                    loss = self._train_step(it)
-                    dt = time.perf_counter() - start
-                    self.train_seconds += dt
-                    self.interval["seconds"] += dt
+                    sums = self._train_step(it)
+                    loss, dt, stop = self._account(*sums, time.perf_counter() - start)
                     if not self.calibrated:
                         calib_times.append(dt)
                         # the first few steps run slower (allocator and caches warming up)
@@ -425,13 +562,15 @@ class Trainer:
                         self._save()
         except KeyboardInterrupt:
             # a second signal, or an interrupt raised by code around the trainer
-            if self._mid_step or self._signals > 1:
+            if self._mid_step or self._signals > 1 or self.dist.enabled:
+                # under torchrun the other ranks may be inside a collective: no save
                 return self._stopped_without_saving()
             return self._stop_and_save()
-        if self._signals:
+        if stop or (self._signals and not self.dist.enabled):
             return self._stop_and_save()
         final = self._evaluate_and_save(None, final=True)
-        self.plot()
+        if self.dist.is_main:
+            self.plot()
         summary = {"interrupted": False, "step": self.step}
         summary.update({f"valid_{k}": final[k] for k in self.task.summary_keys()})
         summary.update(train_seconds=self.train_seconds, params=self.model.num_parameters())
@@ -439,8 +578,9 @@ class Trainer:
 
     def _stop_and_save(self) -> Dict[str, Any]:
         self._save()
-        print(f"interrupted: saved step {self.step} to {self.run_dir}; "
-              f"continue with --resume", file=sys.stderr)
+        if self.dist.is_main:
+            print(f"interrupted: saved step {self.step} to {self.run_dir}; "
+                  f"continue with --resume", file=sys.stderr)
         return {"interrupted": True, "step": self.step}
 
     def _stopped_without_saving(self) -> Dict[str, Any]:
@@ -449,7 +589,8 @@ class Trainer:
         step = read_json(last, "checkpoint pointer").get("step") if last.exists() else None
         where = (f"continue from its last checkpoint (step {step}) with --resume"
                  if step is not None else "no checkpoint was saved yet")
-        print(f"interrupted at once: nothing saved; {where}", file=sys.stderr)
+        if self.dist.is_main:
+            print(f"interrupted at once: nothing saved; {where}", file=sys.stderr)
         return {"interrupted": True, "step": step}
 
     def _evaluate_and_save(self, max_batches, *, final: bool = False) -> Dict[str, float]:

@@ -30,6 +30,7 @@ from .._extras import require
 from ..data import LengthBatcher, build_tokenizer, load_table, tokenizer_from_dict
 from ..errors import UserError
 from ..models.decoding import beam_search, greedy_decode
+from .distributed import SINGLE, Dist
 from .evaluate import autocast_context
 from .tasks import (SentenceTask, content_crc32, encode_lines, fit_length, length_batches,
                     pad_batch)
@@ -86,24 +87,36 @@ class TranslationTask(SentenceTask):
         return {"tokenizer.json": self.tokenizer.to_dict()}
 
     def loss(self, model, batch, carried, device, precision):
-        b = PairBatch([self.train_pairs[i] for i in batch.indices], device)
+        mine, counts = self.rank_share(batch.indices)
+        b = PairBatch([self.train_pairs[i] for i in mine], device)
         with autocast_context(precision, device.type):
             out = model(b.src, b.tgt_in, src_pad=b.src_pad, tgt_pad=b.tgt_pad,
                         targets=b.targets, label_smoothing=self.cfg.train.label_smoothing)
+        if not counts:
+            return out.loss * 0.0, 0.0, 0, 0, None
         return out.loss, out.nll.item() * b.tokens, b.tokens, b.tokens, None
 
     @torch.no_grad()
     def valid_loss(self, model, precision: str, max_batches: Optional[int]) -> Dict[str, float]:
-        """Mean negative log-likelihood per target token on the validation split."""
-        device, total, count = model.device, 0.0, 0
-        for idx in length_batches([max(len(s), len(t)) for s, t in self.valid_pairs],
-                                  self.cfg.train.max_tokens, max_batches):
-            b = PairBatch([self.valid_pairs[j] for j in idx], device)
-            with autocast_context(precision, device.type):
-                out = model(b.src, b.tgt_in, src_pad=b.src_pad, tgt_pad=b.tgt_pad,
-                            targets=b.targets)
-            total += out.nll.item() * b.tokens
-            count += b.tokens
+        """Mean negative log-likelihood per target token on the validation split
+        (its batches shared across ranks under torchrun)."""
+        device = model.device
+
+        def sums(batches):
+            out_sums = []
+            for idx in batches:
+                b = PairBatch([self.valid_pairs[j] for j in idx], device)
+                with autocast_context(precision, device.type):
+                    out = model(b.src, b.tgt_in, src_pad=b.src_pad, tgt_pad=b.tgt_pad,
+                                targets=b.targets)
+                out_sums.append((out.nll.item() * b.tokens, b.tokens))
+            return out_sums
+
+        per_batch = self.eval_dist.map_shares(sums, length_batches(
+            [max(len(s), len(t)) for s, t in self.valid_pairs], self.cfg.train.max_tokens,
+            max_batches))
+        total = sum(s for s, _ in per_batch)
+        count = sum(n for _, n in per_batch)
         return {"loss": total / max(count, 1), "tokens": count}
 
     def validate(self, model, precision, *, final, max_batches):
@@ -118,7 +131,7 @@ class TranslationTask(SentenceTask):
                 beam=e.beam if final else 1, lenpen=e.lenpen, max_len_a=e.max_len_a,
                 max_len_b=e.max_len_b, max_tokens=self.cfg.train.max_tokens,
                 max_len=self.cfg.data.max_len, truncate=self.cfg.data.truncate,
-                precision=precision)
+                precision=precision, dist=self.eval_dist)
         finally:
             model.train(was_training)
         return {"bleu": scores["bleu"], "chrf": scores["chrf"], **res,
@@ -179,20 +192,21 @@ def _translate_ids(model, tokenizer, lines, *, beam, lenpen, max_len_a, max_len_
 
 
 def translation_scores(model, tokenizer, sources: Sequence[str], references: Sequence[str],
-                       **options) -> Dict[str, Any]:
+                       *, dist: Dist = SINGLE, **options) -> Dict[str, Any]:
     """Translate ``sources`` and score them against ``references`` with sacrebleu.
 
     Returns BLEU and chrF (on detokenised text, sacrebleu's defaults), BLEU's
     signature, and the translation speed (sentences/s, and generated tokens/s,
-    EOS included).
+    EOS included). Under torchrun (``dist``) each rank translates its share
+    of the sentences and every rank scores them all.
     """
     sacrebleu = require("sacrebleu", "translation", "BLEU")
     start = time.perf_counter()
-    ids = _translate_ids(model, tokenizer, sources, **{"beam": 5, "lenpen": 1.0,
-                                                       "max_len_a": 1.2, "max_len_b": 10,
-                                                       "max_tokens": 4096, "max_len": None,
-                                                       "truncate": False, "precision": "fp32",
-                                                       "first_line": 1, **options})
+    options = {"beam": 5, "lenpen": 1.0, "max_len_a": 1.2, "max_len_b": 10, "max_tokens": 4096,
+               "max_len": None, "truncate": False, "precision": "fp32", "first_line": 1,
+               **options}
+    ids = dist.map_shares(lambda part: _translate_ids(model, tokenizer, part, **options),
+                          list(sources))
     seconds = time.perf_counter() - start
     hyps = [tokenizer.decode(x) for x in ids]
     bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
