@@ -1,0 +1,503 @@
+"""Hugging Face ``transformers`` classes for srupp's language models (``pip install 'srupp[hf]'``).
+
+Four pieces, registered with transformers' Auto classes (model type ``"srupp"``):
+
+- :class:`SRUppHFConfig`: a ``PreTrainedConfig`` that holds the srupp model
+  config (``LMConfig.to_dict()``) in its ``srupp`` field.
+- :class:`SRUppForCausalLM`: a ``PreTrainedModel`` with ``generate()`` around
+  any srupp language model (``self.model``: SRU++, or a baseline).
+- :class:`SRUppCache`: the recurrent state as ``generate()``'s cache. After the
+  prompt, each step feeds only the new token and the state; the prefix is never
+  recomputed. Beam search reorders the state with its ``index_select``.
+- :class:`SRUppTokenizer`: a ``PreTrainedTokenizer`` around a srupp tokenizer
+  (byte, char, word or SentencePiece), with exactly its ids and text.
+
+``import srupp`` registers them as soon as transformers is imported (see
+``srupp/__init__.py``), so after it::
+
+    model = AutoModelForCausalLM.from_pretrained(folder)   # no trust_remote_code
+    pipe = pipeline("text-generation", model=folder)
+
+where ``folder`` was written by :func:`export_run_to_hf` (a training run) or by
+``SRUppForCausalLM.save_pretrained`` and ``SRUppTokenizer.save_pretrained``.
+
+Weights are saved as safetensors under the srupp model's own parameter names
+behind ``model.``; tied weights (``tie_embeddings``, including an adaptive
+softmax's clusters and projections) are stored once and tied again on loading.
+Tested with transformers 5.23.0; other major versions are refused on import.
+"""
+
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .._extras import MissingExtra, install_hint, require
+# srupp.data sits beside srupp.models (it imports nothing from it): the tokenizers
+from ..data.tokenizers import (ByteTokenizer, CharTokenizer, SentencePieceTokenizer, Tokenizer,
+                               WordTokenizer, tokenizer_from_dict)
+from ..nn.adaptive import AdaptiveInput, ProjectedAdaptiveLogSoftmax
+from .base import build_model, config_from_dict, load_model
+from .config import LMConfig, SRUppConfig
+
+transformers = require("transformers", "hf", "srupp's Hugging Face integration")
+# The generate() and cache API this module follows is transformers 5's.
+if transformers.__version__.split(".")[0] != "5":
+    raise MissingExtra(f"srupp's Hugging Face integration needs transformers 5 (found "
+                       f"{transformers.__version__}): {install_hint('transformers')}",
+                       name="transformers")
+
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer,  # noqa: E402
+                          GenerationMixin, PreTrainedConfig, PreTrainedModel,
+                          PreTrainedTokenizer)
+from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
+
+__all__ = ["SRUppHFConfig", "SRUppForCausalLM", "SRUppCache", "SRUppTokenizer",
+           "export_run_to_hf", "register"]
+
+MODEL_TYPE = "srupp"
+TOKENIZER_FILE = "srupp_tokenizer.json"  # the srupp tokenizer's to_dict(), as in a run
+
+
+# ------------------------------------------------------------------ config
+class SRUppHFConfig(PreTrainedConfig):
+    """The transformers config of a srupp language model.
+
+    Not named ``SRUppConfig``: that is the srupp model config it holds
+    (:class:`srupp.models.SRUppConfig`).
+
+    Args:
+        srupp: the srupp model config as a dict (``LMConfig.to_dict()``: its
+            ``type`` and fields); None gives srupp's default SRU++ model.
+        vocab_size, tie_word_embeddings: read from ``srupp`` (the names
+            transformers looks for); giving a different value is an error.
+        use_cache: ``generate()`` carries the recurrent state (keep True).
+    """
+
+    model_type = MODEL_TYPE
+
+    srupp: Optional[dict] = None
+    vocab_size: Optional[int] = None
+    tie_word_embeddings: Optional[bool] = None
+    use_cache: bool = True
+
+    def __post_init__(self, **kwargs):
+        if self.srupp is None:
+            self.srupp = SRUppConfig().to_dict()
+        lm = self.srupp_config()
+        self.srupp = lm.to_dict()  # every field spelled out, as config.json keeps it
+        for name, value in (("vocab_size", lm.vocab_size),
+                            ("tie_word_embeddings", lm.tie_embeddings)):
+            given = getattr(self, name)
+            if given is not None and given != value:
+                raise ValueError(f"SRUppHFConfig: {name}={given!r} disagrees with the srupp "
+                                 f"config ({value!r}); leave {name} out, it is read from srupp")
+            setattr(self, name, value)
+        super().__post_init__(**kwargs)
+
+    def srupp_config(self) -> LMConfig:
+        """The srupp model config (a fresh :class:`~srupp.models.LMConfig` subclass)."""
+        if not isinstance(self.srupp, dict):
+            raise TypeError(f"SRUppHFConfig.srupp must be a dict (a srupp LMConfig.to_dict()), "
+                            f"got {type(self.srupp).__name__}")
+        config = config_from_dict(self.srupp)
+        if not isinstance(config, LMConfig):
+            raise ValueError(f"SRUppHFConfig holds a language model, but srupp is a "
+                             f"{getattr(config, 'task', '?')} config; export a language model")
+        return config
+
+
+# ------------------------------------------------------------------- cache
+class SRUppCache:
+    """The state of a srupp language model, as ``generate()``'s ``past_key_values``.
+
+    ``state`` is what the srupp model's ``forward``/``step`` return (an
+    :class:`~srupp.nn.SRUppState`, or a TensorState for the baselines), after
+    ``seen_tokens`` tokens per row. It is updated in place by each forward,
+    like transformers' own caches. A recurrent state cannot forget tokens, so
+    there is no ``crop`` (assisted generation is refused for this model).
+    """
+
+    # what generate() asks every cache: never compiled, never cropped
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, state: Any, seen_tokens: int = 0):
+        self.state = state
+        self.seen_tokens = seen_tokens
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens per row already folded into the state (generate() skips them)."""
+        return self.seen_tokens
+
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        """Follow beam search: row i of the state becomes old row ``beam_idx[i]``."""
+        self.state = self.state.index_select(beam_idx)
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        self.state = self.state.index_select(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        rows = torch.arange(self.state.batch_size).repeat_interleave(repeats)
+        self.state = self.state.index_select(rows)
+
+    def crop(self, max_length: int) -> None:
+        raise ValueError("a srupp state cannot drop tokens it has read (it is recurrent); "
+                         "generate without assistant_model or prompt_lookup_num_tokens")
+
+    def __repr__(self) -> str:
+        return (f"SRUppCache({type(self.state).__name__}, batch={self.state.batch_size}, "
+                f"seen_tokens={self.seen_tokens})")
+
+
+# ------------------------------------------------------------------- model
+def _tied_weights(model: nn.Module, prefix: str) -> Dict[str, str]:
+    """``{target: source}`` for every parameter registered under a second name.
+
+    The names are exact regular expressions (transformers matches these keys as
+    patterns): ``out_embs.1`` must not also match ``out_embs.10``.
+    """
+    first: Dict[int, str] = {}
+    tied: Dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied["^" + re.escape(prefix + name) + "$"] = "^" + re.escape(first[id(p)]) + "$"
+        else:
+            first[id(p)] = prefix + name
+    return tied
+
+
+class SRUppForCausalLM(PreTrainedModel, GenerationMixin):
+    """A srupp language model (``self.model``) with transformers' saving, loading, generate().
+
+    ``forward`` takes ``input_ids``, ``attention_mask`` (0 at padding, e.g.
+    left padding for a batch of prompts), ``past_key_values`` (a
+    :class:`SRUppCache`) and ``labels`` (HF style: the inputs themselves;
+    the loss scores each position's next token, -100 is ignored). It returns
+    logits, which are log-probabilities for models with an adaptive softmax.
+    """
+
+    config_class = SRUppHFConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    # generate(): refuse assisted decoding, which must roll the cache back
+    _is_stateful = True
+
+    def __init__(self, config: SRUppHFConfig):
+        super().__init__(config)
+        self.model = build_model(config.srupp_config())
+        # What transformers ties again after loading (tied tensors are saved once).
+        self._tied_weights_keys = _tied_weights(self.model, "model.")
+        self.post_init()
+
+    @classmethod
+    def from_srupp(cls, model: nn.Module) -> "SRUppForCausalLM":
+        """A copy of a srupp language model (any type), ready for ``save_pretrained``."""
+        if not isinstance(getattr(model, "config", None), LMConfig):
+            raise TypeError(f"from_srupp takes a srupp language model (srupp.models.CausalLM), "
+                            f"got {type(model).__name__}")
+        hf = cls(SRUppHFConfig(srupp=model.config.to_dict()))
+        hf.model.load_state_dict(model.state_dict())
+        return hf.to(next(model.parameters()).device).train(model.training)
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # generate() must not make a DynamicCache: forward returns an SRUppCache
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # srupp's modules initialise their own parameters when they are built, and
+        # from_pretrained loads every saved one. transformers calls this for every
+        # module after loading, though, to fill what no file holds: the adaptive
+        # modules' cluster bounds, a non-persistent buffer left uninitialised.
+        if isinstance(module, (AdaptiveInput, ProjectedAdaptiveLogSoftmax)):
+            device = module._cutoff_tensor.device
+            module._cutoff_tensor = torch.tensor(module.cutoffs, device=device)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embedding
+
+    def forward(self, input_ids: Optional[Tensor] = None,
+                attention_mask: Optional[Tensor] = None,
+                past_key_values: Optional[SRUppCache] = None,
+                labels: Optional[Tensor] = None,
+                use_cache: Optional[bool] = None,
+                inputs_embeds: Optional[Tensor] = None,
+                output_attentions: Optional[bool] = None,
+                output_hidden_states: Optional[bool] = None,
+                return_dict: Optional[bool] = None) -> Union[CausalLMOutputWithPast, Tuple]:
+        tokens = self._check_inputs(input_ids, inputs_embeds, output_attentions,
+                                    output_hidden_states)
+        B, L = tokens.shape
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        cache = past_key_values
+        if cache is not None and not isinstance(cache, SRUppCache):
+            raise TypeError(f"past_key_values must be the SRUppCache this model returned, got "
+                            f"{type(cache).__name__}; leave it out to start from scratch")
+        if cache is not None:
+            state = cache.state
+        else:  # what srupp's own generate() starts from (the transformer's: an unbounded cache)
+            state = self.model.generation_state(B) if use_cache else None
+        mask_pad = self._padding(attention_mask, B, L)
+
+        if cache is not None and L == 1 and mask_pad is None and labels is None:
+            # one new token per row after the prompt: srupp's decoding step, as in its
+            # own generate(); the prompt itself goes through forward, as there
+            logits, state = self.model.step(tokens[:, 0], state)
+            logits = logits.unsqueeze(1)                          # (B, 1, V)
+        else:
+            out = self.model(tokens, state, mask_pad=mask_pad)
+            logits, state = out.logits, out.state                # (B, L, V)
+
+        loss = None
+        if labels is not None:
+            # position t predicts token t+1; F.cross_entropy also fits log-probabilities
+            loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1),
+                                   labels[:, 1:].flatten(), ignore_index=-100)
+        if use_cache:
+            if cache is None:
+                cache = SRUppCache(state)
+            cache.state, cache.seen_tokens = state, cache.seen_tokens + L
+        out = CausalLMOutputWithPast(loss=loss, logits=logits,
+                                     past_key_values=cache if use_cache else None)
+        return out if return_dict is not False else out.to_tuple()
+
+    @staticmethod
+    def _check_inputs(input_ids, inputs_embeds, output_attentions, output_hidden_states) -> Tensor:
+        if inputs_embeds is not None:
+            raise ValueError("SRUppForCausalLM takes input_ids, not inputs_embeds")
+        if output_attentions or output_hidden_states:
+            raise ValueError("SRUppForCausalLM returns logits only: leave output_attentions "
+                             "and output_hidden_states unset")
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+            got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else input_ids
+            raise ValueError(f"input_ids must be a (batch, length) tensor of token ids, got {got}")
+        return input_ids
+
+    @staticmethod
+    def _padding(attention_mask: Optional[Tensor], B: int, L: int) -> Optional[Tensor]:
+        """srupp's mask_pad (B, L), True at padding, for the L new tokens; None: no padding."""
+        if attention_mask is None:
+            return None
+        # During generation the mask covers the tokens already in the state too: the
+        # last L columns are the new tokens (padding inside the state is in the state).
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != B or \
+                attention_mask.shape[1] < L:
+            raise ValueError(f"attention_mask must be (batch={B}, >= {L}) with 0 at padding, "
+                             f"got {tuple(attention_mask.shape)}")
+        pad = attention_mask[:, -L:] == 0
+        return pad if bool(pad.any()) else None
+
+
+# --------------------------------------------------------------- tokenizer
+def _token_strings(tokenizer: Tokenizer) -> List[str]:
+    """One distinct, readable string per id, for ``convert_ids_to_tokens``.
+
+    Encoding and decoding go through the srupp tokenizer itself (by id), so
+    these names are labels only.
+    """
+    n = tokenizer.vocab_size
+    if isinstance(tokenizer, ByteTokenizer):  # printable ASCII as itself, other bytes <0xNN>
+        return [chr(b) if 0x20 <= b < 0x7F else f"<0x{b:02X}>" for b in range(n)]
+    if isinstance(tokenizer, CharTokenizer):  # single characters; id 0 is <unk>
+        return [tokenizer.unk_token, *tokenizer.chars]
+    if isinstance(tokenizer, WordTokenizer):
+        return list(tokenizer.vocab)
+    if isinstance(tokenizer, SentencePieceTokenizer):
+        spm = require("sentencepiece", "subword", "a SentencePiece tokenizer")
+        sp = spm.SentencePieceProcessor()
+        sp.LoadFromSerializedProto(tokenizer.model_proto)
+        return [sp.IdToPiece(i) for i in range(n)]
+    return [f"<{tokenizer.type_name}:{i}>" for i in range(n)]  # a kind registered elsewhere
+
+
+class SRUppTokenizer(PreTrainedTokenizer):
+    """A srupp tokenizer (``srupp.data``) as a transformers tokenizer, with the same ids and text.
+
+    Saved as ``srupp_tokenizer.json`` (the srupp tokenizer's ``to_dict()``,
+    as in a training run) beside ``tokenizer_config.json``. It adds no special
+    tokens: a prompt encodes exactly as srupp encodes it (word and
+    SentencePiece tokenizers end every line, the last one too, with ``<eos>``).
+
+    Args:
+        vocab_file: a ``srupp_tokenizer.json`` (how ``from_pretrained`` builds it).
+        srupp_tokenizer: or the srupp tokenizer itself.
+    """
+
+    vocab_files_names = {"vocab_file": TOKENIZER_FILE}
+    model_input_names = ["input_ids", "attention_mask"]
+
+    def __init__(self, vocab_file: Optional[str] = None, *,
+                 srupp_tokenizer: Optional[Tokenizer] = None, **kwargs):
+        if (vocab_file is None) == (srupp_tokenizer is None):
+            raise TypeError(f"SRUppTokenizer takes vocab_file (a {TOKENIZER_FILE}) or "
+                            f"srupp_tokenizer (a srupp.data tokenizer): exactly one of them")
+        if srupp_tokenizer is None:
+            srupp_tokenizer = _read_tokenizer(Path(vocab_file))
+        elif not isinstance(srupp_tokenizer, Tokenizer):
+            raise TypeError(f"srupp_tokenizer must be a srupp.data tokenizer, got "
+                            f"{type(srupp_tokenizer).__name__}")
+        # set before transformers' __init__, which already asks for the vocabulary
+        self.srupp_tokenizer = srupp_tokenizer
+        self._pieces = _token_strings(srupp_tokenizer)
+        self._piece_ids = {piece: i for i, piece in enumerate(self._pieces)}
+        super().__init__(**kwargs)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.srupp_tokenizer.vocab_size
+
+    def get_vocab(self) -> Dict[str, int]:
+        return {**self._piece_ids, **self.added_tokens_encoder}
+
+    def _tokenize(self, text: str, **kwargs) -> List[str]:
+        return [self._pieces[i] for i in self.srupp_tokenizer.encode(text).tolist()]
+
+    def _convert_token_to_id(self, token: str) -> int:
+        if token in self._piece_ids:
+            return self._piece_ids[token]
+        unk = self.srupp_tokenizer.unk_id
+        if unk is None:
+            raise ValueError(f"{token!r} is not a token of this {self.srupp_tokenizer.type_name} "
+                             f"tokenizer; tokenize text with tokenizer(text) instead")
+        return unk
+
+    def _convert_id_to_token(self, index: int) -> str:
+        if not 0 <= index < len(self._pieces):
+            raise ValueError(f"token id {index} is outside this tokenizer's vocabulary "
+                             f"(0..{len(self._pieces) - 1})")
+        return self._pieces[index]
+
+    def convert_tokens_to_string(self, tokens: List[str]) -> str:
+        # by id through the srupp tokenizer: bytes become UTF-8 text, words get
+        # their spaces, <eos> its newline, exactly as srupp decodes them
+        return self.srupp_tokenizer.decode([self._convert_token_to_id(t) for t in tokens])
+
+    def save_vocabulary(self, save_directory: str,
+                        filename_prefix: Optional[str] = None) -> Tuple[str, ...]:
+        path = Path(save_directory) / ((filename_prefix + "-" if filename_prefix else "")
+                                       + TOKENIZER_FILE)
+        path.write_text(json.dumps(self.srupp_tokenizer.to_dict()) + "\n")
+        return (str(path),)
+
+
+def _read_tokenizer(path: Path) -> Tokenizer:
+    try:
+        d = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path} does not exist: no srupp tokenizer to load") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not a saved srupp tokenizer ({e})") from None
+    return tokenizer_from_dict(d)
+
+
+# ------------------------------------------------------------ registration
+def register() -> None:
+    """Make AutoConfig, AutoModelForCausalLM and AutoTokenizer know model type "srupp".
+
+    Runs when this module is imported, which ``import srupp`` arranges as soon
+    as transformers is imported; calling it again does nothing new.
+    """
+    AutoConfig.register(MODEL_TYPE, SRUppHFConfig, exist_ok=True)
+    AutoModelForCausalLM.register(SRUppHFConfig, SRUppForCausalLM, exist_ok=True)
+    AutoTokenizer.register(SRUppHFConfig, tokenizer_class=SRUppTokenizer, exist_ok=True)
+
+
+register()
+
+
+# ------------------------------------------------------------------ export
+def export_run_to_hf(run_dir: Path, out_dir: Path) -> None:
+    """Write a training run's language model and tokenizer as a transformers folder.
+
+    Afterwards, with srupp imported, ``AutoModelForCausalLM.from_pretrained(out_dir)``,
+    ``AutoTokenizer.from_pretrained(out_dir)`` and
+    ``pipeline("text-generation", model=out_dir)`` load it.
+
+    Args:
+        run_dir: a run directory (its best checkpoint, else its last) or a
+            checkpoint folder (``ckpt-000500``).
+        out_dir: the folder to write: new, empty, or an earlier export (replaced
+            whole, so a failed export leaves the earlier one).
+    Raises:
+        ValueError: not a language-model checkpoint, a damaged run, or an
+            ``out_dir`` that holds something else.
+    """
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    ckpt = _checkpoint_folder(run_dir)
+    model = load_model(ckpt)
+    if not isinstance(model.config, LMConfig):
+        raise ValueError(f"{ckpt} holds a {getattr(model.config, 'task', '?')} model; "
+                         f"only language models export to Hugging Face")
+    tokenizer = _run_tokenizer(ckpt)
+    if tokenizer.vocab_size != model.config.vocab_size:
+        raise ValueError(f"{ckpt}: the model's vocabulary ({model.config.vocab_size}) does not "
+                         f"match its tokenizer ({tokenizer.vocab_size}); the run is damaged")
+    _check_out_dir(out_dir, ckpt)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        SRUppForCausalLM.from_srupp(model).save_pretrained(tmp)
+        SRUppTokenizer(srupp_tokenizer=tokenizer).save_pretrained(tmp)
+        if out_dir.exists():  # an earlier export (checked above)
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _checkpoint_folder(path: Path) -> Path:
+    """The checkpoint folder of a run directory (best, else last), or ``path`` itself.
+
+    The run layout is srupp.train.checkpoint's; models sits below train, so this
+    reads the two pointer files itself.
+    """
+    if (path / "model.safetensors").exists():
+        return path
+    if not path.is_dir():
+        raise ValueError(f"{path} is not a run directory or checkpoint folder")
+    for pointer in ("best", "last"):
+        ptr = path / f"{pointer}.json"
+        if ptr.exists():
+            try:
+                folder = path / json.loads(ptr.read_text())["dir"]
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+                raise ValueError(f"{ptr} is corrupt; the run is damaged") from None
+            if not (folder / "model.safetensors").exists():
+                raise ValueError(f"{ptr} names {folder.name}, which holds no model; "
+                                 f"the run is damaged")
+            return folder
+    raise ValueError(f"{path} holds no checkpoint (no best.json or last.json, no "
+                     f"model.safetensors)")
+
+
+def _run_tokenizer(ckpt: Path) -> Tokenizer:
+    """The tokenizer saved in a checkpoint folder (or, in older runs, beside it)."""
+    path = ckpt / "tokenizer.json"
+    if not path.exists():
+        path = ckpt.parent / "tokenizer.json"
+    return _read_tokenizer(path)
+
+
+def _check_out_dir(out_dir: Path, ckpt: Path) -> None:
+    """Refuse to replace anything but nothing, an empty folder or an earlier export."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ValueError(f"{out_dir} is a file; give a folder to write the export to")
+    if not any(out_dir.iterdir()):
+        return
+    try:
+        earlier = json.loads((out_dir / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        earlier = None
+    if earlier != MODEL_TYPE or out_dir.resolve() in (ckpt.resolve(), ckpt.parent.resolve()):
+        raise ValueError(f"{out_dir} is not empty and holds no earlier Hugging Face export "
+                         f"of a srupp model; give a new or empty folder")
