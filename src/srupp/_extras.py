@@ -22,6 +22,7 @@ EXTRA_OF = {
     "sacrebleu": "translation",
     "triton": "triton",
     "onnx": "onnx",
+    "onnxscript": "onnx",
     "onnxruntime": "onnx",
     "transformers": "hf",
 }

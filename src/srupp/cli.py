@@ -1,4 +1,5 @@
-"""The ``srupp`` command: train, eval, generate, translate, classify, params, compare, demo.
+"""The ``srupp`` command: train, eval, generate, translate, classify, export, params, compare,
+demo.
 
 Problems with the user's input print one line on stderr and exit with code 2:
 a ``UserError``, any ``ValueError`` or ``TypeError`` the library raises for bad
@@ -228,6 +229,34 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from ._extras import require
+
+    out = Path(args.out)
+    if args.format == "hf":
+        if args.mem_len is not None:
+            raise UserError("--mem-len applies to --format onnx only")
+        require("transformers", "hf", "srupp export --format hf")
+        from .models.hf import export_run_to_hf
+
+        export_run_to_hf(Path(args.checkpoint), out)
+        print(json.dumps({"format": "hf", "out": str(out)}))
+        return 0
+    from .models.onnx import export_onnx
+    from .train.checkpoint import load_run
+
+    _, tokenizer, model, ckpt = load_run(args.checkpoint)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; give a folder for the ONNX graphs")
+    start = time.perf_counter()
+    info = export_onnx(model, out, mem_len=args.mem_len, tokenizer=tokenizer.to_dict())
+    print(json.dumps({"format": "onnx", "out": str(out), "checkpoint": str(ckpt),
+                      "files": [*info["graphs"].values(), "srupp-onnx.json", "tokenizer.json"],
+                      "window": info["window"], "state": info["state"],
+                      "seconds": round(time.perf_counter() - start, 3)}))
+    return 0
+
+
 def _input_batches(stream, max_lines: int) -> Iterator[List[str]]:
     """Lines of ``stream`` in batches: as many as are already there, up to ``max_lines``.
 
@@ -429,6 +458,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--mem-len", type=int, help="attention window (default: the model's)")
     g.set_defaults(func=cmd_generate)
+
+    ex = sub.add_parser("export", help="write a language model as ONNX graphs (or for "
+                                       "Hugging Face transformers)")
+    ex.add_argument("--checkpoint", required=True, help="run directory or checkpoint folder")
+    ex.add_argument("--format", choices=["onnx", "hf"], default="onnx",
+                    help="onnx: forward.onnx and step.onnx (srupp and sru models); "
+                         "hf: a Hugging Face transformers folder")
+    ex.add_argument("--out", required=True, help="folder to write (created if missing)")
+    ex.add_argument("--mem-len", type=int,
+                    help="onnx: the step graph's attention window (default: the model's)")
+    ex.set_defaults(func=cmd_export)
 
     pa = sub.add_parser("params", help="count a recipe's parameters; prints JSON")
     pa.add_argument("recipe", nargs="?")

@@ -1,0 +1,400 @@
+"""ONNX export of the SRU++ and SRU language models: a prefill graph and a one-token step graph.
+
+Why wrappers instead of exporting the model itself: the layers run fast
+kernels ONNX can't express (the recurrence's C++ / Triton custom ops, oneDNN
+products, a key/value cache grown in place), the recurrence's reference is a
+Python loop that a tracer would unroll to one sequence length, and a decoding
+state's memory grows until ``mem_len``. :class:`ForwardGraph` and
+:class:`StepGraph` recompute the same model with plain torch ops over the
+model's own weights, and keep the attention memory in a buffer of fixed size,
+so that the graphs' shapes vary only in batch (and sequence length).
+
+The two graphs (:func:`export_onnx` writes them, with a JSON description)::
+
+    forward.onnx  tokens (B, L) int64 -> logits (B, L, V), then the state after
+                  the last token: ``model(tokens).logits`` and the prefill of
+                  ``model.generate``.
+    step.onnx     tokens (B,) int64, state -> logits (B, V), next state: one
+                  token, as ``model.step`` with an attention window of W tokens.
+
+The state of a model with attention (window W, d = d_model, D = state width)::
+
+    c          (num_layers, B, D) float32  every layer's recurrent state
+    lengths    (B,) int64                  how many buffer slots hold a past token (<= W)
+    memory_i   (B, W, d) float32           attention layer i's last inputs (after its
+                                           pre-norm), oldest first, right-aligned: slot
+                                           W-1 holds the latest token; the first
+                                           W - lengths slots are unused
+
+A step attends from the new token to the used slots and to itself, then shifts
+the buffer left by one slot and writes the token's input into slot W-1 (the
+oldest drops out once the buffer is full). That is exactly the memory
+``SRUpp.step`` keeps with ``mem_len = W``: the last W inputs, attended to with
+the new one. The outputs are named ``new_`` + the state's names, so a caller
+feeds each back under its own name. A model without attention (``sru``, or
+SRU++ without attention layers) carries ``c`` alone. With W = 0 the buffer
+keeps one slot that is never used (a zero-size tensor is awkward in ONNX
+runtimes).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import warnings
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .._extras import require
+from .._files import atomic_write_json
+from ..nn.srupp import SRUppAttention, SRUppCell
+
+# The model types whose step the graphs below rebuild, and why the others are refused.
+EXPORTABLE = ("srupp", "sru")
+_REFUSED = {
+    "lstm": "its body is torch.nn.LSTM, which these graphs do not rebuild",
+    "gru": "its body is torch.nn.GRU, which these graphs do not rebuild",
+    "transformer": "its key/value cache is not the fixed-size SRU++ window these graphs keep",
+}
+
+FORMAT = "srupp-onnx"          # the "format" of the JSON description
+FORMAT_VERSION = 1
+DESCRIPTION = "srupp-onnx.json"
+GRAPH_FILES = {"forward": "forward.onnx", "step": "step.onnx"}
+
+
+# --------------------------------------------------------------------------- checks
+
+def check_exportable(model: nn.Module) -> None:
+    """Raise ValueError, naming the reason, unless ``model`` is an SRU++ or SRU language model
+    these graphs rebuild."""
+    config = getattr(model, "config", None)
+    kind = getattr(config, "type", None)
+    task = getattr(config, "task", None)
+    if task != "lm":
+        what = f"a {task} model" if task else f"a {type(model).__name__}"
+        raise ValueError(f"ONNX export covers language models (task lm); this is {what}")
+    if kind not in EXPORTABLE:
+        reason = _REFUSED.get(kind, "no ONNX graphs are written for it")
+        raise ValueError(f"ONNX export covers the srupp and sru language models, not "
+                         f"model.type={kind}: {reason}")
+    if config.adaptive_cutoffs is not None:
+        raise ValueError("ONNX export does not cover adaptive embeddings and softmax "
+                         "(model.adaptive_cutoffs): which cluster a token falls in decides "
+                         "the shapes of the computation; export a model with a plain "
+                         "embedding and output layer")
+
+
+def _attends(layer: nn.Module) -> bool:
+    return isinstance(layer, SRUppCell) and layer.use_attention
+
+
+def resolve_window(model: nn.Module, mem_len: Optional[int] = None) -> int:
+    """The step graph's attention window: ``mem_len``, else the model's ``mem_len``.
+
+    0 for a model without attention layers (nothing to remember).
+    """
+    if not any(_attends(layer) for layer in model.rnn.layers):
+        return 0
+    window = model.config.mem_len if mem_len is None else mem_len
+    if window is None:
+        raise ValueError("the model keeps an unbounded attention memory (mem_len=None), but "
+                         "the step graph needs a fixed window: give one with mem_len=N "
+                         "(srupp export --mem-len N)")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"the attention window (mem_len) must be an integer >= 0, "
+                         f"got {window!r}")
+    return window
+
+
+# --------------------------------------------------------------------------- the layers' math
+# Each function takes a layer of the model and reads its weights; none of them
+# calls srupp.ops, so a tracer sees plain torch ops only.
+
+def _layer_norm(ln: Optional[nn.LayerNorm], x: Tensor) -> Tensor:
+    if ln is None:
+        return x
+    return F.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
+
+
+def _pre_norm(layer: nn.Module, x: Tensor) -> Tensor:
+    """The input U is computed from (and attention memory holds): x, layer-normed if pre-norm."""
+    return x if layer.normalize_after else _layer_norm(layer.layer_norm, x)
+
+
+def _post_norm(layer: nn.Module, h: Tensor) -> Tensor:
+    return _layer_norm(layer.layer_norm, h) if layer.normalize_after else h
+
+
+def _projected_u(layer: nn.Module, xin: Tensor) -> Tensor:
+    """U of a layer without attention: SRU's W x (or W2 W1 x), SRU++'s W2 LN(W1 x)."""
+    if isinstance(layer, SRUppCell):
+        t = layer.transform
+        return F.linear(_layer_norm(t.layer_norm, F.linear(xin, t.linear1.weight)),
+                        t.linear2.weight)
+    for linear in (m for m in layer.transform.modules() if isinstance(m, nn.Linear)):
+        xin = F.linear(xin, linear.weight)  # bias-free, in order (one, or W1 then W2)
+    return xin
+
+
+def _attention_u(attn: SRUppAttention, q: Tensor, z: Tensor, allowed: Tensor) -> Tensor:
+    """U = W3 LN(q + α·softmax(q Kᵀ/√hd) V), with [K | V] = W2 z.
+
+    q: (B, L, d′) the queries (W1 x).  z: (B, S, d′) W1 of every key position.
+    allowed: bool (B|1, L, S), True where a query may see a key (each sees at least itself).
+    Returns (B, L, k·D).
+    """
+    B, L, width = q.shape
+    H = attn.num_heads
+    hd = width // H
+    k, v = F.linear(z, attn.linear2.weight).chunk(2, dim=-1)             # (B, S, d′) each
+    qh = q.reshape(B, L, H, hd).transpose(1, 2)                           # (B, H, L, hd)
+    kh = k.reshape(B, k.shape[1], H, hd).transpose(1, 2)                  # (B, H, S, hd)
+    vh = v.reshape(B, v.shape[1], H, hd).transpose(1, 2)
+    scores = torch.matmul(qh, kh.transpose(-2, -1)) * (1.0 / math.sqrt(hd))  # (B, H, L, S)
+    scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+    o = torch.matmul(scores.softmax(dim=-1), vh)                          # (B, H, L, hd)
+    o = o.transpose(1, 2).reshape(B, L, width)
+    return F.linear(_layer_norm(attn.layer_norm, q + attn.alpha * o), attn.linear3.weight)
+
+
+def _recur_step(layer: nn.Module, u: Tensor, x: Tensor, c: Tensor) -> Tuple[Tensor, Tensor]:
+    """One step of the SRU recurrence (srupp.ops.reference, without dropout or padding).
+
+    u: (B, k·D) planes [u0 | u1 | u2 | u3].  x: (B, n_in) the raw layer input (the skip
+    term when k = 3).  c: (B, D).  Returns h (B, D) and the new c (B, D).
+    """
+    D = layer.output_size
+    plane = lambda j: u[..., j * D:(j + 1) * D]  # noqa: E731
+    f = torch.sigmoid(plane(1) + layer.weight_c[0] * c + layer.bias[0])
+    r = torch.sigmoid(plane(2) + layer.weight_c[1] * c + layer.bias[1])
+    c = f * c + (1 - f) * plane(0)
+    if layer.num_matrices == 4:
+        s = plane(3)
+    elif layer.has_skip_term:
+        s = x * layer.scale_x
+    else:
+        return r * c, c
+    return s + r * (c - s), c
+
+
+def _recur_sequence(layer: nn.Module, U: Tensor, x: Tensor, c0: Tensor) -> Tuple[Tensor, Tensor]:
+    """The recurrence over a sequence: U (B, L, k·D), x (B, L, n_in), c0 (B, D) -> h (B, L, D), c.
+
+    While exporting, one ``scan`` over time, which becomes an ONNX Scan that runs
+    any length; in eager mode a plain loop (same steps, no compilation).
+    """
+    if torch.compiler.is_compiling():
+        from torch._higher_order_ops.scan import scan
+
+        def step(c, ux):
+            h, c = _recur_step(layer, ux[0], ux[1], c)
+            return c, h
+
+        c, h = scan(step, c0, (U, x), dim=1)
+        return h, c
+    hs, c = [], c0
+    for t in range(U.shape[1]):
+        h, c = _recur_step(layer, U[:, t], x[:, t], c)
+        hs.append(h)
+    return torch.stack(hs, dim=1), c
+
+
+# --------------------------------------------------------------------------- the graphs
+
+class _Graph(nn.Module):
+    """What both graphs share: the model, the window, and the state's layout."""
+
+    def __init__(self, model: nn.Module, window: Optional[int] = None):
+        super().__init__()
+        check_exportable(model)
+        self.model = model
+        self.window = resolve_window(model, window)
+        # a buffer of W slots (one, never used, when W = 0)
+        self.slots = max(self.window, 1)
+        self.attention: List[int] = [i for i, layer in enumerate(model.rnn.layers)
+                                     if _attends(layer)]
+
+    @property
+    def state_names(self) -> List[str]:
+        """The state's tensors, in the order the graphs take and return them."""
+        if not self.attention:
+            return ["c"]
+        return ["c", "lengths", *(f"memory_{i}" for i in self.attention)]
+
+    def _embed(self, tokens: Tensor) -> Tensor:
+        x = F.embedding(tokens, self.model.embedding.weight)
+        rnn = self.model.rnn
+        if rnn.input_to_hidden is not None:
+            x = F.linear(x, rnn.input_to_hidden.weight)
+        return x
+
+    def _head(self, h: Tensor) -> Tensor:
+        out = self.model.output
+        return F.linear(h, out.weight, out.bias)
+
+
+class ForwardGraph(_Graph):
+    """tokens (B, L) -> (logits (B, L, V), c, [lengths, memory_i ...]): the model's
+    ``forward`` from a zero state, and the state a step continues from.
+
+    The memory holds the last min(L, W) layer inputs, as ``model.forward`` leaves
+    it with ``mem_len = W``; every row has L tokens (no padding).
+    """
+
+    def forward(self, tokens: Tensor) -> Tuple[Tensor, ...]:
+        B, L = tokens.shape
+        x = self._embed(tokens)                                            # (B, L, d)
+        pos = torch.arange(L, device=tokens.device)
+        causal = (pos.unsqueeze(0) <= pos.unsqueeze(1)).unsqueeze(0)       # (1, L, L)
+        cs, memories = [], []
+        for layer in self.model.rnn.layers:
+            xin = _pre_norm(layer, x)                                      # (B, L, n_in)
+            if _attends(layer):
+                z = F.linear(xin, layer.transform.linear1.weight)          # (B, L, d′)
+                U = _attention_u(layer.transform, z, z, causal)
+                # the last W inputs, right-aligned in W slots: pad in front, keep the last W
+                padded = torch.cat([xin.new_zeros(B, self.slots, xin.shape[-1]), xin], dim=1)
+                memories.append(padded[:, L:])                             # (B, W, n_in)
+            else:
+                U = _projected_u(layer, xin)
+            c0 = x.new_zeros(B, layer.output_size)
+            h, c = _recur_sequence(layer, U, x, c0)                        # (B, L, D), (B, D)
+            x = _post_norm(layer, h)
+            cs.append(c)
+        logits = self._head(x)                                             # (B, L, V)
+        if not self.attention:
+            return logits, torch.stack(cs)
+        lengths = torch.ones_like(tokens).sum(dim=1).clamp(max=self.window)  # (B,) = min(L, W)
+        return (logits, torch.stack(cs), lengths, *memories)
+
+
+class StepGraph(_Graph):
+    """(tokens (B,), c, [lengths, memories]) -> (logits (B, V), c, [lengths, memory_i ...]).
+
+    ``memories`` is a tuple with one (B, W, d) buffer per attention layer, in layer
+    order. Equal to ``model.step`` with an attention window of W.
+    """
+
+    def forward(self, tokens: Tensor, c: Tensor, lengths: Optional[Tensor] = None,
+                memories: Tuple[Tensor, ...] = ()) -> Tuple[Tensor, ...]:
+        x = self._embed(tokens)                                            # (B, d)
+        allowed = None
+        if self.attention:
+            # slots W - lengths .. W - 1 hold past tokens; slot W, the new token, always counts
+            slot = torch.arange(self.slots + 1, device=tokens.device)
+            first = (self.slots - lengths).unsqueeze(1)                    # (B, 1)
+            allowed = (slot.unsqueeze(0) >= first).unsqueeze(1)            # (B, 1, W + 1)
+        buffers = iter(memories)
+        cs, new_memories = [], []
+        for i, layer in enumerate(self.model.rnn.layers):
+            xin = _pre_norm(layer, x)                                      # (B, n_in)
+            if _attends(layer):
+                buf = next(buffers)                                        # (B, W, n_in)
+                w1 = layer.transform.linear1.weight
+                q = F.linear(xin, w1).unsqueeze(1)                         # (B, 1, d′)
+                z = torch.cat([F.linear(buf, w1), q], dim=1)               # (B, W + 1, d′)
+                u = _attention_u(layer.transform, q, z, allowed).squeeze(1)
+                # drop the oldest slot, append this token's input (one slot: just replace it,
+                # with no zero-size slice in between)
+                new_memories.append(xin.unsqueeze(1) if self.slots == 1 else
+                                    torch.cat([buf[:, 1:], xin.unsqueeze(1)], dim=1))
+            else:
+                u = _projected_u(layer, xin)
+            h, c_i = _recur_step(layer, u, x, c[i])                        # (B, D) each
+            x = _post_norm(layer, h)
+            cs.append(c_i)
+        logits = self._head(x)                                             # (B, V)
+        if not self.attention:
+            return logits, torch.stack(cs)
+        lengths = (lengths + 1).clamp(max=self.window)
+        return (logits, torch.stack(cs), lengths, *new_memories)
+
+
+# --------------------------------------------------------------------------- export
+
+def export_onnx(model: nn.Module, out_dir, *, mem_len: Optional[int] = None,
+                tokenizer: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Write ``forward.onnx``, ``step.onnx`` and ``srupp-onnx.json`` into ``out_dir``.
+
+    Args:
+        model: an SRU++ or SRU language model (see :func:`check_exportable`).
+        out_dir: the folder to write (created if missing; files there are replaced).
+        mem_len: the step graph's attention window; None takes the model's ``mem_len``.
+        tokenizer: the tokenizer's ``to_dict()``, written as ``tokenizer.json`` so that
+            the folder stands on its own (examples/onnx_generate.py reads it).
+    Returns:
+        The description written to ``srupp-onnx.json``: sizes, window, the state's
+        names and shapes, the graphs' file names.
+    """
+    check_exportable(model)
+    window = resolve_window(model, mem_len)
+    require("onnx", "onnx", "ONNX export")
+    require("onnxscript", "onnx", "ONNX export")  # torch.onnx's exporter builds graphs with it
+    # a private fp32 copy without gradients: exporting never touches the caller's model
+    model = copy.deepcopy(model).float().eval().requires_grad_(False)
+    forward, step = ForwardGraph(model, window), StepGraph(model, window)
+    names = forward.state_names
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    # example inputs: batch 2 and length 3, as sizes 0 and 1 would be taken for constants
+    tokens = torch.arange(6).remainder(model.config.vocab_size).view(2, 3)
+    with torch.no_grad():
+        state = [t.contiguous() for t in forward(tokens)[1:]]
+    batch = {0: "batch"}
+    _export(forward, (tokens,), out_dir / GRAPH_FILES["forward"],
+            inputs=["tokens"], outputs=["logits", *(f"new_{n}" for n in names)],
+            dynamic=({0: "batch", 1: "length"},))
+    step_args: Tuple[Any, ...] = (tokens[:, -1].contiguous(), state[0])
+    step_dynamic: Tuple[Any, ...] = (batch, {1: "batch"})
+    if forward.attention:
+        step_args += (state[1], tuple(state[2:]))
+        step_dynamic += (batch, tuple(batch for _ in state[2:]))
+    _export(step, step_args, out_dir / GRAPH_FILES["step"],
+            inputs=["tokens", *names], outputs=["logits", *(f"new_{n}" for n in names)],
+            dynamic=step_dynamic)
+
+    c = model.config
+    D = model.rnn.layers[0].output_size
+    shapes = {"c": [c.num_layers, "batch", D], "lengths": ["batch"]}
+    shapes.update({f"memory_{i}": ["batch", forward.slots, model.rnn.layers[i].input_size]
+                   for i in forward.attention})
+    description = {
+        "format": FORMAT, "version": FORMAT_VERSION, "model_type": c.type,
+        "graphs": dict(GRAPH_FILES),
+        "vocab_size": c.vocab_size, "d_model": c.d_model, "num_layers": c.num_layers,
+        "state_size": D, "window": window, "attention_layers": forward.attention,
+        "state": names, "state_shapes": {n: shapes[n] for n in names},
+        "state_dtypes": {n: "int64" if n == "lengths" else "float32" for n in names},
+        "outputs": "logits",
+        "tokenizer": "tokenizer.json" if tokenizer is not None else None,
+    }
+    if tokenizer is not None:
+        atomic_write_json(out_dir / "tokenizer.json", tokenizer)
+    atomic_write_json(out_dir / DESCRIPTION, description)
+    return description
+
+
+def _export(graph: nn.Module, args: tuple, path: Path, *, inputs: List[str], outputs: List[str],
+            dynamic: tuple) -> None:
+    """torch.onnx.export (the torch.export-based exporter) of ``graph`` to ``path``."""
+    # the exporter's notes on its own internals (prototype features, torchvision ops it
+    # skips) are no concern of srupp's users: its warnings and log lines are held back
+    log = logging.getLogger("torch.onnx")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(graph, args, dynamo=True, input_names=inputs,
+                                        output_names=outputs, dynamic_shapes=dynamic,
+                                        optimize=True, verbose=False)
+    finally:
+        log.setLevel(level)
+    program.save(str(path))  # weights inside the file, unless they pass ONNX's 2 GB limit
