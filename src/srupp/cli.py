@@ -50,6 +50,13 @@ def cmd_train(args) -> int:
                   f"({cfg.data.corpus}, {cfg.data.tokenizer} tokens, precision "
                   f"{trainer.precision}{ranks})", file=sys.stderr)
         summary = trainer.train()
+    except RuntimeError as e:
+        if not dist.enabled:
+            raise
+        # a collective failed: another rank stopped (its own error says why) or hung
+        # past train.dist_timeout; no traceback on top of the one line that matters
+        raise UserError(f"rank {dist.rank}: training stopped because another process did "
+                        f"({_one_line(e)[:200]})") from None
     finally:
         distributed.teardown(dist)
     if dist.is_main:

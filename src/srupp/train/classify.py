@@ -81,7 +81,7 @@ class ClassificationTask(SentenceTask):
         return classification_scores(model, self.valid_items, len(self.labels),
                                      max_tokens=self.cfg.train.max_tokens, precision=precision,
                                      max_batches=None if final else max_batches,
-                                     dist=self.eval_dist)
+                                     dist=self.dist)
 
     def summary_keys(self):
         return ("loss", "accuracy", "macro_f1")

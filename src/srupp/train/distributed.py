@@ -200,7 +200,7 @@ def fully_shard_model(model: torch.nn.Module, device: torch.device) -> None:
     way no backend needs it.
     """
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
     mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     layers = [m for parent in model.modules() if isinstance(parent, torch.nn.ModuleList)
@@ -209,6 +209,10 @@ def fully_shard_model(model: torch.nn.Module, device: torch.device) -> None:
         if any(p.requires_grad for p in layer.parameters()) and not isinstance(layer,
                                                                               FSDPModule):
             fully_shard(layer, mesh=mesh)
+            if hasattr(layer, "layer_forward"):
+                # the recurrent stacks call their layers through this method, not
+                # forward: FSDP must gather the layer's weights around it too
+                register_fsdp_forward_method(layer, "layer_forward")
     fully_shard(model, mesh=mesh)
     for m in model.modules():
         if isinstance(m, FSDPModule):
@@ -221,22 +225,49 @@ def _options(**kw):
     return StateDictOptions(full_state_dict=True, **kw)
 
 
-def full_state(model: torch.nn.Module, optimizer) -> tuple:
-    """The whole (unsharded) model and optimiser state of a sharded model, on the
-    CPU of rank 0 (empty elsewhere). A collective: every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         get_optimizer_state_dict)
+def whole_weights(model: torch.nn.Module) -> dict:
+    """The whole (unsharded) weights of a sharded model, on every rank. A collective."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    weights = get_model_state_dict(model, options=_options(cpu_offload=True))
-    opt = get_optimizer_state_dict(model, optimizer, options=_options(cpu_offload=True))
-    return weights, opt
+    return get_model_state_dict(model, options=_options())
 
 
-def load_full_state(model: torch.nn.Module, optimizer, weights: dict, opt: dict) -> None:
-    """Give a sharded model and its optimiser the whole state rank 0 read
-    (``{}`` on the other ranks): each rank keeps its shard. A collective."""
-    from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
-                                                         set_optimizer_state_dict)
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
-    set_model_state_dict(model, weights, options=_options(broadcast_from_rank0=True))
-    set_optimizer_state_dict(model, optimizer, opt, options=_options(broadcast_from_rank0=True))
+
+def local_shards(model: torch.nn.Module, optimizer) -> dict:
+    """This rank's shards of a sharded model's weights and optimiser state, as
+    plain CPU tensors keyed by parameter name (for an exact resume at the
+    same world size)."""
+    out = {}
+    for name, p in model.named_parameters():
+        out[name] = {"param": _local(p.detach()).cpu().clone(),
+                     "state": {k: _local(v).cpu().clone() if torch.is_tensor(v) else v
+                               for k, v in optimizer.state.get(p, {}).items()}}
+    return out
+
+
+def load_local_shards(model: torch.nn.Module, optimizer, shards: dict) -> None:
+    """Put back what :func:`local_shards` saved, in place: FSDP gathers its weights
+    from the very buffers the shards live in, so they are copied into, not replaced."""
+    from torch.distributed.tensor import DTensor
+
+    params = dict(model.named_parameters())
+    if set(params) != set(shards):
+        raise ValueError("the saved shards are of another model; resume with the same model")
+    with torch.no_grad():
+        for name, p in params.items():
+            saved = shards[name]
+            _local(p).copy_(saved["param"])
+            state = {}
+            for k, v in saved["state"].items():
+                if torch.is_tensor(v) and isinstance(p, DTensor) and v.shape == _local(p).shape \
+                        and v.dim() > 0:  # a moment estimate, sharded like its parameter
+                    v = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements,
+                                           shape=p.shape, stride=p.stride())
+                elif torch.is_tensor(v):
+                    v = v.to(p.device) if v.dim() > 0 else v.clone()
+                state[k] = v
+            if state:
+                optimizer.state[p] = state

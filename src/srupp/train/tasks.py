@@ -58,10 +58,7 @@ class Task:
 
     def __init__(self, cfg: RunConfig, dist: Dist = SINGLE):
         self.cfg = cfg
-        self.dist = dist  # under torchrun: this rank's share of the batches
-        # and of evaluation; FSDP needs every rank in every forward, so the
-        # trainer makes each rank evaluate everything there (SINGLE)
-        self.eval_dist = dist
+        self.dist = dist  # under torchrun: this rank's share of the batches and of evaluation
 
     def load(self, saved: Optional[Dict[str, Any]]) -> None:
         """Read the data and build the tokenizer, or take it from ``saved`` (a resumed run's files)."""
@@ -139,7 +136,7 @@ class LMTask(Task):
     def validate(self, model, precision, *, final, max_batches):
         e = self.cfg.eval
         # the streams split across ranks when they divide; else every rank scores all
-        dist = self.eval_dist
+        dist = self.dist
         world = dist.world_size if e.batch_size % dist.world_size == 0 else 1
         res = evaluate(model, self.valid_ids, batch_size=e.batch_size // world,
                        unroll=e.unroll or self.cfg.train.unroll, mem_len=e.mem_len,

@@ -164,8 +164,6 @@ class Trainer:
         if self.dist.enabled:
             torch.manual_seed(t.seed + self.dist.rank)  # each rank its own dropout masks
         self.train_model = self._wrap(self.model)
-        if self.sharded:
-            self.task.eval_dist = SINGLE
         self.optimizer = torch.optim.RAdam(self._param_groups(), lr=t.lr,
                                            weight_decay=t.weight_decay,
                                            decoupled_weight_decay=True)
@@ -218,7 +216,7 @@ class Trainer:
 
             ids = [self.device.index] if self.device.type == "cuda" else None
             # the model has no buffers that change in training: nothing to broadcast per step
-            model = DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+            model = DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
         if t.compile:
             model = torch.compile(model)
         return model
@@ -260,7 +258,7 @@ class Trainer:
                                              "tokens_seen")},
             "calibrated_at": list(self.calibrated_at),
             "interval": dict(self.interval),
-            # under FSDP the whole state, gathered by _save (keyed by parameter name)
+            # under FSDP each rank's shard of it is in "ranks" (_rank_states)
             "optimizer": None if self.sharded else self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
@@ -277,7 +275,12 @@ class Trainer:
             return None
         cuda = torch.cuda.get_rng_state() if self.device.type == "cuda" else None
         mine = {"rng": torch.get_rng_state(), "cuda_rng": cuda,
+                "data": self.batcher.state_dict(),  # names its rank: each has its own
                 "carried": None if self.carried is None else self.carried.to_dict()}
+        if self.sharded:  # this rank's shards of the weights and optimiser state
+            from .distributed import local_shards
+
+            mine["shards"] = local_shards(self.model, self.optimizer)
         return {"ranks": self.dist.gather_objects(mine)}
 
     def _restore(self, ckpt: Path) -> None:
@@ -293,26 +296,23 @@ class Trainer:
         if state.get("shard") != shard:
             raise UserError(f"{self.run_dir} was trained with train.shard={state.get('shard')}; "
                             f"resume it with the same setting")
-        target = self.model
-        if self.sharded:  # rank 0 reads the whole model; the ranks take their shards from it
-            target = build_model(self.model_config, device="cpu")
         try:
-            if self.dist.is_main or not self.sharded:
-                load_model(target, str(ckpt / "model.safetensors"), device=str(target.device))
+            if not self.sharded:  # FSDP: each rank's shards come from trainer.pt, below
+                load_model(self.model, str(ckpt / "model.safetensors"), device=str(self.device))
         except Exception as e:
             raise UserError(f"{ckpt / 'model.safetensors'} is truncated or corrupt or does "
                             f"not fit the config ({str(e).splitlines()[0][:200]})") from None
         try:
             if self.sharded:
-                from .distributed import load_full_state
+                from .distributed import load_local_shards
 
-                load_full_state(self.model, self.optimizer,
-                                target.state_dict() if self.dist.is_main else {},
-                                state["optimizer"] if self.dist.is_main else {})
+                load_local_shards(self.model, self.optimizer,
+                                  state["ranks"][self.dist.rank]["shards"])
             else:
                 self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
-            self.batcher.load_state_dict(state["data"])
+            self.batcher.load_state_dict(state["ranks"][self.dist.rank]["data"]
+                                         if self.dist.enabled else state["data"])
         except (KeyError, ValueError, RuntimeError) as e:
             raise UserError(f"{ckpt / 'trainer.pt'} does not fit this run ({e})") from None
         if self.scaler.is_enabled() and state.get("scaler"):
@@ -406,53 +406,67 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
-        self._mid_step = False
-        return loss_sum, count, tokens
-
-    def _account(self, loss_sum: float, count: int, tokens: int, dt: float) -> tuple:
-        """Add one step to the interval sums: over all ranks, timed by rank 0.
-
-        Under torchrun one all-reduce carries this rank's sums, whether it saw a
-        signal, and rank 0's step time, so that every rank logs the same loss,
-        fits the same schedule and stops at the same step. Returns (mean loss
-        of the step, step seconds, stop requested).
-        """
-        stop = bool(self._signals)
-        if self.dist.enabled:
-            loss_sum, count, tokens, stops, dt = self.dist.sum(
-                [loss_sum, count, tokens, float(stop), dt if self.dist.is_main else 0.0])
-            count, tokens, stop = int(count), int(tokens), stops > 0
-        self.train_seconds += dt
-        self.interval["seconds"] += dt
         self.interval["loss_sum"] += loss_sum
         self.interval["count"] += count
         self.interval["tokens"] += tokens
         self.tokens_seen += tokens
+        self._mid_step = False
+        return loss_sum, count, tokens
+
+    def _account(self, loss_sum: float, count: int, tokens: int, dt: float) -> tuple:
+        """Add the step's time, and under torchrun make its sums global.
+
+        ``_train_step`` added this rank's sums to the interval. Under torchrun
+        one all-reduce carries them, whether this rank saw a signal, and rank
+        0's step time, so that every rank logs the same loss (the global sums
+        replace this rank's), fits the same schedule and stops at the same
+        step. Returns (mean loss of the step, step seconds, stop requested).
+        """
+        stop = bool(self._signals)
+        if self.dist.enabled:
+            local = (loss_sum, count, tokens)
+            loss_sum, count, tokens, stops, dt = self.dist.sum(
+                [loss_sum, count, tokens, float(stop), dt if self.dist.is_main else 0.0])
+            count, tokens, stop = int(count), int(tokens), stops > 0
+            self.interval["loss_sum"] += loss_sum - local[0]
+            self.interval["count"] += count - local[1]
+            self.interval["tokens"] += tokens - local[2]
+            self.tokens_seen += tokens - local[2]
+        self.train_seconds += dt
+        self.interval["seconds"] += dt
         return loss_sum / max(count, 1), dt, stop
 
     def validate(self, max_batches: Optional[int] = None, *, final: bool = False
                  ) -> Dict[str, float]:
         """The task's validation results: ``loss`` and its metrics."""
-        return self.task.validate(self.model, self.precision, final=final,
-                                  max_batches=max_batches)
+        model = self._whole_model() if self.sharded else self.model
+        return self.task.validate(model, self.precision, final=final, max_batches=max_batches)
+
+    def _whole_model(self):
+        """Under FSDP: a plain model with the whole weights, on every rank (a collective).
+
+        Evaluation and decoding call into layers in ways FSDP's hooks do not see
+        (a decoder's step reads its layers' weights directly), and ranks decode
+        different numbers of steps; a plain copy needs no collective per forward.
+        """
+        from .distributed import whole_weights
+
+        if getattr(self, "_plain", None) is None:
+            with torch.random.fork_rng(devices=[]):  # its init must not move the dropout RNG
+                self._plain = build_model(self.model_config, device=self.device)
+        self._plain.load_state_dict(whole_weights(self.model))
+        self._plain.train(self.model.training)
+        return self._plain
 
     def _save(self, pointers=("last",), info=None) -> None:
         """Rank 0 writes the checkpoint (with every rank's RNG and state); the others wait."""
         ranks = self._rank_states()  # collectives: every rank takes part
-        model = self.model
-        if self.sharded:
-            from .distributed import full_state
-
-            weights, optimizer = full_state(self.model, self.optimizer)
-            if self.dist.is_main:  # a plain copy, saved as one process saves its model
-                model = build_model(self.model_config, device="cpu")
-                model.load_state_dict(weights)
+        # FSDP: the whole weights too, so that the folder serves eval and generate
+        model = self._whole_model() if self.sharded else self.model
         if self.dist.is_main:
             state = self._trainer_state()
             if ranks is not None:
                 state.update(ranks)
-            if self.sharded:
-                state["optimizer"] = optimizer
             save_checkpoint(self.run_dir, self.step, model,
                             None if self.dist.enabled else self.carried, state,
                             files=self.task.files(), pointers=pointers, info=info)

@@ -112,7 +112,7 @@ class TranslationTask(SentenceTask):
                 out_sums.append((out.nll.item() * b.tokens, b.tokens))
             return out_sums
 
-        per_batch = self.eval_dist.map_shares(sums, length_batches(
+        per_batch = self.dist.map_shares(sums, length_batches(
             [max(len(s), len(t)) for s, t in self.valid_pairs], self.cfg.train.max_tokens,
             max_batches))
         total = sum(s for s, _ in per_batch)
@@ -131,7 +131,7 @@ class TranslationTask(SentenceTask):
                 beam=e.beam if final else 1, lenpen=e.lenpen, max_len_a=e.max_len_a,
                 max_len_b=e.max_len_b, max_tokens=self.cfg.train.max_tokens,
                 max_len=self.cfg.data.max_len, truncate=self.cfg.data.truncate,
-                precision=precision, dist=self.eval_dist)
+                precision=precision, dist=self.dist)
         finally:
             model.train(was_training)
         return {"bleu": scores["bleu"], "chrf": scores["chrf"], **res,
