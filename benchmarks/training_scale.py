@@ -34,7 +34,7 @@ def tokens_per_s(recipe, sets, steps, nproc, log_every) -> float:
     with tempfile.TemporaryDirectory() as d:
         train = ["-m", "srupp", "train", recipe, "--out", str(Path(d) / "run"), "--no-progress",
                  "--set", *sets, f"train.max_steps={steps}", "train.max_seconds=none",
-                 "train.eval_every=1000000", "train.save_every=1000000",
+                 f"train.eval_every={steps * log_every}", f"train.save_every={steps * log_every}",
                  f"train.log_every={log_every}", "train.eval_max_batches=1"]
         if nproc == 1:
             cmd = [sys.executable, *train]
@@ -79,7 +79,7 @@ def main():
 
     sets = args.set + [f"train.threads={args.threads}"]
     cfg = build_config(args.recipe, sets)
-    log_every = max(1, args.steps // 6)
+    log_every = max(1, args.steps // 5)
     contenders = {"1 process": (1, []), f"{args.nproc} processes": (args.nproc, [])}
     if args.compile:
         contenders["1 process, compiled"] = (1, ["train.compile=true"])
