@@ -258,8 +258,11 @@ class Trainer:
                                              "tokens_seen")},
             "calibrated_at": list(self.calibrated_at),
             "interval": dict(self.interval),
-            # under FSDP each rank's shard of it is in "ranks" (_rank_states)
-            "optimizer": None if self.sharded else self.optimizer.state_dict(),
+            # under FSDP each rank's shard of the state is in "ranks" (_rank_states); the
+            # groups' settings (the current lr among them) are kept here
+            "optimizer": ({"param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                            for g in self.optimizer.param_groups]}
+                          if self.sharded else self.optimizer.state_dict()),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
             "rng": torch.get_rng_state(),
@@ -308,6 +311,9 @@ class Trainer:
 
                 load_local_shards(self.model, self.optimizer,
                                   state["ranks"][self.dist.rank]["shards"])
+                for group, saved in zip(self.optimizer.param_groups,
+                                        state["optimizer"]["param_groups"], strict=True):
+                    group.update(saved)
             else:
                 self.optimizer.load_state_dict(state["optimizer"])
             self.scheduler.load_state_dict(state["scheduler"])
