@@ -45,3 +45,15 @@ def greedy_by_recomputing(m, prompt, n):
     for _ in range(n):
         seq.append(int(m(torch.tensor([seq])).logits[0, -1].argmax()))
     return seq[len(prompt):]
+
+
+def one_line_error(capsys, args):
+    """Run the CLI on ``args``: it must exit 2 with one ``srupp: error:`` line, no traceback."""
+    from srupp.cli import main
+
+    rc = main(args)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.startswith("srupp: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    return err

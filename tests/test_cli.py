@@ -7,16 +7,7 @@ import pytest
 from srupp import cli
 from srupp.cli import main
 
-from lm_helpers import TINY
-
-
-def one_line_error(capsys, args):
-    rc = main(args)
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    assert err.startswith("srupp: error: ") and err.count("\n") == 1, err
-    assert "Traceback" not in err
-    return err
+from lm_helpers import TINY, one_line_error
 
 
 def train(corpus, out, *sets):

@@ -14,7 +14,7 @@ from srupp.cli import main
 from srupp.models import build_model
 from srupp.models.onnx import ForwardGraph, StepGraph, export_onnx
 
-from lm_helpers import config
+from lm_helpers import config, one_line_error
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "onnx_generate.py"
@@ -219,15 +219,6 @@ def test_example_generates_the_greedy_text_of_srupp_generate(tmp_path, corpus, c
     assert done.returncode == 0, done.stderr
     assert done.stdout == want
     assert json.loads(done.stderr.splitlines()[-1])["new_tokens"] == 60
-
-
-def one_line_error(capsys, args):
-    rc = main(args)
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    assert err.startswith("srupp: error: ") and err.count("\n") == 1, err
-    assert "Traceback" not in err
-    return err
 
 
 def _saved(tmp_path, **fields):
