@@ -50,15 +50,19 @@ def cmd_train(args) -> int:
                   f"({cfg.data.corpus}, {cfg.data.tokenizer} tokens, precision "
                   f"{trainer.precision}{ranks})", file=sys.stderr)
         summary = trainer.train()
+        del trainer  # free the (sharded) model before the process group goes
     except RuntimeError as e:
+        distributed.teardown(dist, wait_for_all=False)
         if not dist.enabled:
             raise
         # a collective failed: another rank stopped (its own error says why) or hung
         # past train.dist_timeout; no traceback on top of the one line that matters
         raise UserError(f"rank {dist.rank}: training stopped because another process did "
                         f"({_one_line(e)[:200]})") from None
-    finally:
-        distributed.teardown(dist)
+    except BaseException:
+        distributed.teardown(dist, wait_for_all=False)
+        raise
+    distributed.teardown(dist)
     if dist.is_main:
         print(json.dumps(summary))
     return 130 if summary["interrupted"] else 0

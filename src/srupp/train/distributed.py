@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import gc
 import os
 import signal
 import sys
@@ -156,10 +157,18 @@ def setup(device: str = "cpu", backend: str = "auto", timeout_s: float = 300.0) 
     return dist
 
 
-def teardown(dist: Dist) -> None:
-    """Leave the process group (after the last collective)."""
+def teardown(dist: Dist, *, wait_for_all: bool = True) -> None:
+    """Leave the process group (after the last collective).
+
+    ``wait_for_all`` first meets every rank at a barrier, so that no rank shuts
+    its connections while another still reads from them (gloo could abort a
+    rank at exit that way). Pass False after a failure, when a rank may be gone.
+    """
     if dist.enabled and torch.distributed.is_initialized():
+        if wait_for_all:
+            torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+        gc.collect()  # drop work objects that still hold tensors while Python is whole
 
 
 def die_with_launcher(poll_s: float = 0.5) -> None:
