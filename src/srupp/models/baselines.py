@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..nn import SRU
+from ..nn.linear import Linear
 from ..nn.append import append_steps
 from .config import GRUConfig, LSTMConfig, SRUConfig, TransformerConfig
 from .lm import CausalLM
@@ -127,7 +128,11 @@ class GRULanguageModel(RNNLanguageModel):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-LN: x + Attn(LN(x)), then x + MLP(LN(x)), attending to cached keys too."""
+    """Pre-LN: x + Attn(LN(x)), then x + MLP(LN(x)), attending to cached keys too.
+
+    The projections are srupp's :class:`~srupp.nn.linear.Linear` (``nn.Linear``'s
+    parameters), so decoding gets the same few-rows products as SRU++.
+    """
 
     def __init__(self, d: int, num_heads: int, ffn: int, dropout: float, attn_dropout: float,
                  factory: dict):
@@ -135,11 +140,11 @@ class TransformerBlock(nn.Module):
         self.num_heads = num_heads
         self.attn_dropout = attn_dropout
         self.ln1 = nn.LayerNorm(d, **factory)
-        self.qkv = nn.Linear(d, 3 * d, **factory)
-        self.proj = nn.Linear(d, d, **factory)
+        self.qkv = Linear(d, 3 * d, **factory)
+        self.proj = Linear(d, d, **factory)
         self.ln2 = nn.LayerNorm(d, **factory)
-        self.fc1 = nn.Linear(d, ffn, **factory)
-        self.fc2 = nn.Linear(ffn, d, **factory)
+        self.fc1 = Linear(d, ffn, **factory)
+        self.fc2 = Linear(ffn, d, **factory)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor, k_past: Optional[Tensor], v_past: Optional[Tensor],

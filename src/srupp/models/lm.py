@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from ..nn import SRUpp, SRUppState
 from ..nn.adaptive import AdaptiveInput, ProjectedAdaptiveLogSoftmax
+from ..nn.linear import Linear
 from .base import REGISTRY, SavedModel
 from .config import LMConfig, SRUppConfig
 
@@ -81,7 +82,7 @@ class CausalLM(SavedModel):
                 c.vocab_size, c.d_model, **shape, tie_embeddings=tied,
                 tie_projections=c.tie_projections and c.tie_embeddings, **factory)
         else:
-            self.output = nn.Linear(c.d_model, c.vocab_size, **factory)
+            self.output = Linear(c.d_model, c.vocab_size, **factory)  # nn.Linear, fast decoding
             if c.tie_embeddings:
                 self.output.weight = self.embedding.weight
         self.reset_parameters()

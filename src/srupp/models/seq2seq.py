@@ -133,7 +133,7 @@ class Seq2SeqModel(SavedModel):
         self.embedding = nn.Embedding(c.vocab_size, c.d_model, **factory)
         self.emb_dropout = nn.Dropout(c.dropout)
         self.build(factory)
-        self.output = nn.Linear(c.d_model, c.vocab_size, **factory)
+        self.output = Linear(c.d_model, c.vocab_size, **factory)
         if c.tie_embeddings:
             self.output.weight = self.embedding.weight
         self.reset_parameters()

@@ -10,14 +10,13 @@ from ..ops.matmul import linear
 class Linear(nn.Linear):
     """``torch.nn.Linear`` (same parameters, state dict and init), with a faster fp32 CPU path.
 
-    Without a bias, ``forward`` calls :func:`srupp.ops.linear`, which sends
-    large fp32 CPU products to oneDNN (see :mod:`srupp.ops.matmul`) and
-    everything else to ``F.linear``. With a bias it is plain ``nn.Linear``.
+    ``forward`` calls :func:`srupp.ops.linear`, which sends large bias-free
+    fp32 CPU products to oneDNN, products of a few rows without gradient
+    (decoding) to the extension's few-rows kernel (see :mod:`srupp.ops.matmul`),
+    and everything else to ``F.linear``.
 
     Shapes: input (..., in_features) -> (..., out_features).
     """
 
     def forward(self, input: Tensor) -> Tensor:
-        if self.bias is None:
-            return linear(input, self.weight)
-        return super().forward(input)
+        return linear(input, self.weight, self.bias)

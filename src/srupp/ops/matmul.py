@@ -1,4 +1,4 @@
-"""Dense projections (bias-free ``x @ Wᵀ``) with a faster fp32 CPU path.
+"""Dense projections ``x @ Wᵀ (+ b)`` with faster CPU paths for training and decoding.
 
 An SRU++ layer is mostly three bias-free linear maps (W1, W2, W3), so in fp32 on
 CPU a training step is about 70% matrix multiplication. PyTorch sends fp32
@@ -21,7 +21,13 @@ results differ only in summation order (about 1e-7 relative).
 ``"aten"``
     :func:`linear_reference`, i.e. ``F.linear``, for everything else.
 ``"auto"`` (default)
-    "onednn" where it applies and oneDNN is available, else "aten".
+    the few-rows kernel for decoding (below), else "onednn" where it applies
+    and oneDNN is available, else "aten".
+
+Decoding multiplies one row (one token per sequence) by each weight. There
+BLAS's GEMM reads the weight far below memory bandwidth, so in "auto" up to
+:data:`FEW_ROWS` rows (8 in fp32, 2 in bf16) that need no gradient go to the C++ extension's
+``linear_rows`` kernel (:func:`linear_few_rows`, fp32 or bf16, sums in fp32).
 
 Force one with :func:`set_matmul_backend`, :func:`use_matmul_backend` or, for a
 whole process, ``SRUPP_MATMUL=auto|aten|onednn`` (:mod:`srupp.ops.settings`).
@@ -32,6 +38,7 @@ continuation compute bit for bit the same thing.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -40,10 +47,17 @@ from torch import Tensor
 from .settings import CHOICES, accessors, tracing
 
 __all__ = ["linear", "linear_reference", "linear_onednn", "onednn_available",
+           "linear_few_rows", "few_rows_applies", "FEW_ROWS",
            "set_matmul_backend", "get_matmul_backend", "use_matmul_backend",
            "MATMUL_BACKENDS", "MIN_ROWS"]
 
 MATMUL_BACKENDS = CHOICES["matmul"]
+
+# Up to this many rows (decoding: batch × 1 token), products without gradient go to
+# the extension's few-rows kernel, per dtype: at one row BLAS read the weights at
+# ~15 GB/s and the kernel at ~50-100 GB/s from cache; past these counts BLAS's
+# blocked GEMM (bf16: oneDNN's dot-product instructions) wins (docs/performance.md).
+FEW_ROWS = {torch.float32: 8, torch.bfloat16: 2}
 
 # Below this many rows (batch × time) oneDNN's per-call overhead outweighs its
 # faster inner kernel (measured: 1 row 18 us against MKL's 6 us; even at 64 rows).
@@ -109,17 +123,61 @@ def linear_onednn(x: Tensor, weight: Tensor) -> Tensor:
     return _OneDNNLinear.apply(x, weight)
 
 
-def linear(x: Tensor, weight: Tensor) -> Tensor:
-    """Bias-free projection ``x @ weightᵀ`` on the best backend.
+def few_rows_applies(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> bool:
+    """Whether :func:`linear` sends ``x @ weightᵀ (+ bias)`` to the few-rows CPU kernel.
+
+    That is: at most :data:`FEW_ROWS` rows (per dtype) on CPU, fp32 or bf16 with every
+    operand of one dtype, nothing that needs a gradient, outside autocast,
+    and the C++ extension built.
+    """
+    dt = x.dtype
+    if x.device.type != "cpu" or dt not in FEW_ROWS or x.dim() == 0 \
+            or x.numel() > FEW_ROWS[dt] * x.shape[-1]:
+        return False
+    if weight.dtype != dt or weight.dim() != 2 or (bias is not None and bias.dtype != dt):
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return False
+    if torch.is_autocast_enabled("cpu"):
+        return False
+    from . import cpu
+    return cpu.load() is not None
+
+
+def linear_few_rows(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` by the extension's few-rows kernel (no autograd).
+
+    x (..., K) with few rows (any count works), weight (N, K), bias (N,) or
+    None, all fp32 or all bf16 on CPU -> (..., N). Sums in fp32.
+    """
+    from . import cpu
+    mod = cpu.load()
+    if mod is None:
+        raise RuntimeError(f"the C++ CPU extension is not available ({cpu.build_error()})")
+    K = x.shape[-1]
+    if weight.stride(-1) != 1 or weight.stride(0) < weight.shape[1]:
+        weight = weight.contiguous()  # (rows with any stride are read in place)
+    y = mod.linear_rows(x.reshape(-1, K).contiguous(), weight,
+                        None if bias is None else bias.contiguous())
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """Projection ``x @ weightᵀ (+ bias)`` on the best backend.
 
     Args:
-        x: (..., K).  weight: (N, K).
+        x: (..., K).  weight: (N, K).  bias: (N,) or None.
     Returns:
-        (..., N), like ``F.linear(x, weight)``.
+        (..., N), like ``F.linear(x, weight, bias)``.
     """
     name = get_matmul_backend()
     if name == "aten" or tracing():
-        return F.linear(x, weight)
+        return F.linear(x, weight, bias)
+    if name == "auto" and few_rows_applies(x, weight, bias):
+        return linear_few_rows(x, weight, bias)
+    if bias is not None:
+        return F.linear(x, weight, bias)
     applies = (x.device.type == "cpu" and x.dtype == torch.float32
                and weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"))
     # (a forced "onednn" that doesn't apply, bf16 / autocast / other devices, takes

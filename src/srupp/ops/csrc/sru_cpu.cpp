@@ -699,7 +699,82 @@ Common prepare(Args& a, const Tensor& U_in, const std::optional<Tensor>& x_in,
   return cm;
 }
 
+// ---------------------------------------------------------------------------------
+// Few-row projections for decoding: y (R, O) = x (R, I) @ W (O, I)^T [+ bias].
+//
+// At one token per sequence a decode step is a chain of matrix-vector products, each
+// reading its weight once; BLAS's GEMM treats a 1-row product as a small GEMM and
+// reaches a fraction of the memory bandwidth. Here each task owns a range of output
+// features and walks their rows of W once, with one dot product per row of x (x is
+// converted to fp32 once; its rows stay in L1), four vector accumulators each. fp32 or
+// bf16 (x, W and bias of one dtype); sums in fp32; the output rounds to the input dtype.
+
+template <typename T>
+void linear_rows_kernel(const float* x, const T* w, int64_t ldw, const T* bias, T* y, int64_t R,
+                        int64_t I, int64_t O) {
+  // a task reads at least ~64 KiB of W, so that 2 threads split a 256 x 256 product
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (sizeof(T) * std::max<int64_t>(I, 1)));
+  at::parallel_for(0, O, grain, [&](int64_t o0, int64_t o1) {
+    alignas(64) float lanes[kW];
+    for (int64_t o = o0; o < o1; ++o) {
+      const T* wr = w + o * ldw;
+      for (int64_t r = 0; r < R; ++r) {
+        const float* xr = x + r * I;
+        Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
+        int64_t i = 0;
+        for (; i + 4 * kW <= I; i += 4 * kW) {
+          a0 = at::vec::fmadd(IO<T>::load(wr + i), Vec::loadu(xr + i), a0);
+          a1 = at::vec::fmadd(IO<T>::load(wr + i + kW), Vec::loadu(xr + i + kW), a1);
+          a2 = at::vec::fmadd(IO<T>::load(wr + i + 2 * kW), Vec::loadu(xr + i + 2 * kW), a2);
+          a3 = at::vec::fmadd(IO<T>::load(wr + i + 3 * kW), Vec::loadu(xr + i + 3 * kW), a3);
+        }
+        for (; i + kW <= I; i += kW) a0 = at::vec::fmadd(IO<T>::load(wr + i), Vec::loadu(xr + i), a0);
+        if (i < I) {
+          const int n = static_cast<int>(I - i);
+          a1 = at::vec::fmadd(IO<T>::load(wr + i, n), Vec::loadu(xr + i, n), a1);
+        }
+        ((a0 + a1) + (a2 + a3)).store(lanes);
+        float acc = 0.f;
+        for (int k = 0; k < kW; ++k) acc += lanes[k];
+        if (bias != nullptr) acc += static_cast<float>(bias[o]);
+        y[r * O + o] = static_cast<T>(acc);
+      }
+    }
+  });
+}
+
 }  // namespace
+
+// x (R, I) and weight (O, I) of one dtype (fp32 or bf16), x contiguous, weight's rows
+// contiguous (any row stride: keys read in place from a cache); bias (O,) or None.
+Tensor linear_rows_cpu(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "srupp linear_rows: x (R, I) and weight (O, I) expected, got ", x.sizes(),
+              " and ", weight.sizes());
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() &&
+              (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "srupp linear_rows: x and weight must both be float32 or both bfloat16");
+  TORCH_CHECK(x.is_contiguous() && weight.stride(1) == 1 && weight.stride(0) >= weight.size(1),
+              "srupp linear_rows: x contiguous and weight rows contiguous");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->is_contiguous() &&
+                bias->numel() == weight.size(0), "srupp linear_rows: bias (O,) of x's dtype");
+  }
+  const int64_t R = x.size(0), I = x.size(1), O = weight.size(0);
+  Tensor y = at::empty({R, O}, x.options());
+  const Tensor xf = x.to(at::kFloat);
+  if (x.scalar_type() == at::kFloat) {
+    linear_rows_kernel<float>(xf.data_ptr<float>(), weight.data_ptr<float>(), weight.stride(0),
+                              has_bias ? bias->data_ptr<float>() : nullptr,
+                              y.data_ptr<float>(), R, I, O);
+  } else {
+    linear_rows_kernel<BFloat16>(xf.data_ptr<float>(), weight.data_ptr<BFloat16>(), weight.stride(0),
+                                 has_bias ? bias->data_ptr<BFloat16>() : nullptr,
+                                 y.data_ptr<BFloat16>(), R, I, O);
+  }
+  return y;
+}
 
 // Returns h (B, L, D) in U's dtype, c_last (B, D) fp32, and c_all (B, L, D) fp32 with
 // the state after every step when store_c, else an empty tensor.
@@ -799,6 +874,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "srupp: fused multithreaded CPU kernels of the SRU recurrence";
   m.def("sru_fwd", &sru_fwd_cpu, "SRU recurrence forward (CPU)");
   m.def("sru_bwd", &sru_bwd_cpu, "SRU recurrence backward (CPU)");
+  m.def("linear_rows", &linear_rows_cpu, "x @ weight^T (+ bias) for a few rows (decoding)");
   m.def("empty_cache", []() { return static_cast<int64_t>(BlockCache::get().release()); },
         "free the cached output blocks; returns the bytes released");
   m.def("set_cache_limit", [](int64_t bytes) { BlockCache::get().set_cap(static_cast<size_t>(std::max<int64_t>(0, bytes))); },
