@@ -122,6 +122,44 @@ def test_generation(tmp_path, corpus):
     assert r["new_tokens"] == 3 and r["tokens_per_s"]["run"] > 0
 
 
+def test_decode():
+    r = run_benchmark("decode.py", "--quick")
+    names = ["srupp", "sru", "lstm", "transformer"]
+    assert list(r["models"]) == names and min(m["params"] for m in r["models"].values()) > 0
+    assert r["copy_large_buffer"]["GBps"] > 0
+    for dtype, res in r["dtypes"].items():
+        if "skipped" in res:
+            assert dtype == "bf16" and not r["cpu_has_native_bf16"]
+            continue
+        for n in names:
+            b, one = res["bounds"][n], res["batch1"][n]
+            assert b["weight_bytes"] > 0 and one["tokens_per_s"] > 0
+            assert one["same_tokens_as_generate"]
+            for which in ("weight_buffer", "large_buffer"):
+                bound = b[f"bound_tokens_per_s_{which}"]
+                assert one[f"fraction_of_bound_{which}"] == pytest.approx(
+                    one["tokens_per_s"] / bound, abs=1e-3)
+            assert min(res["batched"][n].values()) > 0
+        ctx = res["context"]
+        speed, mem = ctx["tokens_per_s"], ctx["state_bytes"]
+        for n in names:
+            assert list(speed[n]) == ["32", "64"] and min(speed[n].values()) > 0
+            assert all(mem[n][c] >= ctx["state_logical_bytes"][n][c] > 0 for c in mem[n])
+            assert ctx["largest_over_smallest_context_tokens_per_s"][n] == pytest.approx(
+                speed[n]["64"] / speed[n]["32"], abs=1e-3)
+        for c in ("32", "64"):
+            assert ctx["ratios"]["srupp_over_transformer_tokens_per_s"][c] == pytest.approx(
+                speed["srupp"][c] / speed["transformer"][c], abs=1e-3)
+            assert ctx["ratios"]["srupp_over_transformer_state_bytes"][c] == pytest.approx(
+                mem["srupp"][c] / mem["transformer"][c], abs=1e-3)
+        # the KV cache grows with the context; SRU++'s state is bounded by its window
+        # (16 in --quick, below both contexts): no more than the window's steps apart
+        assert mem["transformer"]["64"] > mem["transformer"]["32"]
+        m = r["models"]["srupp"]
+        per_step = m["num_layers"] * (m["d_model"] + 2 * m["proj_size"]) * 4
+        assert mem["srupp"]["64"] <= mem["srupp"]["32"] + m["attention_window"] * per_step
+
+
 def test_every_script_is_smoke_tested_and_listed():
     """A script added to benchmarks/ gets a smoke test above and a row in its README."""
     scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_")}
