@@ -1,4 +1,4 @@
-"""srupp.ops.linear (oneDNN fp32 path) against its reference, F.linear.
+"""srupp.ops.linear (oneDNN fp32 path, few-rows decoding kernel) against its reference, F.linear.
 
 Both are IEEE fp32 GEMMs that differ only in summation order, so fp32 agreement
 is checked at the issue's tolerance (rtol=1e-5, atol=1e-6) on inputs scaled so
@@ -186,3 +186,74 @@ def test_onednn_double_backward_matches_reference():
 
     for a, b in zip(penalty(ops.linear_onednn), penalty(F.linear)):
         torch.testing.assert_close(a, b, **FP32)
+
+
+# ------------------------------------------------------------- few-rows kernel (decoding)
+
+needs_extension = pytest.mark.skipif(not ops.cpu.is_available(),
+                                     reason="the C++ CPU extension could not be built")
+# bf16 operands, fp32 sums: the result is rounded to bf16 once (8 bits of mantissa),
+# as F.linear's bf16 result is; both are compared with the fp64 product
+FEW_ROWS_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+
+
+@needs_extension
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,K,N", [(1, 1, 1), (1, 7, 3), (1, 256, 3072), (2, 1000, 129),
+                                      (3, 33, 64), (8, 512, 40), (1, 64 + 15, 17)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_few_rows_kernel_matches_reference(dtype, rows, K, N, bias):
+    g = torch.Generator().manual_seed(rows * 1000 + K + N)
+    x = (torch.randn(rows, K, generator=g) / K ** 0.5).to(dtype)
+    w = torch.randn(N, K, generator=g).to(dtype)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    got = matmul.linear_few_rows(x, w, b)
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.dtype == dtype and got.shape == (rows, N)
+    torch.testing.assert_close(got.double(), exact, **FEW_ROWS_TOL[dtype])
+    # no worse than PyTorch's own product in this dtype, to within one rounding
+    ref_err = (F.linear(x, w, b).double() - exact).abs().max()
+    bound = ref_err + (exact.abs().max() * 2 ** -8 if dtype == torch.bfloat16 else 1e-5)
+    assert (got.double() - exact).abs().max() <= bound
+
+
+@needs_extension
+def test_few_rows_kernel_reads_strided_rows_in_place():
+    # keys inside a [K | V] cache: rows of stride 2d, read without a copy
+    kv = torch.randn(1, 50, 2 * 24)
+    k = kv[0, :, :24]
+    q = torch.randn(1, 24)
+    torch.testing.assert_close(matmul.linear_few_rows(q, k), q @ k.t(), **FP32)
+    # a weight whose inner stride is not 1 is copied first, same result
+    wt = torch.randn(24, 30).t()
+    torch.testing.assert_close(matmul.linear_few_rows(q.new_ones(2, 24), wt),
+                               F.linear(q.new_ones(2, 24), wt), **FP32)
+
+
+@needs_extension
+def test_few_rows_dispatch_rule(monkeypatch):
+    calls = []
+    real = matmul.linear_few_rows
+    monkeypatch.setattr(matmul, "linear_few_rows", lambda *a: calls.append(a[0].shape) or real(*a))
+    w, b = torch.randn(16, 32), torch.randn(16)
+    with torch.no_grad():
+        ops.linear(torch.randn(1, 32), w, b)                           # decoding: few rows
+        ops.linear(torch.randn(2, 1, 32), w)                           # (B, 1, K): 2 rows
+        ops.linear(torch.randn(8, 32), w)                              # fp32 up to 8 rows
+        n = len(calls)
+        ops.linear(torch.randn(9, 32), w)                              # 9 rows: BLAS
+        ops.linear(torch.randn(3, 32).bfloat16(), w.bfloat16())        # bf16: up to 2 rows
+        ops.linear(torch.randn(1, 32).double(), w.double())            # fp64: F.linear
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ops.linear(torch.randn(1, 32), w)                          # autocast: F.linear
+        with ops.use_matmul_backend("aten"):
+            ops.linear(torch.randn(1, 32), w)
+    assert len(calls) == n == 3
+    x = torch.randn(1, 32, requires_grad=True)
+    y = ops.linear(x, w)                                               # a gradient is wanted
+    assert len(calls) == 3 and y.requires_grad
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, w.sum(0, keepdim=True))
+    with torch.no_grad():
+        ops.linear(torch.randn(2, 32).bfloat16(), w.bfloat16())
+    assert len(calls) == 4
