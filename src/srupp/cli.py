@@ -220,7 +220,15 @@ def cmd_generate(args) -> int:
         raise UserError("--top-p must be in (0, 1]")
     if args.top_k is not None and args.top_k < 1:
         raise UserError("--top-k must be >= 1")
+    if args.dtype == "bf16":
+        from .ops.settings import cpu_has_native_bf16
+
+        if not cpu_has_native_bf16():
+            raise UserError("--dtype bf16: this CPU has no bf16 instructions (AVX-512 BF16 or "
+                            "AMX), so bf16 would be emulated and slower; use --dtype fp32")
     _, tokenizer, model, _ = _load_for(args, "generate", "lm")
+    if args.dtype == "bf16":
+        model = model.to(torch.bfloat16)  # weights in bf16; the recurrent state c stays fp32
     prompt_ids = tokenizer.encode(args.prompt).tolist()
     if not prompt_ids:
         raise UserError("--prompt is empty: give at least one character")
@@ -235,7 +243,7 @@ def cmd_generate(args) -> int:
     seconds = time.perf_counter() - start
     stream.finish(new)
     print(json.dumps({"prompt_tokens": len(prompt_ids), "new_tokens": len(new),
-                      "seconds": round(seconds, 3),
+                      "dtype": args.dtype, "seconds": round(seconds, 3),
                       "tokens_per_s": round(len(new) / max(seconds, 1e-9), 1)}), file=sys.stderr)
     return 0
 
@@ -468,6 +476,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--mem-len", type=int, help="attention window (default: the model's)")
+    g.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="weights while decoding: fp32, or bf16 (half the bytes; needs a CPU "
+                        "with bf16 instructions)")
     g.set_defaults(func=cmd_generate)
 
     ex = sub.add_parser("export", help="write a language model as ONNX graphs (or for "
