@@ -286,3 +286,45 @@ def test_causal_mask_over_memory_promises_its_offset():
     assert padded.causal_offset is None                        # padding: the mask is more
     assert build_attention_mask(4, 0, causal=True, attn_mask=None, key_padding=None,
                                 device="cpu").is_causal
+
+
+# ------------------------------------------------------------- one query (decoding)
+
+@pytest.mark.parametrize("B,H,S", [(1, 1, 1), (1, 1, 129), (3, 2, 9), (2, 4, 6)])
+@pytest.mark.parametrize("kind", ["none", "bool", "additive"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_query_path_matches_sdpa(B, H, S, kind, dtype):
+    mask, _ = _masks(B, 1, S)[kind]
+    q, k, v, _ = _qkv(B, H, 1, S, 16)
+    ref = ops.attention_reference(q, k, v, mask)
+    with torch.no_grad():
+        got = attn_mod.attention_one_query(*(t.to(dtype) for t in (q, k, v)), mask)
+    assert got.dtype == dtype and got.shape == ref.shape
+    torch.testing.assert_close(got.float(), ref.detach(), **(FP32 if dtype == torch.float32
+                                                             else BF16))
+
+
+def test_one_query_reads_keys_of_a_cache_in_place():
+    kv = torch.randn(1, 40, 2 * 16)                       # [K | V], as the SRU++ state holds it
+    q = torch.randn(1, 1, 1, 16)
+    k, v = (t.unsqueeze(1) for t in (kv[..., :16], kv[..., 16:]))   # (1, 1, S, hd) views
+    with torch.no_grad():
+        got = attn_mod.attention_one_query(q, k, v)
+    torch.testing.assert_close(got, ops.attention_reference(q, k, v), **FP32)
+
+
+def test_one_query_dispatch(monkeypatch):
+    calls = []
+    real = attn_mod.attention_one_query
+    monkeypatch.setattr(attn_mod, "attention_one_query",
+                        lambda *a: calls.append(a[0].dtype) or real(*a))
+    q, k, v, _ = _qkv(2, 1, 1, 5, 8)
+    with torch.no_grad():
+        ops.attention(q.bfloat16(), k.bfloat16(), v.bfloat16())      # decoding in bf16: taken
+        ops.attention(q, k, v)                                      # fp32: SDPA
+        qb, kb, vb = (t.bfloat16() for t in _qkv(2, 1, 3, 5, 8)[:3])
+        ops.attention(qb, kb, vb)                                   # 3 queries: not decoding
+        with ops.use_attention_backend("sdpa"):
+            ops.attention(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    ops.attention(q.bfloat16(), k.bfloat16(), v.bfloat16())         # a gradient is wanted
+    assert calls == [torch.bfloat16]

@@ -30,6 +30,10 @@ so these paths are used only while P fits in :data:`MAX_PROB_BYTES`. In bf16
 the precision is that of any bf16 matmul attention (the scores are rounded to
 bf16 before the softmax); the tests bound it against fp32.
 
+Decoding asks for one query at a time. In bf16 SDPA's CPU kernel is slow
+there, so a single bf16 query without gradient is computed as plain products
+(:func:`attention_one_query`).
+
 ``attention`` dispatches: the explicit paths above for CPU tensors when there is
 no attention dropout, P fits, nothing is tracing the model (``torch.compile``
 and export see plain SDPA), and the dtype is fp32 (causal only) or bf16 on a
@@ -55,6 +59,7 @@ from torch import Tensor
 from .settings import CHOICES, accessors, cpu_has_native_bf16, tracing
 
 __all__ = ["attention", "attention_reference", "attention_matmul", "attention_causal_matmul",
+           "attention_one_query",
            "causal_block", "set_attention_backend",
            "get_attention_backend", "use_attention_backend",
            "ATTENTION_BACKENDS", "MAX_PROB_BYTES"]
@@ -251,6 +256,35 @@ def attention_matmul(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
     return _MatmulAttention.apply(q, k, v, attn_mask)
 
 
+def _needs_grad(*ts: Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
+def attention_one_query(q: Tensor, k: Tensor, v: Tensor,
+                        attn_mask: Optional[Tensor] = None) -> Tensor:
+    """One query per (batch, head), no dropout, no gradient: decoding.
+
+    Same arguments and result as :func:`attention_reference` with L = 1: the
+    scores as a product, a softmax in fp32, and P V. With one row in all (batch
+    1, one head) the scores are a few-rows product that reads the cached keys
+    in place (:func:`srupp.ops.linear`). The dispatcher sends bf16 here: SDPA's
+    CPU kernel took 46 us for one bf16 query over 129 keys of width 256, and
+    266 us over 1024 (fp32: 10 and 63 us, so fp32 stays on SDPA).
+    """
+    from .matmul import linear
+
+    B, H, _, hd = q.shape
+    if B * H == 1 and attn_mask is None:
+        scores = linear(q[0, 0], k[0, 0]).view(1, 1, 1, -1)             # (1, 1, 1, S)
+    else:
+        scores = torch.matmul(q, k.transpose(-1, -2))                   # (B, H, 1, S)
+    scores = scores.float() * (1.0 / math.sqrt(hd))
+    if attn_mask is not None:
+        scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+                  else scores + attn_mask)
+    return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)         # (B, H, 1, hd)
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
               is_causal: bool = False, dropout_p: float = 0.0,
               causal_offset: Optional[int] = None) -> Tensor:
@@ -271,6 +305,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
     name = get_attention_backend()
     if name == "sdpa" or dropout_p > 0.0 or tracing():
         return attention_reference(q, k, v, attn_mask, is_causal, dropout_p)
+    if (name == "auto" and q.shape[-2] == 1 and q.dtype == torch.bfloat16
+            and q.device.type == "cpu" and not is_causal and not _needs_grad(q, k, v)):
+        return attention_one_query(q, k, v, attn_mask)  # decoding in bf16
     # the causal offset, if the mask is causal; is_causal with L != S is SDPA's
     # top-left alignment, not a memory offset, so it is left to SDPA
     offset = (0 if q.shape[-2] == k.shape[-2] else None) if is_causal else causal_offset
