@@ -123,6 +123,18 @@ def linear_onednn(x: Tensor, weight: Tensor) -> Tensor:
     return _OneDNNLinear.apply(x, weight)
 
 
+_rows_kernel_fn = None  # the extension's linear_rows once looked up; False: not built
+
+
+def _rows_kernel():
+    global _rows_kernel_fn
+    if _rows_kernel_fn is None:
+        from . import cpu
+        mod = cpu.load()
+        _rows_kernel_fn = False if mod is None else mod.linear_rows
+    return _rows_kernel_fn
+
+
 def few_rows_applies(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> bool:
     """Whether :func:`linear` sends ``x @ weightᵀ (+ bias)`` to the few-rows CPU kernel.
 
@@ -131,18 +143,15 @@ def few_rows_applies(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -
     and the C++ extension built.
     """
     dt = x.dtype
-    if x.device.type != "cpu" or dt not in FEW_ROWS or x.dim() == 0 \
-            or x.numel() > FEW_ROWS[dt] * x.shape[-1]:
+    if dt not in FEW_ROWS or x.dim() == 0 or x.numel() > FEW_ROWS[dt] * x.shape[-1] \
+            or x.device.type != "cpu":
         return False
     if weight.dtype != dt or weight.dim() != 2 or (bias is not None and bias.dtype != dt):
         return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
         return False
-    if torch.is_autocast_enabled("cpu"):
-        return False
-    from . import cpu
-    return cpu.load() is not None
+    return not torch.is_autocast_enabled("cpu") and bool(_rows_kernel())
 
 
 def linear_few_rows(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -151,15 +160,18 @@ def linear_few_rows(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) ->
     x (..., K) with few rows (any count works), weight (N, K), bias (N,) or
     None, all fp32 or all bf16 on CPU -> (..., N). Sums in fp32.
     """
-    from . import cpu
-    mod = cpu.load()
-    if mod is None:
+    kernel = _rows_kernel()
+    if not kernel:
+        from . import cpu
         raise RuntimeError(f"the C++ CPU extension is not available ({cpu.build_error()})")
-    K = x.shape[-1]
-    if weight.stride(-1) != 1 or weight.stride(0) < weight.shape[1]:
+    if not weight.is_contiguous() and (weight.stride(-1) != 1
+                                       or weight.stride(0) < weight.shape[1]):
         weight = weight.contiguous()  # (rows with any stride are read in place)
-    y = mod.linear_rows(x.reshape(-1, K).contiguous(), weight,
-                        None if bias is None else bias.contiguous())
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    if x.dim() == 2 and x.is_contiguous():
+        return kernel(x, weight, bias)
+    y = kernel(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -174,7 +186,7 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     name = get_matmul_backend()
     if name == "aten" or tracing():
         return F.linear(x, weight, bias)
-    if name == "auto" and few_rows_applies(x, weight, bias):
+    if name == "auto" and few_rows_applies(x, weight, bias):  # decoding
         return linear_few_rows(x, weight, bias)
     if bias is not None:
         return F.linear(x, weight, bias)
