@@ -318,10 +318,14 @@ def test_one_query_dispatch(monkeypatch):
     real = attn_mod.attention_one_query
     monkeypatch.setattr(attn_mod, "attention_one_query",
                         lambda *a: calls.append(a[0].dtype) or real(*a))
-    q, k, v, _ = _qkv(2, 1, 1, 5, 8)
+    q, k, v, _ = _qkv(1, 1, 1, 5, 8)
     with torch.no_grad():
         ops.attention(q.bfloat16(), k.bfloat16(), v.bfloat16())      # decoding in bf16: taken
         ops.attention(q, k, v)                                      # fp32: SDPA
+        qb, kb, vb = (t.bfloat16() for t in _qkv(2, 3, 1, 5, 8)[:3])
+        ops.attention(qb, kb, vb)                                   # 6 rows of heads: SDPA
+        mask = torch.ones(1, 1, 1, 5, dtype=torch.bool)
+        ops.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)  # a mask: SDPA
         qb, kb, vb = (t.bfloat16() for t in _qkv(2, 1, 3, 5, 8)[:3])
         ops.attention(qb, kb, vb)                                   # 3 queries: not decoding
         with ops.use_attention_backend("sdpa"):

@@ -31,8 +31,8 @@ the precision is that of any bf16 matmul attention (the scores are rounded to
 bf16 before the softmax); the tests bound it against fp32.
 
 Decoding asks for one query at a time. In bf16 SDPA's CPU kernel is slow
-there, so a single bf16 query without gradient is computed as plain products
-(:func:`attention_one_query`).
+there, so a single bf16 query without gradient, at batch 1 with one head, is
+computed as plain products (:func:`attention_one_query`).
 
 ``attention`` dispatches: the explicit paths above for CPU tensors when there is
 no attention dropout, P fits, nothing is tracing the model (``torch.compile``
@@ -267,9 +267,11 @@ def attention_one_query(q: Tensor, k: Tensor, v: Tensor,
     Same arguments and result as :func:`attention_reference` with L = 1: the
     scores as a product, a softmax in fp32, and P V. With one row in all (batch
     1, one head) the scores are a few-rows product that reads the cached keys
-    in place (:func:`srupp.ops.linear`). The dispatcher sends bf16 here: SDPA's
-    CPU kernel took 46 us for one bf16 query over 129 keys of width 256, and
-    266 us over 1024 (fp32: 10 and 63 us, so fp32 stays on SDPA).
+    in place (:func:`srupp.ops.linear`). The dispatcher sends only that case
+    here, in bf16: SDPA's CPU kernel took 46 us for one bf16 query over 129
+    keys of width 256, and 266 us over 1024 (fp32: 10 and 63 us, so fp32 stays
+    on SDPA). With several heads the batched products lost to SDPA: a 5-head
+    Transformer decoded at half its speed.
     """
     from .matmul import linear
 
@@ -305,9 +307,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
     name = get_attention_backend()
     if name == "sdpa" or dropout_p > 0.0 or tracing():
         return attention_reference(q, k, v, attn_mask, is_causal, dropout_p)
-    if (name == "auto" and q.shape[-2] == 1 and q.dtype == torch.bfloat16
-            and q.device.type == "cpu" and not is_causal and not _needs_grad(q, k, v)):
-        return attention_one_query(q, k, v, attn_mask)  # decoding in bf16
+    if (name == "auto" and q.shape[:-1].numel() == 1 and attn_mask is None
+            and q.dtype == torch.bfloat16 and q.device.type == "cpu" and not is_causal
+            and not _needs_grad(q, k, v)):
+        return attention_one_query(q, k, v)  # decoding at batch 1 with one head, in bf16
     # the causal offset, if the mask is causal; is_causal with L != S is SDPA's
     # top-left alignment, not a memory offset, so it is left to SDPA
     offset = (0 if q.shape[-2] == k.shape[-2] else None) if is_causal else causal_offset
