@@ -167,10 +167,15 @@ def test_labels_give_the_next_token_loss_and_a_foreign_cache_is_refused():
     out = hf(x, labels=x)
     targets = torch.cat([x[:, 1:], torch.full((2, 1), -100)], 1)
     torch.testing.assert_close(out.loss, m(x, targets=targets).loss)
-    assert isinstance(out.past_key_values, SRUppCache)
-    assert out.past_key_values.get_seq_length() == 9
-    with pytest.raises(TypeError, match="SRUppCache"):
-        hf(x, past_key_values=(torch.zeros(1),))
+    # transformers 5.24 renamed the state's field and argument past_key_values -> cache
+    cache = out.cache if hasattr(out, "cache") else out.past_key_values
+    assert isinstance(cache, SRUppCache)
+    assert cache.get_seq_length() == 9
+    for name in ("past_key_values", "cache"):
+        with pytest.raises(TypeError, match="SRUppCache"):
+            hf(x, **{name: (torch.zeros(1),)})
+    with pytest.raises(ValueError, match="not both"):
+        hf(x, past_key_values=cache, cache=cache)
 
 
 @pytest.mark.parametrize("kind", ["byte", "char", "word", "sentencepiece"])

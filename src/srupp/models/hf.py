@@ -174,12 +174,18 @@ def _tied_weights(model: nn.Module, prefix: str) -> Dict[str, str]:
     return tied
 
 
+# The output field generate() reads the state back from: `cache` from
+# transformers 5.24 on, `past_key_values` before.
+_OUTPUT_CACHE_FIELD = ("cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__
+                       else "past_key_values")
+
+
 class SRUppForCausalLM(PreTrainedModel, GenerationMixin):
     """A srupp language model (``self.model``) with transformers' saving, loading, generate().
 
     ``forward`` takes ``input_ids``, ``attention_mask`` (0 at padding, e.g.
-    left padding for a batch of prompts), ``past_key_values`` (a
-    :class:`SRUppCache`) and ``labels`` (HF style: the inputs themselves;
+    left padding for a batch of prompts), ``past_key_values`` or ``cache``
+    (a :class:`SRUppCache`; transformers 5.24 renamed the first to the second) and ``labels`` (HF style: the inputs themselves;
     the loss scores each position's next token, -100 is ignored). It returns
     logits, which are log-probabilities for models with an adaptive softmax.
     """
@@ -231,15 +237,19 @@ class SRUppForCausalLM(PreTrainedModel, GenerationMixin):
                 inputs_embeds: Optional[Tensor] = None,
                 output_attentions: Optional[bool] = None,
                 output_hidden_states: Optional[bool] = None,
-                return_dict: Optional[bool] = None) -> Union[CausalLMOutputWithPast, Tuple]:
+                return_dict: Optional[bool] = None,
+                cache: Optional[SRUppCache] = None) -> Union[CausalLMOutputWithPast, Tuple]:
         tokens = self._check_inputs(input_ids, inputs_embeds, output_attentions,
                                     output_hidden_states)
         B, L = tokens.shape
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        cache = past_key_values
+        # transformers 5.24 renamed past_key_values to cache; both are accepted
+        if cache is not None and past_key_values is not None:
+            raise ValueError("pass the state as cache or as past_key_values, not both")
+        cache = past_key_values if cache is None else cache
         if cache is not None and not isinstance(cache, SRUppCache):
-            raise TypeError(f"past_key_values must be the SRUppCache this model returned, got "
-                            f"{type(cache).__name__}; leave it out to start from scratch")
+            raise TypeError(f"past_key_values (cache) must be the SRUppCache this model returned, "
+                            f"got {type(cache).__name__}; leave it out to start from scratch")
         if cache is not None:
             state = cache.state
         else:  # what srupp's own generate() starts from (the transformer's: an unbounded cache)
@@ -265,7 +275,7 @@ class SRUppForCausalLM(PreTrainedModel, GenerationMixin):
                 cache = SRUppCache(state)
             cache.state, cache.seen_tokens = state, cache.seen_tokens + L
         out = CausalLMOutputWithPast(loss=loss, logits=logits,
-                                     past_key_values=cache if use_cache else None)
+                                     **{_OUTPUT_CACHE_FIELD: cache if use_cache else None})
         return out if return_dict is not False else out.to_tuple()
 
     @staticmethod
