@@ -252,3 +252,32 @@ def test_decode_steps_grow_memory_and_cache_and_keep_the_encoder_output():
     assert [kv.kv.shape[:2] for kv in state.kv_cache] == [(3, src.shape[1] + 3)] * 2
     assert isinstance(EncoderOutput(enc.states, None).index_select(torch.tensor([0])),
                       EncoderOutput)
+
+
+@pytest.mark.parametrize("index,group,copies", [
+    ([0, 0, 1, 1, 2, 2], 2, False),     # beams of every sentence: the source is not copied
+    ([2, 2, 2, 0, 0, 0], 3, True),      # beams of some sentences, reordered
+    ([2, 0, 2], 1, True),               # rows that are no runs: one source entry each
+    ([0, 1, 2], 1, False),              # the same rows
+])
+def test_cross_attention_state_groups_beams_over_one_source(index, group, copies):
+    m = make("sublayer")
+    src, pad, tgt = batch()
+    index = torch.tensor(index)
+    with torch.no_grad():
+        state = m.init_decoder(m.encode(src, pad))
+        _, state = m.decode_step(tgt[:, 0], state)
+        picked = m.reorder(state, index)
+        assert picked.group == group and picked.keys[0].shape[0] == len(index) // group
+        assert (picked.keys[0].data_ptr() != state.keys[0].data_ptr()) == copies
+        got, after = m.decode_step(tgt[index, 1], picked)
+        # the same rows without grouping: every row its own copy of the source
+        flat = CrossAttentionState(picked.layers, [k.index_select(0, index) for k in state.keys],
+                                   [v.index_select(0, index) for v in state.values],
+                                   None if state.mask is None else state.mask[index])
+        want, _ = m.decode_step(tgt[index, 1], flat)
+        # and the grouping survives a second reorder within the groups
+        again = m.reorder(after, torch.arange(len(index)).flip(0) if group == 1
+                          else torch.arange(len(index)))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert again.group == group

@@ -328,22 +328,50 @@ def source_mask(pad: Optional[Tensor]) -> Optional[Tensor]:
 class CrossAttentionState:
     """The "sublayer" decoder's state.
 
-    layers: one :class:`~srupp.nn.SRUppState` per decoder layer (c, and the
-    target prefix as memory); keys, values: per layer (B, H, S, d′/H), the
-    source's K and V; mask: (B, 1, 1, S) bool or None (see :func:`source_mask`).
+    layers: one :class:`~srupp.nn.SRUppState` per decoder row (c, and the target
+    prefix as memory); keys, values: per layer (N, H, S, d′/H), the source's K
+    and V, one entry per source sentence; mask: (N, 1, 1, S) bool or None (see
+    :func:`source_mask`); group: decoder rows per source entry. Beam search
+    keeps ``group`` = beam rows per sentence, which attend to their sentence's
+    K and V as ``group`` queries, so the source is never copied per beam.
     """
 
     layers: List[SRUppState]
     keys: List[Tensor]
     values: List[Tensor]
     mask: Optional[Tensor]
+    group: int = 1
 
     def index_select(self, index: Tensor) -> "CrossAttentionState":
-        """The state of rows ``index`` (B',), every tensor with a batch dimension included."""
-        pick = lambda t: t.index_select(0, index)  # noqa: E731
-        return CrossAttentionState([s.index_select(index) for s in self.layers],
-                                   [pick(k) for k in self.keys], [pick(v) for v in self.values],
-                                   None if self.mask is None else pick(self.mask))
+        """The state of decoder rows ``index`` (B',).
+
+        The source entries follow: when the new rows come in runs of equal
+        length that each read one source entry (beams of a sentence), the
+        runs become the new group and only the source entries change (none,
+        when they stay the same); otherwise every row gets its own entry.
+        """
+        layers = [st.index_select(index) for st in self.layers]
+        source = torch.div(index, self.group, rounding_mode="floor")      # (B',)
+        group = _run_length(source)
+        source = source[::group]                                          # (B' / group,)
+        N = self.keys[0].shape[0]
+        if source.numel() == N and bool((source == torch.arange(N, device=source.device)).all()):
+            return replace(self, layers=layers, group=group)
+        pick = lambda t: t.index_select(0, source)  # noqa: E731
+        return CrossAttentionState(layers, [pick(k) for k in self.keys],
+                                   [pick(v) for v in self.values],
+                                   None if self.mask is None else pick(self.mask), group)
+
+
+def _run_length(source: Tensor) -> int:
+    """g when ``source`` (n,) is n / g runs of g equal entries, else 1."""
+    n = source.numel()
+    if n == 0:
+        return 1
+    g = int((source == source[0]).long().cumprod(0).sum())             # the first run
+    if n % g or not bool((source.view(-1, g) == source.view(-1, g)[:, :1]).all()):
+        return 1
+    return g
 
 
 class Seq2Seq(Seq2SeqModel):
@@ -455,10 +483,12 @@ class Seq2Seq(Seq2SeqModel):
             h, state = self.decoder(x, state)                            # (B, 1, d)
         else:
             h, layers = x, []
+            B, d, g = x.shape[0], x.shape[-1], state.group
             for layer, cross, st, k, v in zip(self.decoder, self.cross, state.layers,
                                               state.keys, state.values):
                 h, st = layer(h, st)                                     # (B, 1, d)
-                h = cross(h, k, v, state.mask)                           # (B, 1, d)
+                # the g rows of one source (its beams) are g queries to its K, V
+                h = cross(h.view(B // g, g, d), k, v, state.mask).view(B, 1, d)
                 layers.append(st)
             state = replace(state, layers=layers)
         return self.out_dropout(h).squeeze(1), state                     # (B, d)
