@@ -231,6 +231,28 @@ def test_few_rows_kernel_reads_strided_rows_in_place():
 
 
 @needs_extension
+def test_few_rows_kernel_reads_strided_bf16_rows_in_place():
+    # the bf16 dot-product path reads rows at their stride too, tails of odd length included
+    kv = torch.randn(2, 50, 2 * 40).bfloat16()
+    k = kv[1, :, :40]
+    q = torch.randn(2, 40).bfloat16()
+    exact = q.double() @ k.double().t()
+    torch.testing.assert_close(matmul.linear_few_rows(q, k).double(), exact,
+                               **FEW_ROWS_TOL[torch.bfloat16])
+
+
+@needs_extension
+def test_few_rows_bf16_uses_dot_product_instructions_where_the_cpu_has_them():
+    # the extension is built with -march=native: on a CPU with AVX512-BF16 its bf16
+    # products must come out of vdpbf16ps, not widen every weight to fp32
+    mod = ops.cpu.load()
+    native = settings.cpu_has_native_bf16() and ops.cpu.capability() == "avx512" \
+        and torch.cpu._is_avx512_bf16_supported()
+    print(f"AVX512-BF16: {native}; bf16 few-rows path native: {mod.linear_rows_bf16_native()}")
+    assert mod.linear_rows_bf16_native() == native
+
+
+@needs_extension
 def test_few_rows_dispatch_rule(monkeypatch):
     calls = []
     real = matmul.linear_few_rows
