@@ -313,22 +313,48 @@ def test_one_query_reads_keys_of_a_cache_in_place():
     torch.testing.assert_close(got, ops.attention_reference(q, k, v), **FP32)
 
 
+@pytest.mark.skipif(not ops.cpu.is_available(), reason="the C++ CPU extension could not be built")
+@pytest.mark.parametrize("B,H,S,hd", [(1, 1, 1, 1), (1, 1, 200, 156), (2, 3, 5, 7),
+                                      (1, 2, 33, 40), (3, 1, 17, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_query_kernel_against_fp64(B, H, S, hd, dtype):
+    # keys and values as views of one [K | V] cache (B, H, S, 2 hd), read in place;
+    # q scaled so that the softmax is not flat
+    g = torch.Generator().manual_seed(B * 100 + S + hd)
+    kv = torch.randn(B, H, S, 2 * hd, generator=g).to(dtype)
+    k, v = kv[..., :hd], kv[..., hd:]
+    q = (torch.randn(B, H, 1, hd, generator=g) * 2).to(dtype)
+    got = ops.cpu.function("attend_one_query")(q, k, v, hd ** -0.5)
+    exact = ops.attention_reference(q.double(), k.double(), v.double())
+    assert got.dtype == dtype and got.shape == (B, H, 1, hd) and got.is_contiguous()
+    # fp32: sums in another order; bf16: inputs exact in fp32, one rounding of the output
+    tol = FP32 if dtype == torch.float32 else dict(rtol=2 ** -8, atol=2 ** -8)
+    torch.testing.assert_close(got.double(), exact, **tol)
+
+
 def test_one_query_dispatch(monkeypatch):
     calls = []
     real = attn_mod.attention_one_query
     monkeypatch.setattr(attn_mod, "attention_one_query",
-                        lambda *a: calls.append(a[0].dtype) or real(*a))
+                        lambda *a: calls.append((a[0].dtype, a[0].shape[:2])) or real(*a))
     q, k, v, _ = _qkv(1, 1, 1, 5, 8)
+    bf = torch.bfloat16
+    kernel = ops.cpu.function("attend_one_query") is not None
     with torch.no_grad():
         ops.attention(q.bfloat16(), k.bfloat16(), v.bfloat16())      # decoding in bf16: taken
-        ops.attention(q, k, v)                                      # fp32: SDPA
+        ops.attention(q, k, v)                                      # fp32, one row: SDPA
         qb, kb, vb = (t.bfloat16() for t in _qkv(2, 3, 1, 5, 8)[:3])
-        ops.attention(qb, kb, vb)                                   # 6 rows of heads: SDPA
+        ops.attention(qb, kb, vb)                                   # bf16, 6 rows: the kernel
+        ops.attention(*(t.detach() for t in _qkv(2, 3, 1, 5, 8)[:3]))  # fp32, 6 rows: the kernel
         mask = torch.ones(1, 1, 1, 5, dtype=torch.bool)
         ops.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)  # a mask: SDPA
         qb, kb, vb = (t.bfloat16() for t in _qkv(2, 1, 3, 5, 8)[:3])
         ops.attention(qb, kb, vb)                                   # 3 queries: not decoding
+        ops.attention(q.double(), k.double(), v.double())           # fp64: SDPA
         with ops.use_attention_backend("sdpa"):
             ops.attention(q.bfloat16(), k.bfloat16(), v.bfloat16())
     ops.attention(q.bfloat16(), k.bfloat16(), v.bfloat16())         # a gradient is wanted
-    assert calls == [torch.bfloat16]
+    want = [(bf, (1, 1))]
+    if kernel:  # without the extension only bf16 at one row is taken
+        want += [(bf, (2, 3)), (torch.float32, (2, 3))]
+    assert calls == want

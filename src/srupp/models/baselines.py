@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from ..nn import SRU
 from ..nn.linear import Linear
 from ..nn.append import append_steps
+from ..ops import attention
 from .config import GRUConfig, LSTMConfig, SRUConfig, TransformerConfig
 from .lm import CausalLM
 from .state import TensorState
@@ -159,11 +160,12 @@ class TransformerBlock(nn.Module):
         if k_past is not None:
             k = append_steps(k_past, k, dim=2)  # no copy of the past when decoding
             v = append_steps(v_past, v, dim=2)
-        # SDPA decodes fastest here, in fp32 and bf16 (srupp's bf16 matmul paths, made
-        # for SRU++'s one-head windows, halved this model's bf16 decoding)
-        a = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None and is_causal,
-            dropout_p=self.attn_dropout if self.training else 0.0)
+        if L == 1 and not self.training:  # decoding: srupp's dispatcher has a one-query kernel
+            a = attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None and is_causal)
+        else:
+            a = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None and is_causal,
+                dropout_p=self.attn_dropout if self.training else 0.0)
         x = x + self.drop(self.proj(a.transpose(1, 2).reshape(B, L, d)))
         x = x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
         return x, k, v

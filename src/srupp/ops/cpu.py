@@ -129,6 +129,19 @@ def load():
     return _module
 
 
+_functions: dict = {}  # name -> the extension's function, or False when it is not built
+
+
+def function(name: str):
+    """The extension's function ``name`` (building the extension on the first call),
+    looked up once: hot paths call it per decoding step. None when it can't be built."""
+    f = _functions.get(name)
+    if f is None:
+        mod = load()
+        f = _functions[name] = False if mod is None else getattr(mod, name)
+    return f or None
+
+
 def is_available() -> bool:
     """Whether the fused CPU kernel can be used (builds it on the first call)."""
     return load() is not None

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import cpu
 from .settings import CHOICES, accessors, tracing
 
 __all__ = ["linear", "linear_reference", "linear_onednn", "onednn_available",
@@ -123,16 +124,9 @@ def linear_onednn(x: Tensor, weight: Tensor) -> Tensor:
     return _OneDNNLinear.apply(x, weight)
 
 
-_rows_kernel_fn = None  # the extension's linear_rows once looked up; False: not built
-
-
 def _rows_kernel():
-    global _rows_kernel_fn
-    if _rows_kernel_fn is None:
-        from . import cpu
-        mod = cpu.load()
-        _rows_kernel_fn = False if mod is None else mod.linear_rows
-    return _rows_kernel_fn
+    """The extension's linear_rows, or None when it is not built."""
+    return cpu.function("linear_rows")
 
 
 def few_rows_applies(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> bool:
@@ -162,7 +156,6 @@ def linear_few_rows(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) ->
     """
     kernel = _rows_kernel()
     if not kernel:
-        from . import cpu
         raise RuntimeError(f"the C++ CPU extension is not available ({cpu.build_error()})")
     if not weight.is_contiguous() and (weight.stride(-1) != 1
                                        or weight.stride(0) < weight.shape[1]):

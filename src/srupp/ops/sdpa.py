@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import cpu
 from .settings import CHOICES, accessors, cpu_has_native_bf16, tracing
 
 __all__ = ["attention", "attention_reference", "attention_matmul", "attention_causal_matmul",
@@ -260,22 +261,46 @@ def _needs_grad(*ts: Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
 
+_ONE_QUERY_DTYPES = (torch.float32, torch.bfloat16)  # what the extension's kernel takes
+
+
+def _one_query_wins(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether :func:`attention_one_query` beats SDPA for one query per (batch, head).
+
+    Measured against SDPA (one query over 129-1024 keys): the extension's kernel is
+    3-5x faster in bf16 at every batch and head count, and in fp32 1.3-3.9x faster
+    with several (batch, head) rows but a tie with one. Without the kernel, only
+    bf16 at one row (the few-rows product) wins.
+    """
+    if not (q.dtype == k.dtype == v.dtype and q.dtype in _ONE_QUERY_DTYPES):
+        return False
+    rows = q.shape[:-1].numel()
+    if cpu.function("attend_one_query") is None:
+        return q.dtype == torch.bfloat16 and rows == 1
+    return q.dtype == torch.bfloat16 or rows > 1
+
+
 def attention_one_query(q: Tensor, k: Tensor, v: Tensor,
                         attn_mask: Optional[Tensor] = None) -> Tensor:
     """One query per (batch, head), no dropout, no gradient: decoding.
 
     Same arguments and result as :func:`attention_reference` with L = 1: the
-    scores as a product, a softmax in fp32, and P V. With one row in all (batch
-    1, one head) the scores are a few-rows product that reads the cached keys
-    in place (:func:`srupp.ops.linear`). The dispatcher sends only that case
-    here, in bf16: SDPA's CPU kernel took 46 us for one bf16 query over 129
-    keys of width 256, and 266 us over 1024 (fp32: 10 and 63 us, so fp32 stays
-    on SDPA). With several heads the batched products lost to SDPA: a 5-head
-    Transformer decoded at half its speed.
+    scores, a softmax in fp32, and P V. Without a mask, on CPU in fp32 or bf16,
+    the C++ extension's ``attend_one_query`` does all three in one pass over K
+    and one over V, read in place, with fp32 sums. Otherwise (or without the
+    extension) they are products: at batch 1 with one head the scores are a
+    few-rows product (:func:`srupp.ops.linear`). SDPA's CPU kernel took 46 us
+    for one bf16 query over 129 keys of width 256, and 266 us over 1024 (fp32:
+    10 and 63 us); the dispatcher sends here the cases where this wins.
     """
     from .matmul import linear
 
     B, H, _, hd = q.shape
+    if (attn_mask is None and q.device.type == "cpu" and q.dtype in _ONE_QUERY_DTYPES
+            and q.dtype == k.dtype == v.dtype and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
+        kernel = cpu.function("attend_one_query")
+        if kernel:
+            return kernel(q, k, v, 1.0 / math.sqrt(hd))                 # (B, H, 1, hd)
     if B * H == 1 and attn_mask is None:
         scores = linear(q[0, 0], k[0, 0]).view(1, 1, 1, -1)             # (1, 1, 1, S)
     else:
@@ -307,10 +332,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
     name = get_attention_backend()
     if name == "sdpa" or dropout_p > 0.0 or tracing():
         return attention_reference(q, k, v, attn_mask, is_causal, dropout_p)
-    if (name == "auto" and q.shape[:-1].numel() == 1 and attn_mask is None
-            and q.dtype == torch.bfloat16 and q.device.type == "cpu" and not is_causal
+    if (name == "auto" and q.shape[-2] == 1 and attn_mask is None and not is_causal
+            and q.device.type == "cpu" and _one_query_wins(q, k, v)
             and not _needs_grad(q, k, v)):
-        return attention_one_query(q, k, v)  # decoding at batch 1 with one head, in bf16
+        return attention_one_query(q, k, v)  # decoding
     # the causal offset, if the mask is causal; is_causal with L != S is SDPA's
     # top-left alignment, not a memory offset, so it is left to SDPA
     offset = (0 if q.shape[-2] == k.shape[-2] else None) if is_causal else causal_offset

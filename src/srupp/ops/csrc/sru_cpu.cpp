@@ -41,6 +41,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -785,6 +786,72 @@ void linear_rows_bf16_dot(const BFloat16* x, const BFloat16* w, int64_t ldw,
 }
 #endif
 
+// ---------------------------------------------------------------------------------
+// Attention of one query per (batch, head) for decoding: o = softmax(scale q K^T) V.
+//
+// A decode step attends from one token to a window of cached keys and values:
+// (1 x hd) against (S x hd). Through SDPA or two matmuls that is a few tiny GEMMs,
+// whose fixed cost (and, in bf16, a slow small-GEMM path: 84 us for P V over 128
+// keys) exceeds the work. Here one task per (batch, head) walks K once for the
+// scores (fp32 dot products, q widened once), takes the softmax in fp32, and walks
+// V once accumulating the p-weighted rows in fp32; the output rounds to the input
+// dtype once. K and V are read in place at any row stride (a [K | V] cache).
+
+template <typename T>
+void one_query_kernel(const T* q, const T* k, const T* v, T* o, int64_t B, int64_t H,
+                      int64_t S, int64_t hd, const int64_t* sq, const int64_t* sk,
+                      const int64_t* sv, float scale) {
+  const int64_t hd_pad = (hd + kW - 1) / kW * kW;
+  at::parallel_for(0, B * H, 1, [&](int64_t n0, int64_t n1) {
+    std::vector<float> qf(hd_pad, 0.f), acc(hd_pad), p(std::max<int64_t>(S, 1));
+    alignas(64) float lanes[kW];
+    const int64_t full = hd / kW * kW;
+    const int tail = static_cast<int>(hd - full);
+    for (int64_t n = n0; n < n1; ++n) {
+      const int64_t b = n / H, h = n % H;
+      const T* qp = q + b * sq[0] + h * sq[1];
+      for (int64_t i = 0; i < hd; ++i) qf[i] = static_cast<float>(qp[i]);
+      const T* kb = k + b * sk[0] + h * sk[1];
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; j < S; ++j) {
+        const T* kr = kb + j * sk[2];
+        Vec a0(0.f), a1(0.f);
+        int64_t i = 0;
+        for (; i + 2 * kW <= full; i += 2 * kW) {
+          a0 = at::vec::fmadd(IO<T>::load(kr + i), Vec::loadu(qf.data() + i), a0);
+          a1 = at::vec::fmadd(IO<T>::load(kr + i + kW), Vec::loadu(qf.data() + i + kW), a1);
+        }
+        for (; i < full; i += kW) a0 = at::vec::fmadd(IO<T>::load(kr + i), Vec::loadu(qf.data() + i), a0);
+        if (tail) a1 = at::vec::fmadd(IO<T>::load(kr + i, tail), Vec::loadu(qf.data() + i), a1);
+        (a0 + a1).store(lanes);
+        float dot = 0.f;
+        for (int l = 0; l < kW; ++l) dot += lanes[l];
+        p[j] = dot * scale;
+        mx = std::max(mx, p[j]);
+      }
+      float sum = 0.f;
+      for (int64_t j = 0; j < S; ++j) {
+        p[j] = std::exp(p[j] - mx);
+        sum += p[j];
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      const T* vb = v + b * sv[0] + h * sv[1];
+      for (int64_t j = 0; j < S; ++j) {
+        const T* vr = vb + j * sv[2];
+        const Vec pj(p[j]);
+        int64_t i = 0;
+        for (; i < full; i += kW)
+          at::vec::fmadd(pj, IO<T>::load(vr + i), Vec::loadu(acc.data() + i)).store(acc.data() + i);
+        if (tail)
+          at::vec::fmadd(pj, IO<T>::load(vr + i, tail), Vec::loadu(acc.data() + i)).store(acc.data() + i);
+      }
+      const float inv = S > 0 ? 1.f / sum : 0.f;
+      T* op = o + n * hd;
+      for (int64_t i = 0; i < hd; ++i) op[i] = static_cast<T>(acc[i] * inv);
+    }
+  });
+}
+
 }  // namespace
 
 // True when linear_rows' bf16 products use the AVX512-BF16 dot-product instruction.
@@ -833,6 +900,36 @@ Tensor linear_rows_cpu(const Tensor& x, const Tensor& weight, const std::optiona
                                  y.data_ptr<BFloat16>(), R, I, O);
   }
   return y;
+}
+
+// q (B, H, 1, hd), k and v (B, H, S, hd), one dtype (fp32 or bf16), the last dim of
+// each contiguous (any other strides); returns o (B, H, 1, hd) contiguous.
+Tensor attend_one_query_cpu(const Tensor& q, const Tensor& k, const Tensor& v, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(2) == 1 &&
+              k.sizes() == v.sizes() && q.size(0) == k.size(0) && q.size(1) == k.size(1) &&
+              q.size(3) == k.size(3),
+              "srupp attend_one_query: q (B, H, 1, hd), k and v (B, H, S, hd) expected, got ",
+              q.sizes(), ", ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
+              (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "srupp attend_one_query: q, k and v must all be float32 or all bfloat16");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "srupp attend_one_query: the last dimension of q, k and v must be contiguous");
+  const int64_t B = q.size(0), H = q.size(1), S = k.size(2), hd = q.size(3);
+  Tensor o = at::empty({B, H, 1, hd}, q.options());
+  const int64_t sq[2] = {q.stride(0), q.stride(1)};
+  const int64_t sk[3] = {k.stride(0), k.stride(1), k.stride(2)};
+  const int64_t sv[3] = {v.stride(0), v.stride(1), v.stride(2)};
+  if (q.scalar_type() == at::kFloat) {
+    one_query_kernel<float>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+                            o.data_ptr<float>(), B, H, S, hd, sq, sk, sv,
+                            static_cast<float>(scale));
+  } else {
+    one_query_kernel<BFloat16>(q.data_ptr<BFloat16>(), k.data_ptr<BFloat16>(),
+                               v.data_ptr<BFloat16>(), o.data_ptr<BFloat16>(), B, H, S, hd,
+                               sq, sk, sv, static_cast<float>(scale));
+  }
+  return o;
 }
 
 // Returns h (B, L, D) in U's dtype, c_last (B, D) fp32, and c_all (B, L, D) fp32 with
@@ -934,6 +1031,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sru_fwd", &sru_fwd_cpu, "SRU recurrence forward (CPU)");
   m.def("sru_bwd", &sru_bwd_cpu, "SRU recurrence backward (CPU)");
   m.def("linear_rows", &linear_rows_cpu, "x @ weight^T (+ bias) for a few rows (decoding)");
+  m.def("attend_one_query", &attend_one_query_cpu,
+        "softmax(scale q K^T) V for one query per (batch, head) (decoding)");
   m.def("linear_rows_bf16_native", &linear_rows_bf16_native,
         "whether linear_rows' bf16 products use AVX512-BF16 dot products");
   m.def("empty_cache", []() { return static_cast<int64_t>(BlockCache::get().release()); },
