@@ -30,9 +30,11 @@ so these paths are used only while P fits in :data:`MAX_PROB_BYTES`. In bf16
 the precision is that of any bf16 matmul attention (the scores are rounded to
 bf16 before the softmax); the tests bound it against fp32.
 
-Decoding asks for one query at a time. In bf16 SDPA's CPU kernel is slow
-there, so a single bf16 query without gradient, at batch 1 with one head, is
-computed as plain products (:func:`attention_one_query`).
+Decoding asks for one query at a time, where SDPA's CPU kernel pays more in
+fixed cost than the work (in bf16 3-5x more). One query per (batch, head)
+without a mask or gradient goes to :func:`attention_one_query`, the C++
+extension's one-pass kernel, in bf16 always and in fp32 with several (batch,
+head) rows (see :func:`_one_query_wins`).
 
 ``attention`` dispatches: the explicit paths above for CPU tensors when there is
 no attention dropout, P fits, nothing is tracing the model (``torch.compile``
