@@ -3,6 +3,7 @@ by being run as ``python benchmarks/<script>.py``)."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Callable, Optional
 
@@ -16,6 +17,20 @@ def seconds_per_call(fn: Callable[[], object], reps: int, warmup: int = 1) -> fl
     for _ in range(reps):
         fn()
     return (time.perf_counter() - start) / reps
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Median wall seconds of one ``fn()`` call over ``repeats`` timed calls, after
+    ``warmup`` untimed ones: for short calls whose outliers (a page fault, another
+    process) a mean would absorb."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def bare_training_step(trainer, grad_clip: Optional[float] = None) -> Callable[[], None]:

@@ -47,6 +47,7 @@ import time
 import torch
 from torch import nn
 
+from _common import median_seconds
 from srupp.models import build_model
 from srupp.models.state import TensorState
 from srupp.nn.state import SRUppState
@@ -103,23 +104,12 @@ def parse_args():
     return a
 
 
-def median_seconds(fn, repeats, warmup=2):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def copy_bytes_per_s(nbytes: int) -> float:
     """Bytes of the buffer per second (N / t) of ``dst.copy_(src)``, median of repeats."""
     src = torch.ones(max(int(nbytes), 1), dtype=torch.uint8)
     dst = torch.empty_like(src)
     repeats = max(10, min(200, int(2e9 / src.numel())))
-    return src.numel() / median_seconds(lambda: dst.copy_(src), repeats)
+    return src.numel() / median_seconds(lambda: dst.copy_(src), repeats, warmup=2)
 
 
 def weight_bytes(model) -> int:

@@ -24,24 +24,13 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import time
 
 import torch
 
 import srupp
+from _common import median_seconds
 from srupp.ops import cpu, sru_recurrence_reference
-
-
-def median_time(fn, repeats, warmup=1):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), times
 
 
 def nbytes(*tensors):
@@ -88,7 +77,7 @@ def main():
     n = int(a.copy_mb * 1e6 / 4)
     src = torch.randn(n)
     dst = torch.empty_like(src)
-    t_copy, _ = median_time(lambda: dst.copy_(src), max(a.repeats, 10), warmup=2)
+    t_copy = median_seconds(lambda: dst.copy_(src), max(a.repeats, 10), warmup=2)
     copy_bw = 2 * src.numel() * 4 / t_copy
     result["copy"] = {"mbytes": round(src.numel() * 4 / 1e6, 1), "s": t_copy,
                       "GBps": round(copy_bw / 1e9, 2)}
@@ -107,11 +96,11 @@ def main():
         bwd = torch.ops.srupp.sru_bwd
         with torch.no_grad():
             h, c_last, c_all = fwd(U, x, wc, bias, c0, None, None, 1.0, False, True)
-            t_f, _ = median_time(lambda: fwd(U, x, wc, bias, c0, None, None, 1.0, False, True),
+            t_f = median_seconds(lambda: fwd(U, x, wc, bias, c0, None, None, 1.0, False, True),
                                  a.repeats)
-            t_i, _ = median_time(lambda: fwd(U, x, wc, bias, c0, None, None, 1.0, False, False),
+            t_i = median_seconds(lambda: fwd(U, x, wc, bias, c0, None, None, 1.0, False, False),
                                  a.repeats)
-            t_b, _ = median_time(lambda: bwd(U, x, wc, bias, c0, None, None, c_all, grad_h,
+            t_b = median_seconds(lambda: bwd(U, x, wc, bias, c0, None, None, c_all, grad_h,
                                              None, 1.0, False, True), a.repeats)
             gU, gx, *_ = bwd(U, x, wc, bias, c0, None, None, c_all, grad_h, None, 1.0, False, True)
         fwd_bytes = nbytes(U, x, c0, h, c_all)
@@ -128,9 +117,9 @@ def main():
         cpu.set_cache_limit(0)
         try:
             with torch.no_grad():
-                t_f0, _ = median_time(
+                t_f0 = median_seconds(
                     lambda: fwd(U, x, wc, bias, c0, None, None, 1.0, False, True), a.repeats)
-                t_b0, _ = median_time(lambda: bwd(U, x, wc, bias, c0, None, None, c_all, grad_h,
+                t_b0 = median_seconds(lambda: bwd(U, x, wc, bias, c0, None, None, c_all, grad_h,
                                                   None, 1.0, False, True), a.repeats)
         finally:
             cpu.set_cache_limit(limit)
@@ -144,11 +133,11 @@ def main():
         t0 = time.perf_counter()
         h_ref, c_ref = sru_recurrence_reference(*leaves)
         t_rf = time.perf_counter() - t0
-        t_rb, _ = median_time(
+        t_rb = median_seconds(
             lambda: torch.autograd.grad(h_ref, [t for t in leaves if t is not None], grad_h,
                                         retain_graph=True), a.ref_repeats, warmup=0)
         if a.ref_repeats > 1:
-            t_rf, _ = median_time(lambda: sru_recurrence_reference(*leaves), a.ref_repeats - 1,
+            t_rf = median_seconds(lambda: sru_recurrence_reference(*leaves), a.ref_repeats - 1,
                                   warmup=0)
         result["reference"] = {
             "forward": report("forward", t_rf, nbytes(U, x, c0, h_ref)),
