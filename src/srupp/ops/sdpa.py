@@ -271,15 +271,13 @@ def _one_query_wins(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
     Measured against SDPA (one query over 129-1024 keys): the extension's kernel is
     3-5x faster in bf16 at every batch and head count, and in fp32 1.3-3.9x faster
-    with several (batch, head) rows but a tie with one. Without the kernel, only
-    bf16 at one row (the few-rows product) wins.
+    with several (batch, head) rows but a tie with one. Without the extension the
+    plain products lose (in bf16, P V alone took 84 us over 128 keys).
     """
-    if not (q.dtype == k.dtype == v.dtype and q.dtype in _ONE_QUERY_DTYPES):
+    if not (q.dtype == k.dtype == v.dtype and q.dtype in _ONE_QUERY_DTYPES
+            and cpu.function("attend_one_query") is not None):
         return False
-    rows = q.shape[:-1].numel()
-    if cpu.function("attend_one_query") is None:
-        return q.dtype == torch.bfloat16 and rows == 1
-    return q.dtype == torch.bfloat16 or rows > 1
+    return q.dtype == torch.bfloat16 or q.shape[:-1].numel() > 1
 
 
 def attention_one_query(q: Tensor, k: Tensor, v: Tensor,
@@ -289,25 +287,19 @@ def attention_one_query(q: Tensor, k: Tensor, v: Tensor,
     Same arguments and result as :func:`attention_reference` with L = 1: the
     scores, a softmax in fp32, and P V. Without a mask, on CPU in fp32 or bf16,
     the C++ extension's ``attend_one_query`` does all three in one pass over K
-    and one over V, read in place, with fp32 sums. Otherwise (or without the
-    extension) they are products: at batch 1 with one head the scores are a
-    few-rows product (:func:`srupp.ops.linear`). SDPA's CPU kernel took 46 us
-    for one bf16 query over 129 keys of width 256, and 266 us over 1024 (fp32:
-    10 and 63 us); the dispatcher sends here the cases where this wins.
+    and one over V, read in place, with fp32 sums. Otherwise (a mask, another
+    dtype or device, or no extension) they are plain products. SDPA's CPU kernel
+    took 46 us for one bf16 query over 129 keys of width 256, and 266 us over
+    1024 (fp32: 10 and 63 us); the dispatcher sends here the cases where the
+    kernel wins (:func:`_one_query_wins`).
     """
-    from .matmul import linear
-
-    B, H, _, hd = q.shape
+    hd = q.shape[-1]
     if (attn_mask is None and q.device.type == "cpu" and q.dtype in _ONE_QUERY_DTYPES
             and q.dtype == k.dtype == v.dtype and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
         kernel = cpu.function("attend_one_query")
         if kernel:
             return kernel(q, k, v, 1.0 / math.sqrt(hd))                 # (B, H, 1, hd)
-    if B * H == 1 and attn_mask is None:
-        scores = linear(q[0, 0], k[0, 0]).view(1, 1, 1, -1)             # (1, 1, 1, S)
-    else:
-        scores = torch.matmul(q, k.transpose(-1, -2))                   # (B, H, 1, S)
-    scores = scores.float() * (1.0 / math.sqrt(hd))
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * (1.0 / math.sqrt(hd))  # (B, H, 1, S)
     if attn_mask is not None:
         scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
                   else scores + attn_mask)
