@@ -99,6 +99,25 @@ def test_a_padded_row_gets_the_logits_it_gets_alone(kind, pooling):
             torch.testing.assert_close(batch[b:b + 1], alone, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("layout,attends", [
+    ({}, [True, True]),
+    ({"attention_last_n_layers": 1}, [False, True]),
+    ({"attention_last_n_layers": 0}, [False, False]),
+    ({"attention_every_n_layers": 2}, [False, True]),
+])
+def test_srupp_attends_in_the_layers_the_config_names_and_stays_exact_under_padding(
+        layout, attends):
+    model = tiny("srupp", **layout)
+    assert [layer.use_attention for layer in model.encoder.layers] == attends
+    assert config_from_dict(model.config.to_dict()) == model.config
+    tokens, pad = ragged_batch()
+    with torch.no_grad():
+        batch = model(tokens, mask_pad=pad).logits                       # (4, 3)
+        for b in range(4):
+            alone = model(tokens[b][~pad[b]].unsqueeze(0)).logits        # (1, 3)
+            torch.testing.assert_close(batch[b:b + 1], alone, rtol=0, atol=1e-6)
+
+
 # --------------------------------------------------------------------------- pooling
 
 @pytest.mark.parametrize("junk", [1e30, -1e30, float("inf"), float("nan")])
@@ -222,6 +241,11 @@ def test_bad_inputs_are_value_errors(call, message):
     ({"type": "transformer", "d_model": 15, "num_heads": 4}, r"num_heads \(4\) must .* divide"),
     ({"type": "srupp", "proj_size": 6, "num_heads": 4}, r"num_heads \(4\) must .* divide"),
     ({"type": "srupp", "dropout": 1.0}, r"dropout must be in \[0, 1\)"),
+    ({"type": "srupp", "attention_every_n_layers": 0}, "attention_every_n_layers must be >= 1"),
+    ({"type": "srupp", "attention_every_n_layers": 2, "attention_last_n_layers": 1},
+     "attention_last_n_layers, not both"),
+    ({"type": "srupp", "attention_last_n_layers": 3},
+     r"attention_last_n_layers must be -1 \(off\) or 0..num_layers \(2\), got 3"),
     ({"type": "lstm", "proj_size": 8}, "unknown config key 'proj_size'"),
     ({"type": "gru"}, "type must be one of srupp, sru, lstm, transformer for task classify"),
 ])

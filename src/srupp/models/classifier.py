@@ -98,6 +98,8 @@ class SRUppClassifierConfig(ClassifierConfig):
     num_heads: int = 1                    # the paper uses single-head attention
     attn_dropout: float = 0.0             # on attention weights
     highway_bias: float = -2.0            # initial b_r: start close to the skip path
+    attention_every_n_layers: int = 1     # attention in layers i with (i+1) % n == 0
+    attention_last_n_layers: int = -1     # or only in the last n layers (-1: off)
 
     def __post_init__(self):
         super().__post_init__()
@@ -105,6 +107,15 @@ class SRUppClassifierConfig(ClassifierConfig):
             raise ValueError(f"num_heads ({self.num_heads}) must be >= 1 and divide "
                              f"proj_size ({self.proj_size})")
         _probability(self, "attn_dropout")
+        if self.attention_every_n_layers < 1:
+            raise ValueError(f"attention_every_n_layers must be >= 1, "
+                             f"got {self.attention_every_n_layers}")
+        if self.attention_every_n_layers != 1 and self.attention_last_n_layers != -1:
+            raise ValueError("set model.attention_every_n_layers or "
+                             "model.attention_last_n_layers, not both")
+        if not -1 <= self.attention_last_n_layers <= self.num_layers:
+            raise ValueError(f"attention_last_n_layers must be -1 (off) or 0..num_layers "
+                             f"({self.num_layers}), got {self.attention_last_n_layers}")
 
 
 @dataclass
@@ -358,6 +369,8 @@ class Classifier(ClassifierBase):
                              dropout=c.dropout, attn_dropout=c.attn_dropout,
                              num_heads=c.num_heads, bidirectional=True,
                              highway_bias=c.highway_bias, causal=False, mem_len=0,
+                             attention_every_n_layers=c.attention_every_n_layers,
+                             attention_last_n_layers=c.attention_last_n_layers,
                              batch_first=True, **factory)
 
     def reset_layers(self) -> None:
