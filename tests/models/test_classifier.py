@@ -84,6 +84,16 @@ def test_from_pretrained_of_another_type_names_the_saved_type(tmp_path):
 
 # --------------------------------------------------------------------------- padding
 
+def assert_padded_rows_match_alone(model):
+    """Each row of a ragged, padded batch gets the logits it gets run alone."""
+    tokens, pad = ragged_batch()
+    with torch.no_grad():
+        batch = model(tokens, mask_pad=pad).logits                       # (4, 3)
+        for b in range(4):
+            alone = model(tokens[b][~pad[b]].unsqueeze(0)).logits        # (1, 3)
+            torch.testing.assert_close(batch[b:b + 1], alone, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("pooling", POOLINGS)
 @pytest.mark.parametrize("kind", TYPES)
 def test_a_padded_row_gets_the_logits_it_gets_alone(kind, pooling):
@@ -91,12 +101,7 @@ def test_a_padded_row_gets_the_logits_it_gets_alone(kind, pooling):
     if pooling == "attention":
         with torch.no_grad():
             model.pooling.query.normal_()
-    tokens, pad = ragged_batch()
-    with torch.no_grad():
-        batch = model(tokens, mask_pad=pad).logits                       # (4, 3)
-        for b in range(4):
-            alone = model(tokens[b][~pad[b]].unsqueeze(0)).logits        # (1, 3)
-            torch.testing.assert_close(batch[b:b + 1], alone, rtol=0, atol=1e-6)
+    assert_padded_rows_match_alone(model)
 
 
 @pytest.mark.parametrize("layout,attends", [
@@ -110,12 +115,7 @@ def test_srupp_attends_in_the_layers_the_config_names_and_stays_exact_under_padd
     model = tiny("srupp", **layout)
     assert [layer.use_attention for layer in model.encoder.layers] == attends
     assert config_from_dict(model.config.to_dict()) == model.config
-    tokens, pad = ragged_batch()
-    with torch.no_grad():
-        batch = model(tokens, mask_pad=pad).logits                       # (4, 3)
-        for b in range(4):
-            alone = model(tokens[b][~pad[b]].unsqueeze(0)).logits        # (1, 3)
-            torch.testing.assert_close(batch[b:b + 1], alone, rtol=0, atol=1e-6)
+    assert_padded_rows_match_alone(model)
 
 
 # --------------------------------------------------------------------------- pooling

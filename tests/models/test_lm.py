@@ -120,6 +120,9 @@ def test_corrupt_or_missing_checkpoint_is_a_user_error(tmp_path):
 def test_bad_arguments_are_plain_errors_in_the_python_api_s_names():
     for bad, match in [(lambda: SRUppConfig(proj_size=6, num_heads=4),
                         r"^num_heads \(4\) must divide proj_size \(6\)$"),
+                       (lambda: SRUppConfig(num_layers=2, attention_last_n_layers=3),
+                        r"^attention_last_n_layers must be -1 \(off\) or 0..num_layers "
+                        r"\(2\), got 3$"),
                        (lambda: config_from_dict({"d_modle": 3}), "unknown config key 'd_modle'"),
                        (lambda: make().generate([[]], 3), "every prompt needs a token")]:
         with pytest.raises(ValueError, match=match) as e:

@@ -327,6 +327,8 @@ def test_state_from_another_batch_or_config():
     (dict(causal=True, bidirectional=True), "causal"),
     (dict(num_heads=3), "num_heads"),
     (dict(attention_every_n_layers=2, attention_last_n_layers=1), "not both"),
+    (dict(attention_every_n_layers=0), "attention_every_n_layers must be >= 1"),
+    (dict(num_layers=2, attention_last_n_layers=3), r"0..num_layers \(2\), got 3"),
     (dict(mem_len=-1), "mem_len"),
     (dict(dropout=1.0), "dropout"),
 ])

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from ..nn import SRU, SRUpp
+from ..nn.srupp import check_attention_layout
 from .base import SavedModel
 from .baselines import sinusoids
 
@@ -107,15 +108,8 @@ class SRUppClassifierConfig(ClassifierConfig):
             raise ValueError(f"num_heads ({self.num_heads}) must be >= 1 and divide "
                              f"proj_size ({self.proj_size})")
         _probability(self, "attn_dropout")
-        if self.attention_every_n_layers < 1:
-            raise ValueError(f"attention_every_n_layers must be >= 1, "
-                             f"got {self.attention_every_n_layers}")
-        if self.attention_every_n_layers != 1 and self.attention_last_n_layers != -1:
-            raise ValueError("set model.attention_every_n_layers or "
-                             "model.attention_last_n_layers, not both")
-        if not -1 <= self.attention_last_n_layers <= self.num_layers:
-            raise ValueError(f"attention_last_n_layers must be -1 (off) or 0..num_layers "
-                             f"({self.num_layers}), got {self.attention_last_n_layers}")
+        check_attention_layout(self.num_layers, self.attention_every_n_layers,
+                               self.attention_last_n_layers)
 
 
 @dataclass

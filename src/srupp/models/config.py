@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import ClassVar, List, Optional
 
 from ..nn.adaptive import check_cutoffs
+from ..nn.srupp import check_attention_layout
 from .base import REGISTRY
 
 # Every field LMConfig had when it was one flat union of all model types. A
@@ -132,6 +133,8 @@ class SRUppConfig(LMConfig):
             raise ValueError(f"num_heads ({self.num_heads}) must divide "
                              f"proj_size ({self.proj_size})")
         _probability(self, "attn_dropout")
+        check_attention_layout(self.num_layers, self.attention_every_n_layers,
+                               self.attention_last_n_layers)
 
 
 @dataclass

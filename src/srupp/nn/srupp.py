@@ -372,11 +372,7 @@ class SRUpp(StackBase):
                  causal: bool = False, mem_len: Optional[int] = None,
                  batch_first: bool = False, device=None, dtype=None):
         super().__init__()
-        if attention_every_n_layers != 1 and attention_last_n_layers != -1:
-            raise ValueError("set attention_every_n_layers or attention_last_n_layers, not both")
-        if attention_every_n_layers < 1:
-            raise ValueError(
-                f"attention_every_n_layers must be >= 1, got {attention_every_n_layers}")
+        check_attention_layout(num_layers, attention_every_n_layers, attention_last_n_layers)
         if nn_rnn_compatible_return:
             raise ValueError("nn_rnn_compatible_return=True is not supported by SRUpp: it returns "
                              "an SRUppState; reshape state.c yourself if you need nn.LSTM's layout")
@@ -465,6 +461,20 @@ class SRUpp(StackBase):
 
 
 # --------------------------------------------------------------------------- the stack
+
+def check_attention_layout(num_layers: int, every_n: int, last_n: int) -> None:
+    """Which layers attend: every n-th (``every_n``) or the last n (``last_n``), not both.
+
+    The one check behind SRUpp's arguments and the configs that pass them on.
+    """
+    if every_n != 1 and last_n != -1:
+        raise ValueError("set attention_every_n_layers or attention_last_n_layers, not both")
+    if every_n < 1:
+        raise ValueError(f"attention_every_n_layers must be >= 1, got {every_n}")
+    if not -1 <= last_n <= num_layers:
+        raise ValueError(f"attention_last_n_layers must be -1 (off) or 0..num_layers "
+                         f"({num_layers}), got {last_n}")
+
 
 def _check_stack_options(proj_size, dropout, attn_dropout, num_heads, bidirectional, causal,
                          mem_len):
