@@ -1,14 +1,69 @@
+"""Shared test settings, and the device the agreement tests run on.
+
+``pytest`` runs everything on the CPU. ``pytest --device cuda`` runs, on the
+GPU, only the tests that take the ``device`` fixture and are not marked
+``cpu_only``: the agreement tests that mean something on a GPU (ops, layers,
+state and decoding, models, Hugging Face, ONNX export's torch side, a trainer
+smoke run). The rest (tokenisers, configs, the CLI's parsing, the C++ kernel)
+do not depend on the device, or exist only on the CPU, and are deselected.
+Collecting with ``--device cuda`` works on a machine without CUDA: each test
+is then skipped, saying why.
+"""
+
 import os
 
-# Must run before anything imports triton: triton reads TRITON_INTERPRET at
-# first import; set later, it reports "0 active drivers" on CPU-only machines.
-os.environ.setdefault("TRITON_INTERPRET", "1")
-# The srupp CLI tunes glibc's malloc for its process (srupp.allocator); tests call
-# the CLI in this process and in children, and shouldn't change the runner's malloc
-# or depend on it. tests/test_allocator.py tests the setting in child processes.
-os.environ.setdefault("SRUPP_TUNE_ALLOCATOR", "0")
+import pytest
 
-import pytest  # noqa: E402
+DEVICES = ("cpu", "cuda")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu", choices=DEVICES,
+                     help="where the agreement tests run (default: cpu). With cuda, only "
+                          "the tests that take the `device` fixture are collected.")
+
+
+def pytest_configure(config):
+    # Test modules are imported after this hook, so the settings below reach
+    # them before anything imports triton (which reads TRITON_INTERPRET at first
+    # import; set later, it reports "0 active drivers" on CPU-only machines).
+    device = config.getoption("device")
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    elif os.environ.get("TRITON_INTERPRET") == "1":
+        raise pytest.UsageError("--device cuda runs the Triton kernels on the GPU, but "
+                                "TRITON_INTERPRET=1 would run them in the interpreter; "
+                                "unset TRITON_INTERPRET")
+    # The srupp CLI tunes glibc's malloc for its process (srupp.allocator); tests call
+    # the CLI in this process and in children, and shouldn't change the runner's malloc
+    # or depend on it. tests/test_allocator.py tests the setting in child processes.
+    os.environ.setdefault("SRUPP_TUNE_ALLOCATOR", "0")
+    config.addinivalue_line("markers", "cpu_only: meaningful on the CPU only (the C++ "
+                            "kernel, CPU features); not collected with --device cuda")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("device") == "cpu":
+        return
+    keep, drop = [], []
+    for item in items:
+        on_device = ("device" in getattr(item, "fixturenames", ())
+                     and item.get_closest_marker("cpu_only") is None)
+        (keep if on_device else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+    items[:] = keep
+
+
+@pytest.fixture
+def device(request):
+    """The ``torch.device`` of ``--device``; skips, saying why, when it is absent."""
+    import torch
+
+    name = request.config.getoption("device")
+    if name == "cuda" and not torch.cuda.is_available():
+        pytest.skip("--device cuda, but torch.cuda.is_available() is False on this machine")
+    return torch.device(name)
 
 
 @pytest.fixture
