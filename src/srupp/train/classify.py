@@ -22,6 +22,7 @@ import torch
 from ..data import LengthBatcher, build_tokenizer, load_table, tokenizer_from_dict
 from ..errors import UserError
 from .checkpoint import labels_from_json
+from .device import to_device
 from .distributed import SINGLE, Dist
 from .evaluate import autocast_context
 from .tasks import SentenceTask, content_crc32, encode_lines, length_batches, pad_batch
@@ -70,7 +71,7 @@ class ClassificationTask(SentenceTask):
         mine, counts = self.rank_share(batch.indices)
         items = [self.train_items[i] for i in mine]
         tokens, pad = pad_batch([ids for ids, _ in items], device)
-        labels = torch.tensor([y for _, y in items], device=device)
+        labels = to_device(torch.tensor([y for _, y in items]), device)
         with autocast_context(precision, device.type):
             out = model(tokens, mask_pad=pad, labels=labels)
         if not counts:

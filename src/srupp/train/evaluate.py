@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data import StreamBatcher
+from .device import to_device
 
 
 # tokenizers whose tokens are bytes or characters: their runs are measured in
@@ -76,7 +77,7 @@ def evaluate(model, ids: torch.Tensor, *, batch_size: int, unroll: int,
                 break
             if state is None:
                 state = model.initial_state(x.shape[0], mem_len=mem_len)
-            x, y = x.to(device), y.to(device)
+            x, y = to_device(x, device), to_device(y, device)
             with autocast_context(precision, device.type):
                 out = model(x, state, targets=y) if adaptive else model(x, state)
             if adaptive:

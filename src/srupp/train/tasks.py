@@ -25,6 +25,7 @@ from ..data import (LengthBatcher, StreamBatcher, build_tokenizer, load_corpus,
                     tokenizer_from_dict)
 from ..errors import UserError
 from .config import RunConfig
+from .device import to_device
 from .distributed import SINGLE, Dist
 from .evaluate import autocast_context, evaluate, metric_for
 
@@ -127,7 +128,7 @@ class LMTask(Task):
     def loss(self, model, batch, carried, device, precision):
         if batch.epoch_start:
             carried = None  # the streams start again from their beginning
-        x, y = batch.inputs.to(device), batch.targets.to(device)
+        x, y = to_device(batch.inputs, device), to_device(batch.targets, device)
         with autocast_context(precision, device.type):
             out = model(x, carried, targets=y)
         n = y.numel()
@@ -237,7 +238,7 @@ def pad_batch(seqs: Sequence[Sequence[int]], device) -> Tuple[torch.Tensor, torc
     for b, s in enumerate(seqs):
         ids[b, :len(s)] = torch.as_tensor(list(s), dtype=torch.long)
         pad[b, :len(s)] = False
-    return ids.to(device), pad.to(device)
+    return to_device(ids, device), to_device(pad, device)
 
 
 class SentenceTask(Task):
