@@ -160,6 +160,36 @@ def test_decode():
         assert mem["srupp"]["64"] <= mem["srupp"]["32"] + m["attention_window"] * per_step
 
 
+def test_gpu_check_dry_run(tmp_path):
+    """benchmarks/gpu_check.py's every step, on the CPU at tiny sizes: the command a
+    GPU window runs must not arrive broken."""
+    r = run_benchmark("gpu_check.py", "--dry-run", "--out", str(tmp_path), timeout=900)
+    report = json.loads((tmp_path / "gpu.json").read_text())
+    steps = report["steps"]
+    assert list(steps) == ["environment", "pytest", "bounds", "recurrence", "layer", "enwik8"]
+    assert r["ok"], {k: v.get("error") for k, v in steps.items() if not v["ok"]}
+    assert steps["environment"]["result"]["torch"]
+    assert steps["pytest"]["result"]["counts"]["passed"] > 0
+    bounds = steps["bounds"]["result"]
+    assert bounds["copy_GBps"] > 0 and bounds["gemm_bf16_TFLOPs"] > 0
+    rows = steps["recurrence"]["result"]["rows"]
+    assert {(x["dtype"], x["L"]) for x in rows} == {(d, L) for d in ("fp32", "bf16", "fp16")
+                                                   for L in (16, 32)}
+    assert all(x["forward_share"] > 0 for x in rows if "skipped" not in x)
+    assert min(steps["layer"]["result"]["tokens_per_s"].values()) > 0
+    lm = steps["enwik8"]["result"]
+    assert lm["steps"] == 6 and lm["tokens_per_s"] > 0 and 0 < lm["mfu"]
+
+
+def test_gpu_check_isolates_a_failing_step(tmp_path):
+    """A step that fails is recorded with its error; the next one still runs."""
+    r = run_benchmark("gpu_check.py", "--dry-run", "--out", str(tmp_path), "--only", "pytest",
+                      "bounds", "--pytest-targets", "tests/no_such_file.py")
+    steps = json.loads((tmp_path / "gpu.json").read_text())["steps"]
+    assert not r["ok"] and not steps["pytest"]["ok"] and "pytest failed" in steps["pytest"]["error"]
+    assert steps["bounds"]["ok"] and steps["bounds"]["result"]["copy_GBps"] > 0
+
+
 def test_every_script_is_smoke_tested_and_listed():
     """A script added to benchmarks/ gets a smoke test above and a row in its README."""
     scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_")}

@@ -1,0 +1,606 @@
+"""One command for a GPU machine: does srupp work there, and how fast is it?
+
+Run from the repository root, from source, on the GPU machine's own Python:
+
+    PYTHONPATH=src python3 benchmarks/gpu_check.py --out DIR      # about 6-8 minutes on an H100
+    PYTHONPATH=src python3 benchmarks/gpu_check.py --dry-run      # the same code on CPU, tiny sizes
+
+Steps, in order, each in its own process (a crash, a hang or a CUDA error in
+one is recorded with its error and the next step still runs):
+
+    environment  device, driver, torch, CUDA, triton and library versions
+    pytest       the agreement tests on the device (pytest --device cuda)
+    bounds       the device's copy bandwidth and bf16 GEMM peak
+    recurrence   the recurrence kernel's forward and backward bandwidth (fp32,
+                 bf16, fp16; L = 512 to 4096) as a share of that copy bandwidth
+    layer        one SRU++ layer's training and inference step, bf16 and fp32,
+                 beside the reference sru==3.0.0.dev6 (its CUDA kernel, if it
+                 compiles there)
+    enwik8       the enwik8-base recipe (108M parameters) trained for 200 steps
+                 on synthetic bytes in bf16 by the trainer: tokens/s, peak
+                 memory, model FLOP utilisation against the measured GEMM peak
+
+``DIR/gpu.json`` is rewritten after every step, so a run cut short keeps what it
+measured; a markdown table goes to stdout at the end, and every step's output
+to ``DIR/gpu_check.log``. ``--dry-run`` runs every step on the CPU at tiny
+sizes (tests/test_benchmarks.py runs it in CI, so the script never reaches a
+GPU broken). benchmarks/README.md gives the one call for a GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (name, the most seconds it may take on a GPU, the seconds kept for it while
+# earlier steps run); the whole run fits --budget (default 470 s: under the
+# 8 minutes a GPU window allows, with room to spare)
+STEPS = (
+    ("environment", 60, 10),
+    ("pytest", 210, 0),
+    ("bounds", 45, 15),
+    ("recurrence", 75, 30),
+    ("layer", 150, 40),
+    ("enwik8", 150, 60),
+)
+DRY_TIMEOUT = 300  # a step on the CPU at tiny sizes
+
+TARGETS = {  # the figures a GPU run is held to (the GPU-readiness issue)
+    "recurrence_share_of_copy": 0.70,
+    "layer_bf16_train_vs_reference": 2.0,
+    "enwik8_mfu": 0.35,
+}
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _device(args):
+    import torch
+
+    return torch.device("cpu" if args.dry_run else "cuda")
+
+
+def median_ms(fn, device, reps: int, warmup: int = 2) -> float:
+    """Median milliseconds of ``fn()``: CUDA events on a GPU (the work is
+    asynchronous), the host clock on the CPU."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _version(module: str):
+    try:
+        from importlib.metadata import version
+
+        return version(module)
+    except Exception:  # noqa: BLE001 - not installed
+        return None
+
+
+def _run(cmd, timeout=20):
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout).stdout.strip()
+    except Exception:  # noqa: BLE001 - the tool is absent
+        return None
+
+
+# --------------------------------------------------------------------------- steps
+
+def step_environment(args, done):
+    import torch
+
+    info = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": args.commit or _run(["git", "-C", str(ROOT), "rev-parse", "HEAD"]) or None,
+        "python": platform.python_version(),
+        "cpu": platform.processor() or _cpu_name(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        **{name: _version(name) for name in ("triton", "transformers", "onnxruntime", "onnx",
+                                             "numpy", "sru")},
+        "cuda_available": torch.cuda.is_available(),
+    }
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(device=p.name, capability=f"{p.major}.{p.minor}",
+                    multiprocessors=p.multi_processor_count,
+                    memory_gib=round(p.total_memory / 2**30, 1),
+                    driver=_run(["nvidia-smi", "--query-gpu=driver_version",
+                                 "--format=csv,noheader"]),
+                    nvcc=(_run(["nvcc", "--version"]) or "").splitlines()[-1:] or None)
+    else:
+        info["device"] = "cpu"
+    # what srupp can do with this torch: each detected, none assumed
+    import srupp
+    from srupp.ops import recurrence
+
+    info["srupp"] = srupp.__version__
+    info["triton_kernel_importable"] = recurrence._triton_importable()
+    info["custom_ops"] = [n for n in ("sru_fwd", "sru_bwd")
+                          if hasattr(torch.ops.srupp, n)]
+    info["sdpa_lower_right_causal"] = _has("torch.nn.attention.bias", "causal_lower_right")
+    info["fully_shard"] = (_has("torch.distributed.fsdp", "fully_shard")
+                           or _has("torch.distributed._composable.fsdp", "fully_shard"))
+    info["nccl"] = bool(torch.distributed.is_available() and torch.distributed.is_nccl_available())
+    return info
+
+
+def _has(module: str, name: str) -> bool:
+    import importlib
+
+    try:
+        return hasattr(importlib.import_module(module), name)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def step_pytest(args, done):
+    """The agreement tests on the device. Stops after --maxfail failures, not the
+    first: a short GPU window should report every failure it can."""
+    device = "cpu" if args.dry_run else "cuda"
+    targets = args.pytest_targets or (["tests/ops/test_reference.py"] if args.dry_run
+                                      else ["tests"])
+    cmd = [sys.executable, "-m", "pytest", "--device", device, "-q", "-p", "no:cacheprovider",
+           f"--maxfail={args.maxfail}", "--durations=5", *targets]
+    if not args.dry_run and args.workers > 1 and _version("pytest-xdist"):
+        cmd += ["-n", str(args.workers)]
+    env = dict(os.environ)
+    if args.dry_run:
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)  # real kernels on the GPU
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=args.step_timeout - 10)
+        out, code = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) \
+            else (e.stdout or "")
+        out, code = out + f"\n[gpu_check: pytest stopped after {args.step_timeout - 10} s]", None
+    counts = {}
+    summary = [ln for ln in out.splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
+    for n, what in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed)",
+                              summary[-1] if summary else ""):
+        counts[what.rstrip("s") if what.startswith("error") else what] = int(n)
+    failed = [ln for ln in out.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+    print(out[-20000:])
+    return {"command": " ".join(cmd[1:]), "returncode": code, "counts": counts,
+            "failures": failed[:50], "seconds": round(time.perf_counter() - t0, 1),
+            "passed": code == 0}
+
+
+def step_bounds(args, done):
+    """Copy bandwidth (bytes read + written by a device-to-device copy) and bf16 GEMM peak."""
+    import torch
+
+    dev = _device(args)
+    n = (32 if args.dry_run else 1024) * 2**20 // 4
+    x = torch.randn(n, device=dev)
+    y = torch.empty_like(x)
+    copy_ms = median_ms(lambda: y.copy_(x), dev, reps=5 if args.dry_run else 30)
+    del x, y
+    out = {"copy_GBps": round(2 * n * 4 / copy_ms / 1e6, 1), "copy_bytes": 2 * n * 4}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        size = 256 if args.dry_run else 8192
+        a = torch.randn(size, size, device=dev).to(dtype)
+        b = torch.randn(size, size, device=dev).to(dtype)
+        ms = median_ms(lambda: a @ b, dev, reps=3 if args.dry_run else 15)
+        out[f"gemm_{name}_TFLOPs"] = float(f"{2 * size**3 / ms / 1e9:.4g}")
+        out["gemm_size"] = size
+    if dev.type == "cuda":
+        out["tf32_matmul"] = torch.backends.cuda.matmul.allow_tf32
+    return out
+
+
+def step_recurrence(args, done):
+    """Effective bandwidth of the recurrence kernel that srupp routes to: the bytes a
+    direction must move at least, over its median time, as a share of copy bandwidth.
+
+    forward (training: per-step state kept) reads U, x and writes h, c_all (fp32)
+    backward reads U, x, c_all, grad_h and writes grad_U, grad_x
+    """
+    import torch
+
+    from srupp.ops import recurrence
+
+    dev = _device(args)
+    copy = (done.get("bounds") or {}).get("copy_GBps")
+    B, D = (2, 64) if args.dry_run else (args.rec_batch, args.rec_units)
+    lengths = (16, 32) if args.dry_run else (512, 1024, 2048, 4096)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    rows = []
+    for name, dtype in dtypes.items():
+        for L in lengths:
+            g = torch.Generator().manual_seed(L)
+            U = torch.randn(B, L, 3, D, generator=g).to(dev, dtype)
+            x = torch.randn(B, L, D, generator=g).to(dev, dtype)
+            wc = (0.5 * torch.randn(2, D, generator=g)).to(dev)
+            bias = torch.zeros(2, D, device=dev)
+            c0 = torch.zeros(B, D, device=dev)
+            kernel = recurrence.route(U, x, wc, bias, c0, None)
+            row = {"dtype": name, "L": L, "B": B, "D": D, "kernel": kernel}
+            if kernel == "reference":  # (the CPU kernel computes no fp16)
+                rows.append({**row, "skipped": "no fast kernel for this dtype here"})
+                continue
+            mod = recurrence.kernels(U, kernel == "triton")
+            fwd = lambda: mod.sru_fwd(U, x, wc, bias, c0, None, None, 1.0, False, True)  # noqa: E731
+            h, _, c_all = fwd()
+            gh = torch.randn(B, L, D, generator=g).to(dev, dtype)
+            bwd = lambda: mod.sru_bwd(U, x, wc, bias, c0, None, None, c_all, gh, None,  # noqa: E731
+                                      1.0, False, True)
+            reps = 3 if args.dry_run else 10
+            f_ms, b_ms = median_ms(fwd, dev, reps), median_ms(bwd, dev, reps)
+            el = U.element_size()
+            fwd_bytes = B * L * D * (3 * el + el + el + 4)
+            bwd_bytes = B * L * D * (3 * el + el + 4 + el + 3 * el + el)
+            row.update(forward_ms=round(f_ms, 3), backward_ms=round(b_ms, 3),
+                       forward_GBps=round(fwd_bytes / f_ms / 1e6, 1),
+                       backward_GBps=round(bwd_bytes / b_ms / 1e6, 1))
+            if copy:
+                row.update(forward_share=round(row["forward_GBps"] / copy, 3),
+                           backward_share=round(row["backward_GBps"] / copy, 3))
+            rows.append(row)
+            del U, x, h, c_all, gh
+    shares = [min(r["forward_share"], r["backward_share"]) for r in rows if "forward_share" in r]
+    return {"rows": rows, "copy_GBps": copy, "worst_share": min(shares) if shares else None,
+            "target_share": TARGETS["recurrence_share_of_copy"]}
+
+
+def step_layer(args, done):
+    """One SRU++ layer (the enwik8-base layer's sizes), training step (forward and
+    backward of the output's sum) and inference step, in tokens/s."""
+    import torch
+
+    from srupp.nn import SRUpp
+
+    dev = _device(args)
+    L, B, d, P = (16, 2, 32, 8) if args.dry_run else (args.layer_L, args.layer_B, 3072, 768)
+    reps = 2 if args.dry_run else 10
+    torch.manual_seed(0)
+    x = torch.randn(L, B, d, device=dev)
+    mask = torch.triu(torch.full((L, L), float("-inf"), device=dev), diagonal=1)
+    half = torch.bfloat16
+
+    def timed(model, call, precision, train):
+        def run():
+            with torch.autocast(dev.type, dtype=half, enabled=precision == "bf16"), \
+                    torch.set_grad_enabled(train):
+                out = call(model)
+            if train:
+                out.float().sum().backward()
+        return L * B / (median_ms(run, dev, reps) / 1e3)
+
+    ours = SRUpp(d, d, P, num_layers=1, causal=True, device=dev)
+    res = {"shape": {"L": L, "B": B, "d": d, "proj": P}, "tokens_per_s": {}}
+    for prec in ("fp32", "bf16"):
+        for mode, train in (("train", True), ("infer", False)):
+            res["tokens_per_s"][f"srupp_{prec}_{mode}"] = round(
+                timed(ours, lambda m: m(x)[0], prec, train))
+    del ours
+    # the reference: its CUDA kernel is compiled by nvcc when the package is imported;
+    # each of its modes may fail on its own (its CPU path takes no bf16, say)
+    res["reference_errors"] = {}
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import sru
+        failed = [str(w.message) for w in caught if "unsuccessful" in str(w.message)]
+        if failed and dev.type == "cuda":
+            raise RuntimeError("the reference's CUDA kernel did not compile: "
+                               + failed[0].splitlines()[-1])
+        ref = sru.SRUpp(d, d, P, num_layers=1).to(dev)
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        res["reference_errors"]["import"] = f"{type(e).__name__}: {e}"[:2000]
+        ref = None
+    for prec in ("fp32", "bf16"):
+        for mode, train in (("train", True), ("infer", False)):
+            if ref is None:
+                break
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    res["tokens_per_s"][f"reference_{prec}_{mode}"] = round(timed(
+                        ref, lambda m: m(x, attn_mask=mask)[0], prec, train))
+            except Exception as e:  # noqa: BLE001
+                res["reference_errors"][f"{prec}_{mode}"] = f"{type(e).__name__}: {e}"[-2000:]
+    tps = res["tokens_per_s"]
+    refs = [tps[k] for k in ("reference_bf16_train", "reference_fp32_train") if k in tps]
+    if refs:  # against the reference's faster training mode
+        res["bf16_train_vs_best_reference"] = round(tps["srupp_bf16_train"] / max(refs), 2)
+    res["target_vs_reference"] = TARGETS["layer_bf16_train_vs_reference"]
+    return res
+
+
+def step_enwik8(args, done):
+    """The enwik8-base recipe trained by the trainer on synthetic bytes, in bf16."""
+    import numpy as np
+    import torch
+
+    from srupp.train import Trainer, build_config
+
+    dev = _device(args)
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    try:
+        n_bytes = 200_000 if args.dry_run else 4_000_000
+        rng = np.random.default_rng(0)
+        # printable ASCII and line breaks: bytes the byte tokenizer reads one to one
+        alphabet = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz ETAOIN,.\n0123456789", np.uint8)
+        (work / "bytes.txt").write_bytes(alphabet[rng.integers(0, len(alphabet), n_bytes)]
+                                         .tobytes())
+        steps = 6 if args.dry_run else args.enwik8_steps
+        sets = [f"data.corpus={work / 'bytes.txt'}", f"train.max_steps={steps}",
+                f"train.device={dev.type}", "train.warmup_steps=20",
+                f"train.log_every={2 if args.dry_run else 20}",
+                "train.eval_every=1000000", "train.save_every=1000000",
+                "eval.batch_size=4", "eval.mem_len=1024"]
+        if args.dry_run:
+            sets += ["model.d_model=32", "model.proj_size=8", "model.num_layers=2",
+                     "train.unroll=16", "train.batch_size=2", "eval.unroll=16",
+                     "eval.mem_len=16", "eval.batch_size=2", "train.precision=fp32"]
+        else:
+            sets += [f"train.batch_size={args.enwik8_batch}", "train.precision=bf16"]
+        cfg = build_config(str(ROOT / "recipes" / "enwik8-base.toml"), sets)
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        trainer = Trainer(cfg, work / "run", progress=False)
+        summary = trainer.train()
+        wall = time.perf_counter() - t0
+        rows = [json.loads(ln) for ln in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+        speeds = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
+        # the first interval holds the warm-up (allocator, kernel compilation)
+        tok_s = statistics.median(speeds[1:] or speeds)
+        model = trainer.model
+        flops = model_flops_per_token(model, trainer.model_config.mem_len, cfg.train.unroll)
+        peak = (done.get("bounds") or {}).get("gemm_bf16_TFLOPs")
+        out = {"params": model.num_parameters(), "steps": summary["step"],
+               "batch": cfg.train.batch_size, "unroll": cfg.train.unroll,
+               "precision": cfg.train.precision, "tokens_per_s": round(tok_s),
+               "train_seconds": round(summary.get("train_seconds", 0.0), 1),
+               "wall_seconds": round(wall, 1), "flops_per_token": flops,
+               "valid_bpc": summary.get("valid_bpc")}
+        if dev.type == "cuda":
+            out["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        if peak:
+            out["mfu"] = float(f"{tok_s * flops / (peak * 1e12):.3g}")
+        out["target_mfu"] = TARGETS["enwik8_mfu"]
+        return out
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def model_flops_per_token(model, mem_len: int, unroll: int) -> int:
+    """Training FLOPs a token costs: 6 per weight of every matrix product (forward 2,
+    backward 4; embedding lookups are not products), plus, in each attention layer,
+    scores and values (2 products of d' per key, forward and backward: 3 x 2 x 2)
+    over the keys a query sees on average (the memory and half the segment)."""
+    import torch
+
+    from srupp.nn.srupp import SRUppAttention
+
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    matmul = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and id(p) not in embeddings)
+    keys = mem_len + (unroll + 1) / 2
+    attention = sum(3 * 2 * 2 * keys * m.linear1.out_features for m in model.modules()
+                    if isinstance(m, SRUppAttention))
+    return int(6 * matmul + attention)
+
+
+STEP_FUNCS = {"environment": step_environment, "pytest": step_pytest, "bounds": step_bounds,
+              "recurrence": step_recurrence, "layer": step_layer, "enwik8": step_enwik8}
+
+
+# --------------------------------------------------------------------------- report
+
+def markdown(results: dict) -> str:
+    """The run as a short markdown report."""
+    lines = ["| step | ok | seconds | result |", "|---|---|---|---|"]
+    for name, _, _ in STEPS:
+        r = results["steps"].get(name)
+        if r is None:
+            continue
+        lines.append(f"| {name} | {'yes' if r['ok'] else 'NO'} | {r['seconds']} | "
+                     f"{_headline(name, r)} |")
+    rec = results["steps"].get("recurrence", {}).get("result") or {}
+    if rec.get("rows"):
+        lines += ["", "| dtype | L | fwd GB/s | bwd GB/s | fwd share | bwd share |",
+                  "|---|---|---|---|---|---|"]
+        for r in rec["rows"]:
+            if "skipped" in r:
+                lines.append(f"| {r['dtype']} | {r['L']} | {r['skipped']} | | | |")
+            else:
+                lines.append(f"| {r['dtype']} | {r['L']} | {r['forward_GBps']} | "
+                             f"{r['backward_GBps']} | {r.get('forward_share', '-')} | "
+                             f"{r.get('backward_share', '-')} |")
+    lay = results["steps"].get("layer", {}).get("result") or {}
+    if lay.get("tokens_per_s"):
+        lines += ["", "| layer (tokens/s) | value |", "|---|---|"]
+        lines += [f"| {k} | {v:,} |" for k, v in lay["tokens_per_s"].items()]
+    return "\n".join(lines)
+
+
+def _headline(name: str, r: dict) -> str:
+    if not r["ok"]:
+        return (r.get("error") or "").splitlines()[-1][:160] if r.get("error") else "failed"
+    x = r["result"]
+    if name == "environment":
+        return f"{x.get('device')}, torch {x.get('torch')}, triton {x.get('triton')}"
+    if name == "pytest":
+        return ", ".join(f"{v} {k}" for k, v in x["counts"].items()) or "no summary"
+    if name == "bounds":
+        return f"copy {x['copy_GBps']} GB/s, bf16 GEMM {x['gemm_bf16_TFLOPs']} TFLOP/s"
+    if name == "recurrence":
+        return f"worst share of copy bandwidth {x['worst_share']} (target {x['target_share']})"
+    if name == "layer":
+        ratio = x.get("bf16_train_vs_best_reference")
+        return (f"bf16 training {ratio}x the reference (target {x['target_vs_reference']})"
+                if ratio is not None else f"reference: {x.get('reference_errors')}"[:200])
+    if name == "enwik8":
+        return (f"{x['tokens_per_s']:,} tokens/s, MFU {x.get('mfu')} (target {x['target_mfu']}), "
+                f"peak {x.get('peak_memory_gib')} GiB")
+    return ""
+
+
+# --------------------------------------------------------------------------- driver
+
+def run_one(args) -> None:
+    """Child process: run one step, write its result (or its error) to --result."""
+    done = json.loads(Path(args.state).read_text()) if args.state else {}
+    t0 = time.perf_counter()
+    try:
+        record = {"ok": True, "result": STEP_FUNCS[args.step](args, done)}
+        if args.step == "pytest" and not record["result"]["passed"]:
+            record["ok"] = False
+            record["error"] = "pytest failed: " + ", ".join(
+                f"{v} {k}" for k, v in record["result"]["counts"].items())
+    except Exception:  # noqa: BLE001 - each step is isolated; its error is the result
+        record = {"ok": False, "error": traceback.format_exc()[-4000:]}
+    record["seconds"] = round(time.perf_counter() - t0, 1)
+    Path(args.result).write_text(json.dumps(record))
+
+
+def run_all(args, passthrough) -> dict:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / "gpu_check.log", "w")
+    results = {"dry_run": args.dry_run, "targets": TARGETS, "steps": {}}
+    deadline = time.monotonic() + args.budget
+    names = [s for s in STEPS if not args.only or s[0] in args.only]
+    with tempfile.TemporaryDirectory() as tmp:
+        state, result = Path(tmp) / "state.json", Path(tmp) / "result.json"
+        for i, (name, cap, _) in enumerate(names):
+            reserve = sum(r for _, _, r in names[i + 1:])
+            timeout = DRY_TIMEOUT if args.dry_run else \
+                int(min(cap, deadline - time.monotonic() - reserve))
+            if timeout < 5:
+                results["steps"][name] = {"ok": False, "seconds": 0,
+                                          "error": "not run: the time budget was spent"}
+                continue
+            state.write_text(json.dumps({k: v.get("result") for k, v in results["steps"].items()}))
+            result.unlink(missing_ok=True)
+            cmd = [sys.executable, __file__, "--step", name, "--state", str(state),
+                   "--result", str(result), "--step-timeout", str(timeout), *passthrough]
+            print(f"gpu_check: {name} (at most {timeout} s)", file=sys.stderr, flush=True)
+            log.write(f"\n===== {name} =====\n")
+            log.flush()
+            t0 = time.perf_counter()
+            try:
+                proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
+                                      cwd=ROOT)
+                code = proc.returncode
+            except subprocess.TimeoutExpired:
+                code = "timeout"
+            if result.exists():
+                rec = json.loads(result.read_text())
+            else:
+                why = (f"timed out after {timeout} s" if code == "timeout"
+                       else f"the step's process exited with {code}; see gpu_check.log")
+                rec = {"ok": False, "error": why, "seconds": round(time.perf_counter() - t0, 1)}
+            results["steps"][name] = rec
+            (out / "gpu.json").write_text(json.dumps(results, indent=1))
+    log.close()
+    return results
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=".", help="folder for gpu.json and gpu_check.log")
+    p.add_argument("--dry-run", action="store_true", help="every step on the CPU, tiny sizes")
+    p.add_argument("--only", nargs="+", choices=[s[0] for s in STEPS], help="these steps only")
+    p.add_argument("--budget", type=float, default=470, help="seconds for the whole run")
+    p.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD)")
+    p.add_argument("--maxfail", type=int, default=25, help="pytest stops after this many failures")
+    p.add_argument("--workers", type=int, default=4, help="pytest-xdist workers (if installed)")
+    p.add_argument("--pytest-targets", nargs="+", default=None)
+    p.add_argument("--rec-batch", type=int, default=16)
+    p.add_argument("--rec-units", type=int, default=2048)
+    p.add_argument("--layer-L", type=int, default=1024)
+    p.add_argument("--layer-B", type=int, default=8)
+    p.add_argument("--enwik8-steps", type=int, default=200)
+    p.add_argument("--enwik8-batch", type=int, default=16, help="streams of 1,024 bytes a step")
+    # a child process's own arguments
+    p.add_argument("--step", choices=list(STEP_FUNCS), help=argparse.SUPPRESS)
+    p.add_argument("--state", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--step-timeout", type=int, default=DRY_TIMEOUT, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# arguments the driver hands on to each step's process
+_PASSED_ON = ("dry_run", "commit", "maxfail", "workers", "pytest_targets", "rec_batch",
+              "rec_units", "layer_L", "layer_B", "enwik8_steps", "enwik8_batch")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    sys.path.insert(0, str(ROOT / "src"))  # from source, as on the GPU machine
+    if args.step:
+        run_one(args)
+        return
+    passthrough = []
+    for key in _PASSED_ON:
+        val = getattr(args, key)
+        flag = "--" + key.replace("_", "-")
+        if val is True:
+            passthrough.append(flag)
+        elif val not in (None, False):
+            passthrough += [flag, *map(str, val)] if isinstance(val, list) else [flag, str(val)]
+    if not args.dry_run:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("gpu_check: no CUDA device here; run it on a GPU machine, or with --dry-run",
+                  file=sys.stderr)
+            sys.exit(2)
+    results = run_all(args, passthrough)
+    print(markdown(results))
+    print(json.dumps({"gpu_json": str(Path(args.out) / "gpu.json"),
+                      "ok": all(r["ok"] for r in results["steps"].values())}))
+
+
+if __name__ == "__main__":
+    main()
