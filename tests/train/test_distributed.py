@@ -269,3 +269,55 @@ def test_a_dead_rank_ends_the_job_with_an_error(tmp_path, corpus):
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+
+
+# ------------------------------------------------------- the backend, without starting one
+
+def test_nccl_on_cuda_gloo_on_the_cpu():
+    from srupp.train.distributed import choose_backend
+
+    assert choose_backend("cuda") == "nccl" and choose_backend("cuda:1") == "nccl"
+    assert choose_backend("cpu") == "gloo"
+    assert choose_backend("cuda", "gloo") == "gloo" and choose_backend("cpu", "mpi") == "mpi"
+
+
+@pytest.fixture
+def fake_group(monkeypatch):
+    """torch.distributed and CUDA as a two-rank torchrun job sees them; records the calls."""
+    from srupp.train import distributed as d
+
+    calls, backend = [], []
+    for k, v in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1")):
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.append(("set_device", i)))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: bool(backend))
+    monkeypatch.setattr(torch.distributed, "init_process_group",
+                        lambda b, **kw: (calls.append(("init", b)), backend.append(b)))
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: backend[0])
+    monkeypatch.setattr(torch.distributed, "new_group",
+                        lambda **kw: calls.append(("new_group", kw["backend"])) or "host group")
+    monkeypatch.setattr(torch.distributed, "all_reduce",
+                        lambda t, group=None: calls.append(("all_reduce", t.device.type, group)))
+    return d, calls
+
+
+def test_cuda_ranks_join_nccl_and_sum_host_numbers_on_the_cpu(fake_group):
+    d, calls = fake_group
+    dist = d.setup("cuda")
+    assert (dist.rank, dist.world_size, dist.local_rank) == (1, 2, 1)
+    # each rank on its GPU, NCCL for the tensors, and gloo beside it for the host numbers
+    assert calls == [("set_device", 1), ("init", "nccl"), ("new_group", "gloo")]
+    calls.clear()
+    dist.sum([1.0, 2.0])                     # no copy to the GPU and back: no wait for it
+    assert calls == [("all_reduce", "cpu", "host group")]
+
+
+def test_cpu_ranks_join_gloo_only(fake_group):
+    d, calls = fake_group
+    dist = d.setup("cpu")
+    assert calls == [("init", "gloo")] and dist.host_group is None
+    calls.clear()
+    dist.sum([1.0])
+    dist.sum_on_device(torch.zeros((), dtype=torch.float64))
+    assert calls == [("all_reduce", "cpu", None)] * 2

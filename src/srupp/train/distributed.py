@@ -12,9 +12,12 @@ What the ranks share, and how (the trainer's side is in :mod:`.trainer`):
 * ``train.batch_size`` and ``train.max_tokens`` are global. The LM splits its
   streams across ranks; sentence tasks give each rank every W-th sentence of
   each global batch (:meth:`Dist.share`).
-* One small all-reduce per step carries the loss sums, counts, a stop
-  request (a signal seen by any rank) and rank 0's step time, so every rank
-  logs the same loss and stops at the same step.
+* Each step, every rank gets the global counts, a stop request (a signal
+  seen by any rank) and rank 0's step time, so every rank fits the same
+  schedule and stops at the same step. Those are host numbers, summed on the
+  CPU (beside NCCL, in a gloo group of their own), so that no rank waits for
+  its GPU; the loss sums stay on the device and are summed there
+  (:meth:`Dist.sum_on_device`), read only when the trainer logs.
 * Evaluation is split across ranks and gathered in order
   (:meth:`Dist.map_shares`), so every rank computes the same metric.
 * Rank 0 writes checkpoints and metrics; the others wait at a barrier.
@@ -30,8 +33,8 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import dataclass
-from typing import Any, Callable, List, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 
@@ -49,6 +52,8 @@ class Dist:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    # beside NCCL: a gloo group for :meth:`sum`'s host numbers (None: the default group)
+    host_group: Optional[Any] = field(default=None, compare=False, repr=False)
 
     @property
     def enabled(self) -> bool:
@@ -82,13 +87,28 @@ class Dist:
 
     # --------------------------------------------------------- collectives
     def sum(self, values: Sequence[float]) -> List[float]:
-        """Each value summed over ranks (float64, on the CPU: gloo, or NCCL's CPU side)."""
+        """Host numbers, each summed over ranks (in float64).
+
+        On the CPU, in :attr:`host_group` or a gloo default group: through NCCL
+        they would be copied to the GPU and read back, which waits for every
+        kernel queued before them.
+        """
         if not self.enabled:
             return [float(v) for v in values]
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64,
-                         device=self._collective_device())
-        torch.distributed.all_reduce(t)
+        device = torch.device("cpu") if self.host_group is not None else self._collective_device()
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(t, group=self.host_group)
         return t.tolist()
+
+    def sum_on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over ranks, without reading it: under NCCL a CUDA tensor is
+        reduced by the GPUs, in their queue. (A CUDA tensor under gloo is copied to
+        the CPU for it, which waits.) Returns a new tensor on ``t``'s device."""
+        if not self.enabled:
+            return t
+        out = t.to(self._collective_device(), copy=True)  # all_reduce works in place
+        torch.distributed.all_reduce(out)
+        return out.to(t.device)
 
     def gather_objects(self, obj: Any) -> List[Any]:
         """Every rank's ``obj``, in rank order, on every rank."""
@@ -140,21 +160,32 @@ def setup(device: str = "cpu", backend: str = "auto", timeout_s: float = 300.0) 
     dist = Dist(rank, world, local)
     if not dist.enabled:
         return dist  # torchrun with one process: nothing to join
-    if backend == "auto":
-        backend = "nccl" if device == "cuda" else "gloo"
+    backend = choose_backend(device, backend)
     if device == "cuda":
         if not torch.cuda.is_available():
             raise UserError("train.device=cuda but no CUDA device is available; "
                             "use train.device=cpu")
         torch.cuda.set_device(local)
+    timeout = datetime.timedelta(seconds=timeout_s)
     if not torch.distributed.is_initialized():
         try:
-            torch.distributed.init_process_group(
-                backend, timeout=datetime.timedelta(seconds=timeout_s))
+            torch.distributed.init_process_group(backend, timeout=timeout)
         except (ValueError, RuntimeError) as e:
             raise UserError(f"cannot start the {backend!r} process group "
                             f"({str(e).splitlines()[0]}); check train.dist_backend") from None
+    if torch.distributed.get_backend() != "gloo":
+        # every rank makes it, in the same order: new_group is a collective
+        host_group = torch.distributed.new_group(backend="gloo", timeout=timeout)
+        dist = Dist(rank, world, local, host_group=host_group)
     return dist
+
+
+def choose_backend(device: str, backend: str = "auto") -> str:
+    """The process group's backend: ``backend`` unless "auto", which is NCCL for
+    ``train.device=cuda`` and gloo for the CPU (NCCL reduces only CUDA tensors)."""
+    if backend != "auto":
+        return backend
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
 def teardown(dist: Dist, *, wait_for_all: bool = True) -> None:
