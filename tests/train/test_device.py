@@ -1,5 +1,8 @@
 """srupp.train.device: batches reach CUDA from pinned memory without blocking; the CPU is untouched."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -67,3 +70,92 @@ def test_synchronize_waits_only_for_cuda(monkeypatch):
     assert waited == []
     synchronize("cuda")
     assert waited == [torch.device("cuda")]
+
+
+# ------------------------------------------------------------------ no waiting inside a step
+
+READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+def _count_reads(monkeypatch, trainer):
+    """Count reads of tensor values made by srupp's code, by the step they belong to.
+
+    Reads by torch itself (the optimiser's CPU step counters) are not counted: they
+    stay on the host on CUDA too. A read after step k's forward and backward (its
+    logging) belongs to step k.
+    """
+    import srupp
+
+    root = str(Path(srupp.__file__).parent)
+    reads, current = [], [0]
+
+    def counted(name):
+        real = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            if sys._getframe(1).f_code.co_filename.startswith(root):
+                reads.append((current[0], name))
+            return real(self, *args, **kwargs)
+        return read
+
+    for name in READS:
+        monkeypatch.setattr(torch.Tensor, name, counted(name))
+    real_step = type(trainer)._train_step
+
+    def step(self, it):
+        current[0] = self.step + 1
+        return real_step(self, it)
+
+    monkeypatch.setattr(type(trainer), "_train_step", step)
+    return reads
+
+
+@pytest.mark.parametrize("task", ["lm", "translate"])
+def test_a_training_step_reads_nothing_back_from_the_device(tmp_path, corpus, monkeypatch,
+                                                            task):
+    """Only logging (every 4th step here) reads the loss; the other steps queue work only."""
+    from srupp.train import Trainer, build_config
+
+    from lm_helpers import config
+
+    every = ["train.max_steps=8", "train.log_every=4", "train.eval_every=100",
+             "train.save_every=100"]
+    if task == "lm":
+        cfg = config(corpus, *every)
+    else:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from test_tasks import TRANSLATE, pairs as make_pairs
+
+        cfg = build_config(None, [*TRANSLATE, f"data.corpus={make_pairs.__wrapped__(tmp_path)}",
+                                  "train.grad_accum=2", *every])
+    trainer = Trainer(cfg, tmp_path / "run", progress=False)
+    reads = _count_reads(monkeypatch, trainer)
+    trainer.train()
+    per_step = {s: sum(1 for r, _ in reads if r == s) for s in range(1, 9)}
+    assert {s for s, n in per_step.items() if n} == {4, 8}, reads   # the logging steps
+
+
+def test_cuda_steps_wait_for_the_device_only_where_their_time_or_loss_is_read(
+        tmp_path, corpus, monkeypatch):
+    """The trainer's waiting rule, run on the CPU as if the host ran ahead of a GPU."""
+    from srupp.train import Trainer
+    from srupp.train import trainer as trainer_mod
+    from srupp.train.trainer import CALIBRATION_SKIP
+
+    from lm_helpers import config
+
+    t = Trainer(config(corpus, "train.max_steps=100000", "train.max_seconds=1.5",
+                       "train.calibration_steps=4", "train.log_every=8",
+                       "train.eval_every=100000", "train.save_every=100000"),
+                tmp_path / "run", progress=False)
+    monkeypatch.setattr(Trainer, "_runs_ahead", True)
+    waited, refits = [], []
+    monkeypatch.setattr(trainer_mod, "synchronize", lambda device: waited.append(t.step))
+    real_refit = Trainer._refit
+    monkeypatch.setattr(Trainer, "_refit", lambda self: (refits.append(self.step),
+                                                         real_refit(self)))
+    t.train()
+    calibration = set(range(1, CALIBRATION_SKIP + 4 + 1))   # each step's own time
+    logs = set(range(8, t.step + 1, 8))
+    assert refits and set(refits) <= set(waited)             # a re-fit sees the time up to it
+    assert set(waited) == calibration | logs | set(refits) | {t.step}

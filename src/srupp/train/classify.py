@@ -25,7 +25,8 @@ from .checkpoint import labels_from_json
 from .device import to_device
 from .distributed import SINGLE, Dist
 from .evaluate import autocast_context
-from .tasks import SentenceTask, content_crc32, encode_lines, length_batches, pad_batch
+from .tasks import (SentenceTask, content_crc32, encode_lines, length_batches, loss_sum,
+                    pad_batch)
 
 
 class ClassificationTask(SentenceTask):
@@ -76,7 +77,8 @@ class ClassificationTask(SentenceTask):
             out = model(tokens, mask_pad=pad, labels=labels)
         if not counts:
             return out.loss * 0.0, 0.0, 0, 0, None
-        return out.loss, out.loss.item() * len(items), len(items), int((~pad).sum()), None
+        tokens_read = sum(len(ids) for ids, _ in items)  # on the host: no wait for the device
+        return out.loss, loss_sum(out.loss, len(items)), len(items), tokens_read, None
 
     def validate(self, model, precision, *, final, max_batches):
         return classification_scores(model, self.valid_items, len(self.labels),

@@ -70,9 +70,13 @@ class Task:
         raise NotImplementedError
 
     def loss(self, model, batch, carried, device, precision: str
-             ) -> Tuple[torch.Tensor, float, int, int, Any]:
-        """One micro-batch: (loss to backpropagate (a mean), its sum, its count,
-        tokens read, the state to carry)."""
+             ) -> Tuple[torch.Tensor, Any, int, int, Any]:
+        """One micro-batch: (loss to backpropagate (a mean), its sum (:func:`loss_sum`,
+        or 0.0 when it does not count), its count, tokens read, the state to carry).
+
+        Nothing here may read a value back from the device: on CUDA that waits
+        for the GPU, every step (see :mod:`srupp.train.device`).
+        """
         raise NotImplementedError
 
     def validate(self, model, precision: str, *, final: bool,
@@ -91,6 +95,16 @@ class Task:
     def bar_value(self, loss: float) -> str:
         """The training loss as the progress bar shows it."""
         return f"{loss:.3f}"
+
+
+def loss_sum(loss: torch.Tensor, n: int) -> torch.Tensor:
+    """The sum of ``n`` losses whose mean is ``loss``, left on the device.
+
+    float64, so that it equals ``loss.item() * n`` exactly (how the logged
+    sums were taken before they stayed on the device); the trainer reads the
+    sums only when it logs, saves or refreshes the progress bar.
+    """
+    return loss.detach().double() * n
 
 
 class LMTask(Task):
@@ -132,7 +146,7 @@ class LMTask(Task):
         with autocast_context(precision, device.type):
             out = model(x, carried, targets=y)
         n = y.numel()
-        return out.loss, out.loss.item() * n, n, n, out.state.detach()
+        return out.loss, loss_sum(out.loss, n), n, n, out.state.detach()
 
     def validate(self, model, precision, *, final, max_batches):
         e = self.cfg.eval

@@ -40,6 +40,7 @@ from .checkpoint import (load_carried_state, load_trainer_state, read_json, reso
                          save_checkpoint)
 from .classify import ClassificationTask
 from .config import RunConfig
+from .device import synchronize
 from .distributed import SINGLE, Dist
 from .tasks import LMTask, Task, check_tokenizer_fits  # noqa: F401  (re-exported)
 from .translate import TranslationTask
@@ -261,7 +262,7 @@ class Trainer:
                                              "train_seconds", "best_loss", "best_metric",
                                              "tokens_seen")},
             "calibrated_at": list(self.calibrated_at),
-            "interval": dict(self.interval),
+            "interval": {**self.interval, "loss_sum": float(self.interval["loss_sum"])},
             # under FSDP each rank's shard of the state is in "ranks" (_rank_states); the
             # groups' settings (the current lr among them) are kept here
             "optimizer": ({"param_groups": [{k: v for k, v in g.items() if k != "params"}
@@ -377,9 +378,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def _train_step(self, it) -> tuple:
-        """One optimiser step; returns this rank's (loss sum, count, tokens)."""
+        """One optimiser step; returns this rank's (loss sum, count, tokens).
+
+        The loss sum is a float64 tensor on the device: the step reads nothing
+        back from it (see :meth:`_wait_for_device`).
+        """
         t = self.cfg.train
-        model, loss_sum, count, tokens = self.train_model, 0.0, 0, 0
+        model, count, tokens = self.train_model, 0, 0
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._mid_step = True
         # micro-batches of sentences hold different numbers of tokens (and so do the
         # ranks' shares of a batch): weight each by its count, so that the step's
@@ -425,20 +431,22 @@ class Trainer:
         self._mid_step = False
         return loss_sum, count, tokens
 
-    def _account(self, loss_sum: float, count: int, tokens: int, dt: float) -> tuple:
+    def _account(self, loss_sum: torch.Tensor, count: int, tokens: int, dt: float) -> tuple:
         """Add the step's time, and under torchrun make its sums global.
 
         ``_train_step`` added this rank's sums to the interval. Under torchrun
-        one all-reduce carries them, whether this rank saw a signal, and rank
-        0's step time, so that every rank logs the same loss (the global sums
-        replace this rank's), fits the same schedule and stops at the same
-        step. Returns (mean loss of the step, step seconds, stop requested).
+        they are summed over ranks, with whether this rank saw a signal and
+        rank 0's step time, so that every rank logs the same loss (the global
+        sums replace this rank's), fits the same schedule and stops at the same
+        step; the loss sum on the device, the rest on the host (:meth:`Dist.sum`).
+        Returns (mean loss of the step (a device tensor), step seconds, stop requested).
         """
         stop = bool(self._signals)
         if self.dist.enabled:
             local = (loss_sum, count, tokens)
-            loss_sum, count, tokens, stops, dt = self.dist.sum(
-                [loss_sum, count, tokens, float(stop), dt if self.dist.is_main else 0.0])
+            loss_sum = self.dist.sum_on_device(loss_sum)
+            count, tokens, stops, dt = self.dist.sum(
+                [count, tokens, float(stop), dt if self.dist.is_main else 0.0])
             count, tokens, stop = int(count), int(tokens), stops > 0
             self.interval["loss_sum"] += loss_sum - local[0]
             self.interval["count"] += count - local[1]
@@ -447,6 +455,48 @@ class Trainer:
         self.train_seconds += dt
         self.interval["seconds"] += dt
         return loss_sum / max(count, 1), dt, stop
+
+    @property
+    def _runs_ahead(self) -> bool:
+        """The host only queues the device's work (CUDA), so a step's host time is not its own."""
+        return self.device.type == "cuda"
+
+    def _wait_for_device(self, start: float, refresh_bar: bool) -> bool:
+        """On CUDA, wait for the step's work before its time is taken, where it is read.
+
+        The host queues a CUDA step and goes on; its own time is that of the
+        launches. Over many steps the times still add up to the GPU's (the host
+        cannot run further ahead than CUDA's queue), but calibration needs
+        each step's own time, and a re-fit the time up to its step. Logging,
+        evaluation, saving and the progress bar read values back, which waits
+        anyway; waiting here counts that work as training, not as logging.
+        Other steps do not wait.
+
+        Returns whether the step waited for a reason every rank shares (not
+        this rank's progress bar or signal), so that under torchrun all ranks
+        re-fit at the same step.
+        """
+        if not self._runs_ahead:
+            return False
+        t, s = self.cfg.train, self.step
+        shared = (not self.calibrated or self._refit_due() or s >= self.total_steps
+                  or s % t.log_every == 0 or s % t.eval_every == 0 or s % t.save_every == 0)
+        # the last step of the budget; under torchrun only rank 0's time counts
+        ends_budget = (t.max_seconds is not None
+                       and self.train_seconds + time.perf_counter() - start >= t.max_seconds)
+        if shared or refresh_bar or self._signals or ends_budget:
+            synchronize(self.device)
+        return shared
+
+    def _refit_due(self) -> bool:
+        """Whether the schedule is to be fitted again now (:data:`REFIT_AT`)."""
+        t = self.cfg.train
+        return (self.refitted < len(REFIT_AT)
+                and self.step - self.calibrated_at[0] >= t.calibration_steps
+                # at a fraction of the budget, or of the steps when they run
+                # faster than fitted (else the schedule could end first)
+                and (self.train_seconds >= REFIT_AT[self.refitted] * t.max_seconds
+                     or self.step >= REFIT_AT[self.refitted] * self.total_steps))
 
     def validate(self, max_batches: Optional[int] = None, *, final: bool = False
                  ) -> Dict[str, float]:
@@ -550,6 +600,10 @@ class Trainer:
                        and (t.max_seconds is None or self.train_seconds < t.max_seconds)):
                     start = time.perf_counter()
                     sums = self._train_step(it)
+                    now = time.monotonic()
+                    # formatting every step costs measurable time
+                    refresh = self.progress and now - last_postfix > 0.5
+                    timed = self._wait_for_device(start, refresh)
                     loss, dt, stop = self._account(*sums, time.perf_counter() - start)
                     if not self.calibrated:
                         calib_times.append(dt)
@@ -561,19 +615,15 @@ class Trainer:
                             self.calibrated = True
                             self.calibrated_at = (self.step, self.train_seconds)
                             bar.total = self.total_steps
-                    elif (self.refitted < len(REFIT_AT)
-                          and self.step - self.calibrated_at[0] >= t.calibration_steps
-                          # at a fraction of the budget, or of the steps when they run
-                          # faster than fitted (else the schedule could end first)
-                          and (self.train_seconds >= REFIT_AT[self.refitted] * t.max_seconds
-                               or self.step >= REFIT_AT[self.refitted] * self.total_steps)):
+                    elif self._refit_due() and (timed or not self._runs_ahead):
+                        # (on CUDA a re-fit waits for a step that waited for the device)
                         self._refit()
                         bar.total = self.total_steps
                     bar.update(1)
                     tok_s = self.interval["tokens"] / max(self.interval["seconds"], 1e-9)
-                    now = time.monotonic()
-                    if now - last_postfix > 0.5:  # formatting every step costs measurable time
+                    if refresh:
                         last_postfix = now
+                        loss = float(loss)
                         left = (f"{max(0.0, t.max_seconds - self.train_seconds):.0f}s"
                                 if t.max_seconds else "-")
                         shown = {} if self.task.name != "lm" else {
@@ -583,7 +633,7 @@ class Trainer:
                     if self.step % t.log_every == 0:
                         iv = self.interval
                         self._log({"step": self.step,
-                                   "train_loss": iv["loss_sum"] / max(iv["count"], 1),
+                                   "train_loss": float(iv["loss_sum"]) / max(iv["count"], 1),
                                    "lr": self.scheduler.get_last_lr()[0],
                                    "tokens_per_s": tok_s, "train_seconds": self.train_seconds})
                         self.interval = _new_interval()
@@ -700,7 +750,10 @@ class Trainer:
 
 
 def _new_interval() -> Dict[str, float]:
-    """The sums of one logging interval: the loss's sum and count, tokens read, seconds."""
+    """The sums of one logging interval: the loss's sum and count, tokens read, seconds.
+
+    The loss's sum becomes a float64 tensor on the device in training (read when
+    logged or saved), and is saved as a float."""
     return {"loss_sum": 0.0, "count": 0, "tokens": 0, "seconds": 0.0}
 
 

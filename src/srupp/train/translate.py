@@ -33,7 +33,7 @@ from ..models.decoding import beam_search, greedy_decode
 from .distributed import SINGLE, Dist
 from .evaluate import autocast_context
 from .tasks import (SentenceTask, content_crc32, encode_lines, fit_length, length_batches,
-                    pad_batch)
+                    loss_sum, pad_batch)
 
 
 class PairBatch:
@@ -46,7 +46,7 @@ class PairBatch:
         self.tgt_in, self.tgt_pad = pad_batch([t[-1:] + t[:-1] for t in tgt], device)
         targets, _ = pad_batch(tgt, device)
         self.targets = targets.masked_fill(self.tgt_pad, -100)
-        self.tokens = int((~self.tgt_pad).sum())
+        self.tokens = sum(len(t) for t in tgt)  # counted on the host: no wait for the device
 
 
 class TranslationTask(SentenceTask):
@@ -94,7 +94,7 @@ class TranslationTask(SentenceTask):
                         targets=b.targets, label_smoothing=self.cfg.train.label_smoothing)
         if not counts:
             return out.loss * 0.0, 0.0, 0, 0, None
-        return out.loss, out.nll.item() * b.tokens, b.tokens, b.tokens, None
+        return out.loss, loss_sum(out.nll, b.tokens), b.tokens, b.tokens, None
 
     @torch.no_grad()
     def valid_loss(self, model, precision: str, max_batches: Optional[int]) -> Dict[str, float]:
