@@ -1,4 +1,11 @@
-"""srupp.train.device: batches reach CUDA from pinned memory without blocking; the CPU is untouched."""
+"""The trainer's device paths, their logic checked on the CPU.
+
+Batches reach CUDA from pinned memory without blocking (the CPU path is a
+plain ``to``); a training step reads nothing back from the device; on CUDA
+only the steps whose time or loss is read wait for it; fp16's GradScaler
+survives a resume; and a short run on ``--device`` (fp32, bf16, fp16 on CUDA)
+resumes as if never stopped.
+"""
 
 import sys
 from pathlib import Path
@@ -159,3 +166,91 @@ def test_cuda_steps_wait_for_the_device_only_where_their_time_or_loss_is_read(
     logs = set(range(8, t.step + 1, 8))
     assert refits and set(refits) <= set(waited)             # a re-fit sees the time up to it
     assert set(waited) == calibration | logs | set(refits) | {t.step}
+
+
+def _stop_after(trainer, step, monkeypatch):
+    """Make ``trainer`` stop and save after ``step``, as a signal then would."""
+    real_step = type(trainer)._train_step
+
+    def step_then_stop(self, it):
+        out = real_step(self, it)
+        if self.step == step:
+            self._signals = 1
+        return out
+
+    monkeypatch.setattr(trainer, "_train_step", step_then_stop.__get__(trainer))
+
+
+def _untimed(run, keys=("step", "train_loss", "lr", "valid_loss")):
+    from lm_helpers import metrics
+
+    return [{k: r[k] for k in keys if k in r} for r in metrics(run)]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_training_on_the_device_resumes_as_if_never_stopped(tmp_path, corpus, device,
+                                                            precision, monkeypatch):
+    """train.device and precision end to end: 6 steps straight, or 3, a save, and 3 more."""
+    from srupp.train import Trainer
+    from srupp.train.checkpoint import load_trainer_state, resolve_checkpoint
+
+    from lm_helpers import config
+
+    if precision == "fp16" and device.type != "cuda":
+        pytest.skip("fp16 (with its GradScaler) trains on CUDA only")
+    cfg = config(corpus, f"train.device={device.type}", f"train.precision={precision}",
+                 "train.max_steps=6", "train.save_every=6", "train.eval_every=6",
+                 "model.dropout=0")
+    straight = Trainer(cfg, tmp_path / "straight", progress=False)
+    straight.train()
+    assert next(straight.model.parameters()).device.type == device.type
+
+    run = tmp_path / "resumed"
+    first = Trainer(cfg, run, progress=False)
+    _stop_after(first, 3, monkeypatch)
+    assert first.train()["interrupted"]
+    saved = load_trainer_state(resolve_checkpoint(run, prefer="last"))
+    assert (saved["scaler"] is not None) == (precision == "fp16")
+    resumed = Trainer(cfg, run, resume=True, progress=False)
+    if precision == "fp16":
+        assert resumed.scaler.state_dict() == saved["scaler"]
+    resumed.train()
+    rows = [_untimed(r) for r in (run, tmp_path / "straight")]
+    # CUDA's attention backward may add in another order from run to run
+    exact = device.type == "cpu"
+    assert rows[0] == (rows[1] if exact else [pytest.approx(r, rel=1e-3) for r in rows[1]])
+
+
+def test_fp16s_grad_scaler_is_saved_and_restored_exactly(tmp_path, corpus, monkeypatch):
+    """The loss scale and growth count continue across a resume as in a run never stopped.
+
+    fp16 trains on CUDA only; its scaler is the same object on the CPU, enabled here
+    over fp32 steps (scaling by a power of two changes no gradient), doubling its
+    scale every step that has no inf, so that a scale not restored would show.
+    """
+    from srupp.train import Trainer
+    from srupp.train.checkpoint import load_trainer_state, resolve_checkpoint
+
+    from lm_helpers import config
+
+    real = torch.amp.GradScaler
+    monkeypatch.setattr(torch.amp, "GradScaler",
+                        lambda device, enabled: real("cpu", init_scale=2.0 ** 10,
+                                                     growth_interval=1))
+    cfg = config(corpus, "train.max_steps=8", "model.dropout=0")
+    straight = Trainer(cfg, tmp_path / "straight", progress=False)
+    straight.train()
+    assert straight.scaler.get_scale() == 2.0 ** 18
+
+    run = tmp_path / "resumed"
+    first = Trainer(cfg, run, progress=False)
+    _stop_after(first, 3, monkeypatch)
+    assert first.train()["interrupted"]
+    saved = load_trainer_state(resolve_checkpoint(run, prefer="last"))["scaler"]
+    assert saved == {"scale": 2.0 ** 13, "growth_factor": 2.0, "backoff_factor": 0.5,
+                     "growth_interval": 1, "_growth_tracker": 0}
+    resumed = Trainer(cfg, run, resume=True, progress=False)
+    assert resumed.scaler.state_dict() == saved
+    resumed.train()
+    assert resumed.scaler.state_dict() == straight.scaler.state_dict()
+    assert _untimed(run) == _untimed(tmp_path / "straight")

@@ -180,8 +180,9 @@ class Trainer:
             self.optimizer,
             lambda s: lr_factor(s, self._warmup_steps(), self.total_steps, t.min_lr_ratio,
                                 t.schedule))
-        # disabled (every call a no-op or a plain optimizer.step()) unless fp16
-        self.scaler = torch.amp.GradScaler("cuda", enabled=self.precision == "fp16")
+        # disabled (every call a no-op or a plain optimizer.step()) unless fp16; its scale
+        # and growth count are saved with every checkpoint (_trainer_state) and put back
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
 
         self.step = 0
         self.train_seconds = 0.0
