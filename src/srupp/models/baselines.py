@@ -34,6 +34,7 @@ from ..nn import SRU
 from ..nn.linear import Linear
 from ..nn.append import append_steps
 from ..ops import attention
+from ..ops.sdpa import attention_sdpa_causal
 from .config import GRUConfig, LSTMConfig, SRUConfig, TransformerConfig
 from .lm import CausalLM
 from .state import TensorState
@@ -149,22 +150,27 @@ class TransformerBlock(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor, k_past: Optional[Tensor], v_past: Optional[Tensor],
-                attn_mask: Optional[Tensor], is_causal: bool = True):
+                attn_mask: Optional[Tensor], causal_offset: Optional[int] = 0):
         """x (B, L, d); k_past, v_past (B, H, M, hd) or None; attn_mask (B, 1, L, M+L) bool
-        (True: may attend), or None: SDPA's causal mask when ``is_causal`` (no
-        memory), else every key (a single decoding query). Returns x and this
-        call's full K, V."""
+        (True: may attend), or None: the causal mask over ``causal_offset`` (M)
+        past keys (query i sees keys j <= M + i), or with ``causal_offset`` None
+        every key (a single decoding query). Returns x and this call's full K, V."""
         B, L, d = x.shape
         H = self.num_heads
         q, k, v = self.qkv(self.ln1(x)).view(B, L, 3, H, d // H).permute(2, 0, 3, 1, 4)
         if k_past is not None:
             k = append_steps(k_past, k, dim=2)  # no copy of the past when decoding
             v = append_steps(v_past, v, dim=2)
+        causal = attn_mask is None and causal_offset is not None
         if L == 1 and not self.training:  # decoding: srupp's dispatcher has a one-query kernel
-            a = attention(q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None and is_causal)
+            # (one query, causal over M past keys, sees them all: no mask)
+            a = attention(q, k, v, attn_mask=attn_mask, is_causal=causal and causal_offset == 0)
+        elif causal:  # as an offset, not a mask tensor: SDPA's fused kernels take it
+            a = attention_sdpa_causal(q, k, v, causal_offset,
+                                      dropout_p=self.attn_dropout if self.training else 0.0)
         else:
             a = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_mask, is_causal=attn_mask is None and is_causal,
+                q, k, v, attn_mask=attn_mask,
                 dropout_p=self.attn_dropout if self.training else 0.0)
         x = x + self.drop(self.proj(a.transpose(1, 2).reshape(B, L, d)))
         x = x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
@@ -253,10 +259,11 @@ class TransformerLanguageModel(CausalLM):
 
         M = state["k.0"].shape[2] if "k.0" in state else 0
         past_pad = state.get("key_pad")
-        is_causal = M == 0
-        if (M == 0 or L == 1) and mask_pad is None and past_pad is None:
-            # plain causal, or one query that sees every key (decoding): no mask
-            attn_mask, key_pad = None, None
+        attn_mask, key_pad, causal_offset = None, None, None
+        if mask_pad is None and past_pad is None:
+            # no padding: causal over the memory, given as its length (no mask tensor, and
+            # nothing to read back), or one query after memory, which sees every key
+            causal_offset = M if L > 1 or M == 0 else None
         else:
             no_pad = torch.zeros(B, M + L, dtype=torch.bool, device=x.device)
             key_pad = torch.cat([no_pad[:, :M] if past_pad is None else past_pad,
@@ -270,7 +277,7 @@ class TransformerLanguageModel(CausalLM):
         new = {"window": state["window"]}
         keep = window is None or window > 0
         for i, block in enumerate(self.blocks):
-            x, k, v = block(x, state.get(f"k.{i}"), state.get(f"v.{i}"), attn_mask, is_causal)
+            x, k, v = block(x, state.get(f"k.{i}"), state.get(f"v.{i}"), attn_mask, causal_offset)
             if keep:
                 new[f"k.{i}"] = k if window is None else k[:, :, -window:]
                 new[f"v.{i}"] = v if window is None else v[:, :, -window:]

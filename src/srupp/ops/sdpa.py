@@ -43,6 +43,11 @@ CPU with bf16 matrix instructions (AVX-512 BF16 or AMX:
 :func:`~srupp.ops.settings.cpu_has_native_bf16`; emulated bf16 loses the edge);
 SDPA ("sdpa") otherwise. A mask that is causal over memory keys reaches the
 blocked path through ``causal_offset``.
+
+When SDPA runs, a causal mask goes to it as an offset where that helps
+(:func:`attention_sdpa_causal`): ``is_causal=True`` without memory, and on
+CUDA ``causal_lower_right`` with memory, so that the flash and memory-efficient
+kernels run without reading a dense mask (flash takes none at all).
 :func:`set_attention_backend` (or, for a whole process,
 ``SRUPP_ATTENTION=auto|sdpa|matmul``) forces one (a forced "matmul" still defers
 to SDPA for dropout).
@@ -62,7 +67,7 @@ from . import cpu
 from .settings import CHOICES, accessors, cpu_has_native_bf16, tracing
 
 __all__ = ["attention", "attention_reference", "attention_matmul", "attention_causal_matmul",
-           "attention_one_query",
+           "attention_one_query", "attention_sdpa_causal", "causal_mask",
            "causal_block", "set_attention_backend",
            "get_attention_backend", "use_attention_backend",
            "ATTENTION_BACKENDS", "MAX_PROB_BYTES"]
@@ -90,6 +95,74 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Ten
     """
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                           dropout_p=dropout_p)
+
+
+def causal_mask(L: int, offset: int = 0, device=None) -> Tensor:
+    """bool (L, offset + L), True where query i may see key j: j <= offset + i."""
+    return torch.ones(L, offset + L, dtype=torch.bool, device=device).tril_(offset)
+
+
+def attention_sdpa_causal(q: Tensor, k: Tensor, v: Tensor, offset: int = 0,
+                          dropout_p: float = 0.0) -> Tensor:
+    """SDPA with the causal mask over ``offset`` memory keys, in the form its kernels take.
+
+    Query i sees keys j <= offset + i (S = offset + L keys): the same result as
+    SDPA with :func:`causal_mask` as ``attn_mask``. Without memory that is
+    ``is_causal=True``. With memory the mask is aligned bottom-right, which
+    ``is_causal`` is not (with L != S it aligns top-left); on CUDA
+    ``causal_lower_right`` says so without a tensor, and the flash and
+    memory-efficient kernels take it. No CPU kernel does (PyTorch would build
+    the mask itself), so there the dense mask is passed.
+
+    Args:
+        q: (B, H, L, hd).  k, v: (B, H, S, hd) with S = offset + L.
+    Returns:
+        o (B, H, L, hd).
+    """
+    L, S = q.shape[-2], k.shape[-2]
+    if S != offset + L:
+        raise ValueError(f"causal attention with offset {offset} needs S = offset + L = "
+                         f"{offset + L} keys, got {S}")
+    if offset == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+    if q.device.type == "cuda":
+        return _sdpa_lower_right(q, k, v, dropout_p)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(L, offset, q.device),
+                                          dropout_p=dropout_p)
+
+
+def _sdpa_lower_right(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
+    """SDPA with the causal mask aligned bottom-right, as the CUDA kernels take it."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[-2],
+                                                                                k.shape[-2]),
+                                          dropout_p=dropout_p)
+
+
+def _offset_form(device_type: str, offset: Optional[int], has_mask: bool, traced: bool) -> bool:
+    """Whether SDPA gets a causal mask as its offset (:func:`attention_sdpa_causal`)
+    rather than as the dense ``attn_mask``.
+
+    Offset 0 is ``is_causal``, on every device. With memory: on CUDA, where a
+    dense mask keeps SDPA off its flash kernel and makes the others read it;
+    elsewhere a mask already built is passed as it is, and a traced model
+    (torch.compile) gets the dense mask too, the form known to compile
+    (``causal_lower_right`` picks its kernel in Python, from the tensors).
+    """
+    if offset is None:
+        return False
+    if offset == 0 or not has_mask:
+        return True
+    return device_type == "cuda" and not traced
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
+          dropout_p: float, offset: Optional[int]) -> Tensor:
+    """SDPA; a causal mask (``offset`` not None) in the form :func:`_offset_form` picks."""
+    if _offset_form(q.device.type, offset, attn_mask is not None, tracing()):
+        return attention_sdpa_causal(q, k, v, offset, dropout_p)
+    return attention_reference(q, k, v, attn_mask, is_causal, dropout_p)
 
 
 class _MatmulAttention(torch.autograd.Function):
@@ -319,20 +392,21 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
         dropout_p: dropout on the attention weights (SDPA handles it).
         causal_offset: a promise that ``attn_mask`` is exactly the causal mask
             over S = causal_offset + L keys (query i sees keys j <= causal_offset + i),
-            which lets the explicit path skip the masked blocks; SDPA uses attn_mask.
+            or, without ``attn_mask``, that mask itself; it lets the explicit path
+            skip the masked blocks, and SDPA on CUDA run without a mask tensor.
     Returns:
         o (B, H, L, hd), in q's dtype.
     """
     name = get_attention_backend()
+    # the causal offset, if the mask is causal; is_causal with L != S is SDPA's
+    # top-left alignment, not a memory offset, so it is left to SDPA
+    offset = (0 if q.shape[-2] == k.shape[-2] else None) if is_causal else causal_offset
     if name == "sdpa" or dropout_p > 0.0 or tracing():
-        return attention_reference(q, k, v, attn_mask, is_causal, dropout_p)
+        return _sdpa(q, k, v, attn_mask, is_causal, dropout_p, offset)
     if (name == "auto" and q.shape[-2] == 1 and attn_mask is None and not is_causal
             and q.device.type == "cpu" and _one_query_wins(q, k, v)
             and not _needs_grad(q, k, v)):
         return attention_one_query(q, k, v)  # decoding
-    # the causal offset, if the mask is causal; is_causal with L != S is SDPA's
-    # top-left alignment, not a memory offset, so it is left to SDPA
-    offset = (0 if q.shape[-2] == k.shape[-2] else None) if is_causal else causal_offset
     if name == "matmul":
         if offset is not None:
             return attention_causal_matmul(q, k, v, offset)
@@ -344,4 +418,4 @@ def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = Non
             return attention_causal_matmul(q, k, v, offset)
         if native_bf16:
             return _MatmulAttention.apply(q, k, v, attn_mask)
-    return attention_reference(q, k, v, attn_mask, is_causal, dropout_p)
+    return _sdpa(q, k, v, attn_mask, is_causal, dropout_p, offset)
