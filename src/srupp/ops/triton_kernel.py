@@ -25,15 +25,39 @@ The peephole/bias gradients are reduced deterministically: every program
 writes its per-batch-row partial sums into a (B, 4, D) fp32 buffer, which is
 then summed over B with torch (no atomics).
 
+Triton compiles a variant of a kernel per combination of constexprs and pointer
+dtypes.  :func:`specializations` lists every variant the host functions can
+launch; it is derived from the functions they decide with (:func:`_launch_config`,
+:func:`_fwd_constexprs`, :func:`_bwd_constexprs`, and :func:`_param_dtype` /
+:func:`_x_dtype`, which keep the dtype combinations to those the layers produce).
+:func:`compile_specializations` compiles variants for real GPU targets (sm_80,
+sm_90) on a machine without a GPU and reports registers and spills; CI compiles
+them all that way (tests/ops/test_triton_compile.py, benchmarks/triton_compile.py).
+
 This module imports triton at its top; nothing in :mod:`srupp` imports it at
 package import time (the dispatcher imports it lazily, when it routes to Triton).
-Under the Triton interpreter (``TRITON_INTERPRET=1``) the kernels run on CPU
-tensors.
+Importing it compiles nothing.  Under the Triton interpreter (``TRITON_INTERPRET=1``)
+the kernels run on CPU tensors.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import contextlib
+import dataclasses
+import io
+import itertools
+import json
+import os
+import queue
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -42,7 +66,9 @@ from torch import Tensor
 
 from .settings import debug_nan_fill
 
-__all__ = ["sru_fwd", "sru_bwd", "BLOCK_SIZE"]
+__all__ = ["sru_fwd", "sru_bwd", "BLOCK_SIZE", "ARCHS", "Launch", "Specialization",
+           "specializations", "example_launch", "launch_key", "compile_specialization",
+           "compile_specializations", "pairwise_cover"]
 
 #: Units per program (a power of two); None picks by size. The tests set small
 #: blocks, so that D is not a multiple of the block and blocks straddle directions.
@@ -268,21 +294,81 @@ def _sru_bwd_kernel(
 # host side
 # --------------------------------------------------------------------------- #
 
+#: The launch configurations: (least B * D, BLOCK, num_warps), largest first.  One
+#: lane per unit; small blocks keep many programs in flight when B * D is small
+#: (each program is sequential over time).
+_LAUNCH_CONFIGS = ((1 << 16, 64, 2), (0, 32, 1))
+
+
+def _launch_config(B: int, D: int) -> Tuple[int, int]:
+    """(BLOCK, num_warps) for a (B, ·, ·, D) problem."""
+    if BLOCK_SIZE is not None:
+        return BLOCK_SIZE, max(1, min(4, BLOCK_SIZE // 32))
+    for least, block, num_warps in _LAUNCH_CONFIGS:
+        if B * D >= least:
+            return block, num_warps
+    raise AssertionError("the last launch configuration takes every size")
+
+
+# What the kernels read each input in.  Triton compiles one variant of a kernel per
+# combination of pointer dtypes, so the host keeps those combinations to the ones the
+# layers produce and reads anything else through an exact up-cast to fp32; that keeps
+# the set of variants small enough to compile ahead of time (specializations()).
+
+def _param_dtype(u: torch.dtype, weight_c: torch.dtype, bias: torch.dtype) -> torch.dtype:
+    """weight_c's and bias's dtype as the kernels read them.  The layers pass either
+    U's dtype (a half-precision module) or fp32 (an fp32 module, U fp32 or, under
+    autocast, half); other mixes, which only direct callers make, are read as fp32
+    (two (2, D) copies)."""
+    if weight_c == bias and weight_c in (torch.float32, u):
+        return weight_c
+    return torch.float32
+
+
+def _x_dtype(u: torch.dtype, x: torch.dtype) -> torch.dtype:
+    """The skip input's dtype as the kernels read it: U's, or fp32 (under autocast the
+    first layer's input stays fp32 while U is half); any other (a bf16 input under
+    fp16 autocast) is read as fp32."""
+    return x if x in (torch.float32, u) else torch.float32
+
+
+# The dropout mask is read as fp32: the layers draw it in the state dtype, fp32.
+_DROPOUT_DTYPE = torch.float32
+
+
+def _fwd_constexprs(k: int, has_x: bool, has_mask: bool, has_drop: bool,
+                    bidirectional: bool, store_c: bool) -> Dict[str, bool]:
+    return dict(K4=k == 4, HAS_SKIP=k == 4 or has_x, HAS_MASK=has_mask, HAS_DROP=has_drop,
+                BIDIR=bool(bidirectional), STORE_C=bool(store_c))
+
+
+def _bwd_constexprs(k: int, has_x: bool, need_grad_x: bool, has_mask: bool, has_drop: bool,
+                    bidirectional: bool, has_grad_c_last: bool) -> Dict[str, bool]:
+    return dict(K4=k == 4, HAS_SKIP=k == 4 or has_x, STORE_GX=has_x and bool(need_grad_x),
+                HAS_MASK=has_mask, HAS_DROP=has_drop, BIDIR=bool(bidirectional),
+                HAS_GCL=has_grad_c_last)
+
+
+class Launch(NamedTuple):
+    """One kernel launch as the host functions make it."""
+    kernel: Any                  # _sru_fwd_kernel or _sru_bwd_kernel
+    grid: Tuple[int, int]
+    args: tuple                  # the runtime arguments, in the kernel's order
+    constexprs: Dict[str, Any]   # K4, HAS_SKIP, ..., BLOCK
+    num_warps: int
+
+
+def _run(launch: Launch) -> None:
+    # args[0] (U or grad_h) is on the GPU to run on, which need not be the current one
+    with torch.cuda.device_of(launch.args[0]):
+        launch.kernel[launch.grid](*launch.args, **launch.constexprs,
+                                   num_warps=launch.num_warps)
+
 
 def _alloc(shape, dtype, device) -> Tensor:
     if debug_nan_fill():
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
-
-
-def _launch_config(B: int, D: int) -> Tuple[int, int]:
-    """(BLOCK, num_warps).  One lane per unit; small blocks keep many programs
-    in flight when B * D is small (each program is sequential over time)."""
-    if BLOCK_SIZE is not None:
-        return BLOCK_SIZE, max(1, min(4, BLOCK_SIZE // 32))
-    if B * D >= 1 << 16:
-        return 64, 2
-    return 32, 1
 
 
 def _optional(t: Optional[Tensor], like: Tensor, dims: int):
@@ -301,6 +387,98 @@ def _c0(c0: Optional[Tensor], B: int, D: int, device) -> Tensor:
     return c0.to(torch.float32)
 
 
+def _as(t: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    # (a no-op .to() still costs a dispatch, and decoding calls the kernel per token)
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def _read_as(U: Tensor, x: Optional[Tensor], weight_c: Tensor, bias: Tensor,
+             dropout_mask: Optional[Tensor]):
+    """x, weight_c, bias and dropout_mask in the dtypes the kernels read them in
+    (the tensors themselves, in the layers' combinations)."""
+    p = _param_dtype(U.dtype, weight_c.dtype, bias.dtype)
+    if x is not None:
+        x = _as(x, _x_dtype(U.dtype, x.dtype))
+    return x, _as(weight_c, p), _as(bias, p), _as(dropout_mask, _DROPOUT_DTYPE)
+
+
+def _fwd_setup(U, x, weight_c, bias, c0, mask_pad, dropout_mask, scale_x, bidirectional,
+               store_c, config):
+    """The forward's outputs ``(h, c_last, c_all)`` and the launch that fills them
+    (None when there is nothing to compute; the outputs are then final)."""
+    B, L, k, D = U.shape
+    dev = U.device
+    c0 = _c0(c0, B, D, dev)
+    h = _alloc((B, L, D), U.dtype, dev)
+    c_last = _alloc((B, D), torch.float32, dev)
+    c_all = _alloc((B, L, D), torch.float32, dev) if store_c else torch.empty(0, device=dev)
+    if B == 0 or D == 0 or L == 0:
+        c_last.copy_(c0)  # (a no-op when B or D is 0)
+        return (h, c_last, c_all), None
+
+    x, weight_c, bias, dropout_mask = _read_as(U, x, weight_c, bias, dropout_mask)
+    x_, xs = _optional(x, U, 3)
+    mp, ms = _optional(mask_pad, U, 2)
+    dm, ds = _optional(dropout_mask, U, 2)
+    BLOCK, num_warps = config
+    launch = Launch(
+        _sru_fwd_kernel, (B, triton.cdiv(D, BLOCK)),
+        (U, x_, weight_c, bias, c0, mp, dm,
+         h, c_last, c_all if store_c else h,
+         L, D, D // 2, float(scale_x),
+         *U.stride(), *xs, *weight_c.stride(), *bias.stride(), *c0.stride(), *ms, *ds,
+         *h.stride(), *(c_all.stride() if store_c else (0, 0, 0))),
+        dict(_fwd_constexprs(k, x is not None, mask_pad is not None, dropout_mask is not None,
+                             bidirectional, store_c), BLOCK=BLOCK),
+        num_warps)
+    return (h, c_last, c_all), launch
+
+
+def _bwd_setup(U, x, weight_c, bias, c0, mask_pad, dropout_mask, c_all, grad_h, grad_c_last,
+               scale_x, bidirectional, need_grad_x, config):
+    """The backward's buffers ``(grad_U, grad_x, grad_c0, partial)`` and the launch that
+    fills them (None when there is nothing to compute; the buffers are then final).
+    grad_x is in the dtype the kernel reads x in."""
+    B, L, k, D = U.shape
+    dev = U.device
+    c0 = _c0(c0, B, D, dev)
+    x_in = x
+    x, weight_c, bias, dropout_mask = _read_as(U, x, weight_c, bias, dropout_mask)
+    grad_U = _alloc((B, L, k, D), U.dtype, dev)
+    store_gx = x is not None and bool(need_grad_x)
+    grad_x = (_alloc((B, L, D), x.dtype, dev) if store_gx
+              else (x_in if x_in is not None else U).new_empty((0,)))
+    grad_c0 = _alloc((B, D), torch.float32, dev)
+    partial = _alloc((B, 4, D), torch.float32, dev)
+    if B == 0 or D == 0 or L == 0:  # (grad_U and grad_x have no elements then)
+        grad_c0.copy_(torch.zeros(()) if grad_c_last is None else grad_c_last)
+        partial.zero_()
+        return (grad_U, grad_x, grad_c0, partial), None
+
+    # autograd hands over grad_h in h's dtype, U's (the cast is for direct callers)
+    grad_h = _as(grad_h, U.dtype)
+    gcl, gcs = _optional(None if grad_c_last is None else grad_c_last.to(torch.float32),
+                         c0, 2)
+    x_, xs = _optional(x, U, 3)
+    gx, gxs = _optional(grad_x if store_gx else None, grad_U, 3)
+    mp, ms = _optional(mask_pad, U, 2)
+    dm, ds = _optional(dropout_mask, U, 2)
+    BLOCK, num_warps = config
+    launch = Launch(
+        _sru_bwd_kernel, (B, triton.cdiv(D, BLOCK)),
+        (grad_h, gcl, U, x_, weight_c, bias, c0, c_all, mp, dm,
+         grad_U, gx, grad_c0, partial,
+         L, D, D // 2, float(scale_x),
+         *grad_h.stride(), *gcs, *U.stride(), *xs,
+         *weight_c.stride(), *bias.stride(), *c0.stride(), *c_all.stride(),
+         *ms, *ds, *grad_U.stride(), *gxs),
+        dict(_bwd_constexprs(k, x is not None, need_grad_x, mask_pad is not None,
+                             dropout_mask is not None, bidirectional, grad_c_last is not None),
+             BLOCK=BLOCK),
+        num_warps)
+    return (grad_U, grad_x, grad_c0, partial), launch
+
+
 def sru_fwd(U: Tensor, x: Optional[Tensor], weight_c: Tensor, bias: Tensor,
             c0: Optional[Tensor], mask_pad: Optional[Tensor], dropout_mask: Optional[Tensor],
             scale_x: float, bidirectional: bool, store_c: bool) -> Tuple[Tensor, Tensor, Tensor]:
@@ -310,32 +488,12 @@ def sru_fwd(U: Tensor, x: Optional[Tensor], weight_c: Tensor, bias: Tensor,
     bidirectional); c_all (B, L, D) fp32, the state after every step, when
     ``store_c`` (else an empty tensor).
     """
-    B, L, k, D = U.shape
-    dev = U.device
-    c0 = _c0(c0, B, D, dev)
-    h = _alloc((B, L, D), U.dtype, dev)
-    c_last = _alloc((B, D), torch.float32, dev)
-    c_all = _alloc((B, L, D), torch.float32, dev) if store_c else torch.empty(0, device=dev)
-    if B == 0 or D == 0 or L == 0:
-        c_last.copy_(c0)  # (a no-op when B or D is 0)
-        return h, c_last, c_all
-
-    x_, xs = _optional(x, U, 3)
-    mp, ms = _optional(mask_pad, U, 2)
-    dm, ds = _optional(dropout_mask, U, 2)
-    BLOCK, num_warps = _launch_config(B, D)
-    with torch.cuda.device_of(U):  # U's GPU, not the current one
-        _sru_fwd_kernel[(B, triton.cdiv(D, BLOCK))](
-            U, x_, weight_c, bias, c0, mp, dm,
-            h, c_last, c_all if store_c else h,
-            L, D, D // 2, float(scale_x),
-            *U.stride(), *xs, *weight_c.stride(), *bias.stride(), *c0.stride(), *ms, *ds,
-            *h.stride(), *(c_all.stride() if store_c else (0, 0, 0)),
-            K4=k == 4, HAS_SKIP=k == 4 or x is not None, HAS_MASK=mask_pad is not None,
-            HAS_DROP=dropout_mask is not None, BIDIR=bool(bidirectional), STORE_C=bool(store_c),
-            BLOCK=BLOCK, num_warps=num_warps,
-        )
-    return h, c_last, c_all
+    B, _, _, D = U.shape
+    outputs, launch = _fwd_setup(U, x, weight_c, bias, c0, mask_pad, dropout_mask, scale_x,
+                                 bidirectional, store_c, _launch_config(B, D))
+    if launch is not None:
+        _run(launch)
+    return outputs
 
 
 def sru_bwd(U: Tensor, x: Optional[Tensor], weight_c: Tensor, bias: Tensor,
@@ -351,41 +509,339 @@ def sru_bwd(U: Tensor, x: Optional[Tensor], weight_c: Tensor, bias: Tensor,
     is None or ``need_grad_x`` is False), grad_weight_c / grad_bias (2, D) in
     weight_c's / bias's dtype, grad_c0 (B, D) fp32.
     """
-    B, L, k, D = U.shape
-    dev = U.device
-    c0 = _c0(c0, B, D, dev)
-    grad_U = _alloc((B, L, k, D), U.dtype, dev)
-    store_gx = x is not None and bool(need_grad_x)
-    grad_x = (_alloc((B, L, D), x.dtype, dev) if store_gx
-              else (x if x is not None else U).new_empty((0,)))
-    grad_c0 = _alloc((B, D), torch.float32, dev)
-    partial = _alloc((B, 4, D), torch.float32, dev)
-    if B == 0 or D == 0 or L == 0:  # (grad_U and grad_x have no elements then)
-        grad_c0.copy_(torch.zeros(()) if grad_c_last is None else grad_c_last)
-        partial.zero_()
-    else:
-        gcl, gcs = _optional(None if grad_c_last is None else grad_c_last.to(torch.float32),
-                             c0, 2)
-        x_, xs = _optional(x, U, 3)
-        gx, gxs = _optional(grad_x if store_gx else None, grad_U, 3)
-        mp, ms = _optional(mask_pad, U, 2)
-        dm, ds = _optional(dropout_mask, U, 2)
-        BLOCK, num_warps = _launch_config(B, D)
-        with torch.cuda.device_of(U):
-            _sru_bwd_kernel[(B, triton.cdiv(D, BLOCK))](
-                grad_h, gcl, U, x_, weight_c, bias, c0, c_all, mp, dm,
-                grad_U, gx, grad_c0, partial,
-                L, D, D // 2, float(scale_x),
-                *grad_h.stride(), *gcs, *U.stride(), *xs,
-                *weight_c.stride(), *bias.stride(), *c0.stride(), *c_all.stride(),
-                *ms, *ds, *grad_U.stride(), *gxs,
-                K4=k == 4, HAS_SKIP=k == 4 or x is not None, STORE_GX=store_gx,
-                HAS_MASK=mask_pad is not None, HAS_DROP=dropout_mask is not None,
-                BIDIR=bool(bidirectional), HAS_GCL=grad_c_last is not None,
-                BLOCK=BLOCK, num_warps=num_warps,
-            )
+    B, _, _, D = U.shape
+    (grad_U, grad_x, grad_c0, partial), launch = _bwd_setup(
+        U, x, weight_c, bias, c0, mask_pad, dropout_mask, c_all, grad_h, grad_c_last, scale_x,
+        bidirectional, need_grad_x, _launch_config(B, D))
+    if launch is not None:
+        _run(launch)
+    if x is not None:
+        grad_x = _as(grad_x, x.dtype)  # (a no-op unless x was read as fp32)
     # Deterministic reduction over the batch; two separate sums so the two
     # results are fresh tensors that do not alias each other.
     grad_weight_c = partial[:, 0:2].sum(dim=0).to(weight_c.dtype)
     grad_bias = partial[:, 2:4].sum(dim=0).to(bias.dtype)
     return grad_U, grad_x, grad_weight_c, grad_bias, grad_c0
+
+
+# --------------------------------------------------------------------------- #
+# every variant the host functions launch, and compiling them ahead of time
+# --------------------------------------------------------------------------- #
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+_NAMED_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
+
+#: The GPU architectures the variants are compiled for ahead of time: sm_80 (A100),
+#: sm_90 (H100).
+ARCHS = (80, 90)
+
+# The shape of the example launches that specializations are compiled from:
+# contiguous tensors with L and D multiples of 16.  Triton's JIT specialises integer
+# arguments (== 1: a constant; a multiple of 16: an alignment hint), so these give
+# the variant that typical training shapes compile.  Other shapes compile
+# other variants of the same code (L = 1 when decoding makes L a constant; D not a
+# multiple of 16 drops the hints), and tensors of 2**31 elements or more, int64 strides.
+_EXAMPLE_B, _EXAMPLE_L, _EXAMPLE_D = 2, 16, 1024
+
+
+@dataclass(frozen=True)
+class Specialization:
+    """One variant of a kernel: what the host functions decide for a call.
+
+    dtype is U's (and h's, grad_h's, grad_U's); param_dtype and x_dtype are
+    weight_c/bias's and the skip input's as the kernels read them (x_dtype None:
+    no x).  The flags are the host functions' arguments; store_c is the forward's,
+    grad_c_last and grad_x the backward's (False for the other kernel).
+    """
+    kernel: str                 # "fwd" or "bwd"
+    dtype: torch.dtype
+    param_dtype: torch.dtype
+    x_dtype: Optional[torch.dtype]
+    k: int
+    mask: bool
+    dropout: bool
+    bidirectional: bool
+    block: int
+    num_warps: int
+    store_c: bool = False
+    grad_c_last: bool = False
+    grad_x: bool = False
+
+    @property
+    def constexprs(self) -> Dict[str, Any]:
+        """The kernel's constexpr arguments, BLOCK included."""
+        if self.kernel == "fwd":
+            flags = _fwd_constexprs(self.k, self.x_dtype is not None, self.mask, self.dropout,
+                                    self.bidirectional, self.store_c)
+        else:
+            flags = _bwd_constexprs(self.k, self.x_dtype is not None, self.grad_x, self.mask,
+                                    self.dropout, self.bidirectional, self.grad_c_last)
+        return dict(flags, BLOCK=self.block)
+
+    @property
+    def name(self) -> str:
+        """A short readable name, e.g. ``bwd bf16 p=fp32 x=fp32 k3 mask gx BLOCK=64/2w``."""
+        x = f" x={_DTYPE_NAMES[self.x_dtype]}" if self.x_dtype is not None else ""
+        flags = [f for f, on in (("mask", self.mask), ("drop", self.dropout),
+                                 ("bidir", self.bidirectional), ("store_c", self.store_c),
+                                 ("gcl", self.grad_c_last), ("gx", self.grad_x)) if on]
+        return " ".join([f"{self.kernel} {_DTYPE_NAMES[self.dtype]}",
+                         f"p={_DTYPE_NAMES[self.param_dtype]}{x} k{self.k}", *flags,
+                         f"BLOCK={self.block}/{self.num_warps}w"])
+
+    def to_dict(self) -> Dict[str, Any]:
+        """JSON-ready fields (dtypes by their short names)."""
+        d = dataclasses.asdict(self)
+        for f in ("dtype", "param_dtype", "x_dtype"):
+            d[f] = None if d[f] is None else _DTYPE_NAMES[d[f]]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Dict[str, Any]) -> "Specialization":
+        d = dict(d)
+        for f in ("dtype", "param_dtype", "x_dtype"):
+            d[f] = None if d[f] is None else _NAMED_DTYPES[d[f]]
+        return cls(**d)
+
+
+def specializations() -> List[Specialization]:
+    """Every variant of the two kernels that :func:`sru_fwd` / :func:`sru_bwd` can
+    launch (with ``BLOCK_SIZE`` None, as in production).
+
+    The dtypes are those the dispatcher sends here (U in fp32, bf16 or fp16),
+    mapped through the host's own rules for what the kernels read weight_c, bias
+    and x in; the flags are all the host functions' flag combinations; the launch
+    configurations are :func:`_launch_config`'s.  The constexprs follow from the
+    host's own functions (:attr:`Specialization.constexprs`).
+    """
+    from .recurrence import _DTYPES
+
+    dtypes = _DTYPES["triton"]
+    both = (False, True)
+    configs = [(block, num_warps) for _, block, num_warps in _LAUNCH_CONFIGS]
+    out = []
+    for kernel in ("fwd", "bwd"):
+        for u in dtypes:
+            params = [p for p in dtypes
+                      if any(_param_dtype(u, w, b) == p for w in dtypes for b in dtypes)]
+            xs = [x for x in dtypes if any(_x_dtype(u, y) == x for y in dtypes)]
+            # k = 4 carries its skip term in U and takes no x (check_args)
+            kx = [(3, None)] + [(3, x) for x in xs] + [(4, None)]
+            for p, (k, x), mask, drop, bidir, (block, warps) in itertools.product(
+                    params, kx, both, both, both, configs):
+                if kernel == "fwd":
+                    extras = [dict(store_c=s) for s in both]
+                else:  # a gradient for x exists only with an x
+                    extras = [dict(grad_c_last=g, grad_x=gx) for g in both
+                              for gx in (both if x is not None else (False,))]
+                out += [Specialization(kernel, u, p, x, k, mask, drop, bidir, block, warps, **e)
+                        for e in extras]
+    return out
+
+
+def example_launch(spec: Specialization, device="meta") -> Launch:
+    """The launch :func:`sru_fwd` / :func:`sru_bwd` make for ``spec`` on example
+    tensors (``_EXAMPLE_B``, ``_EXAMPLE_L``, ``_EXAMPLE_D``), through the same setup
+    code.  On the meta device by default: nothing is allocated, and the JIT reads
+    meta pointers as 16-byte aligned, as CUDA allocations are."""
+    B, L, D = _EXAMPLE_B, _EXAMPLE_L, _EXAMPLE_D
+
+    def empty(*shape, dtype=spec.dtype):
+        return torch.empty(*shape, dtype=dtype, device=device)
+
+    U = empty(B, L, spec.k, D)
+    x = empty(B, L, D, dtype=spec.x_dtype) if spec.x_dtype is not None else None
+    weight_c, bias = empty(2, D, dtype=spec.param_dtype), empty(2, D, dtype=spec.param_dtype)
+    mask = empty(B, L, dtype=torch.bool) if spec.mask else None
+    drop = empty(B, D, dtype=_DROPOUT_DTYPE) if spec.dropout else None
+    config = (spec.block, spec.num_warps)
+    if spec.kernel == "fwd":
+        _, launch = _fwd_setup(U, x, weight_c, bias, None, mask, drop, 1.0, spec.bidirectional,
+                               spec.store_c, config)
+    else:
+        gcl = empty(B, D, dtype=torch.float32) if spec.grad_c_last else None
+        _, launch = _bwd_setup(U, x, weight_c, bias, None, mask, drop,
+                               empty(B, L, D, dtype=torch.float32), empty(B, L, D), gcl, 1.0,
+                               spec.bidirectional, spec.grad_x, config)
+    return launch
+
+
+def launch_key(launch: Launch) -> Tuple:
+    """What a launch's compiled variant depends on, short of shapes: the kernel, the
+    tensor arguments' dtypes, the constexprs and num_warps."""
+    kernel = getattr(launch.kernel, "fn", launch.kernel)  # JIT or interpreted
+    dtypes = tuple(str(a.dtype) for a in launch.args if isinstance(a, Tensor))
+    return (kernel.__name__, dtypes, tuple(sorted(launch.constexprs.items())), launch.num_warps)
+
+
+_PTXAS = {
+    "registers": re.compile(r"Used (\d+) registers"),
+    "stack_frame": re.compile(r"(\d+) bytes stack frame"),
+    "spill_stores": re.compile(r"(\d+) bytes spill stores"),
+    "spill_loads": re.compile(r"(\d+) bytes spill loads"),
+}
+
+
+def compile_specialization(spec: Specialization, arch: int) -> Dict[str, Any]:
+    """Compile one variant for ``sm_<arch>`` without a GPU, as Triton's JIT would
+    compile it for :func:`example_launch`'s arguments.
+
+    Returns the variant's fields and ``arch``, ``n_regs`` (registers per thread),
+    ``n_spills`` (as ``CompiledKernel.n_spills`` counts them on a GPU: the local
+    memory frame in 4-byte words), ``spill_bytes`` (ptxas' spill stores plus
+    loads), ``shared`` (bytes of shared memory), ``ptx`` / ``cubin`` (whether each
+    was produced) and ``compile_s``.
+
+    The kernels must be JIT functions, i.e. this module imported without
+    ``TRITON_INTERPRET=1``: :func:`compile_specializations` runs this in such child
+    processes.
+    """
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    launch = example_launch(spec)
+    kernel = launch.kernel
+    if not isinstance(kernel, JITFunction):
+        raise RuntimeError("the kernels are interpreted (TRITON_INTERPRET=1); compile them in a "
+                           "process without it (compile_specializations does)")
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    # The JIT's own binder turns the arguments into the signature, the constexprs
+    # (integers equal to 1 among them) and the alignment attributes it would compile.
+    # (create_function_from_signature and _pack_args are internals of triton 3.8,
+    # which pyproject.toml pins.)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    kwargs = dict(launch.constexprs, num_warps=launch.num_warps)
+    bound, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound,
+                                                             specialization, options)
+    log = io.StringIO()
+    start = time.perf_counter()
+    with knobs.compilation.scope(), knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+        knobs.compilation.always_compile = True  # a cache hit has no ptxas log to read
+        knobs.nvidia.dump_ptxas_log = True       # ptxas -v: registers, stack, spills
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
+                                  target=target, options=options.__dict__)
+    seconds = time.perf_counter() - start
+    text = log.getvalue()
+    found = {}
+    for key, pattern in _PTXAS.items():
+        m = pattern.search(text)
+        if m is None:
+            raise RuntimeError(f"no {key!r} in the ptxas log of {spec.name} (sm_{arch}):\n{text}")
+        found[key] = int(m.group(1))
+    return dict(
+        spec.to_dict(), name=spec.name, arch=arch, n_regs=found["registers"],
+        n_spills=found["stack_frame"] // 4,
+        spill_bytes=found["spill_stores"] + found["spill_loads"],
+        shared=compiled.metadata.shared,
+        ptx=".entry" in compiled.asm.get("ptx", ""), cubin=bool(compiled.asm.get("cubin")),
+        compile_s=round(seconds, 3))
+
+
+def _compile_worker() -> None:
+    """A child process of :func:`compile_specializations`: reads every task (a JSON
+    line each) from stdin, then compiles them and writes one JSON line per result."""
+    results = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # anything else printed to stdout (triton, ptxas) goes to stderr
+    tasks = [json.loads(line) for line in sys.stdin]  # all first: the parent never blocks
+    for task in tasks:
+        spec = Specialization.from_dict(task["spec"])
+        try:
+            result = compile_specialization(spec, task["arch"])
+        except Exception as e:  # noqa: BLE001 - reported with the variant that failed
+            result = dict(spec.to_dict(), name=spec.name, arch=task["arch"],
+                          error=f"{type(e).__name__}: {e}")
+        result["index"] = task["index"]
+        results.write(json.dumps(result) + "\n")
+        results.flush()
+
+
+def compile_specializations(specs: Sequence[Specialization], archs: Sequence[int] = ARCHS,
+                            workers: int = 2,
+                            on_result: Optional[Callable[[Dict[str, Any]], None]] = None
+                            ) -> List[Dict[str, Any]]:
+    """Compile every ``spec`` for every arch in ``workers`` child processes; returns
+    :func:`compile_specialization`'s results in order (spec by spec, arch by arch),
+    with ``error`` instead of the figures for a variant that failed to compile.
+    ``on_result`` sees each result as it arrives.
+
+    The children run without ``TRITON_INTERPRET`` (under the interpreter the kernels
+    can't be compiled) and with a fresh Triton cache, so every variant is compiled and
+    timed, and nothing is left in the user's cache.
+    """
+    tasks = [dict(index=len(archs) * i + j, spec=s.to_dict(), arch=a)
+             for i, s in enumerate(specs) for j, a in enumerate(archs)]
+    if not tasks:
+        return []
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # srupp imports in the children from where it imports here
+    root = str(Path(__file__).resolve().parents[2])
+    paths = [root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    results: List[Optional[Dict[str, Any]]] = [None] * len(tasks)
+    done: "queue.Queue[Optional[Dict[str, Any]]]" = queue.Queue()
+    with tempfile.TemporaryDirectory(prefix="srupp-triton-cache-") as cache:
+        env["TRITON_CACHE_DIR"] = cache
+        n = max(1, min(workers, len(tasks)))
+        procs = [subprocess.Popen(
+            [sys.executable, "-c",
+             "from srupp.ops.triton_kernel import _compile_worker; _compile_worker()"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) for _ in range(n)]
+
+        def read(proc):
+            for line in proc.stdout:
+                done.put(json.loads(line))
+            done.put(None)  # this worker is finished (or died)
+
+        readers = [threading.Thread(target=read, args=(p,), daemon=True) for p in procs]
+        for t in readers:
+            t.start()
+        try:
+            for w, proc in enumerate(procs):  # interleaved, so the workers' loads match
+                proc.stdin.write("".join(json.dumps(t) + "\n" for t in tasks[w::n]))
+                proc.stdin.close()
+            finished = 0
+            while finished < n:
+                result = done.get()
+                if result is None:
+                    finished += 1
+                    continue
+                results[result.pop("index")] = result
+                if on_result is not None:
+                    on_result(result)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+    missing = [i for i, r in enumerate(results) if r is None]
+    if missing:
+        codes = [p.returncode for p in procs]
+        raise RuntimeError(f"{len(missing)} of {len(tasks)} compilations returned nothing "
+                           f"(worker exit codes {codes}; their stderr is above)")
+    return results
+
+
+def pairwise_cover(specs: Sequence[Specialization]) -> List[Specialization]:
+    """A subset of ``specs`` in which every pair of values of two fields that occurs
+    together in ``specs`` (U's dtype with x's, mask with dropout, ...) occurs at
+    least once: much smaller than ``specs`` and still exercising each value of each
+    field in many settings (the fields of a kernel interact mostly in pairs).
+    Greedy; deterministic."""
+    fields = [f.name for f in dataclasses.fields(Specialization) if f.name != "kernel"]
+
+    def pairs(s):
+        values = [(f, getattr(s, f)) for f in fields]
+        return {(s.kernel, a, b) for a, b in itertools.combinations(values, 2)}
+
+    of = {s: pairs(s) for s in specs}
+    todo = set().union(*of.values()) if specs else set()
+    chosen = []
+    while todo:
+        best = max(specs, key=lambda s: len(of[s] & todo))
+        chosen.append(best)
+        todo -= of[best]
+    return chosen
