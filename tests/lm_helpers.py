@@ -40,10 +40,10 @@ def metrics(run):
 
 
 def greedy_by_recomputing(m, prompt, n):
-    """The slow way to decode: rerun the whole sequence for every new token."""
-    seq = list(prompt)
+    """The slow way to decode: rerun the whole sequence for every new token (on m's device)."""
+    seq, device = list(prompt), next(m.parameters()).device
     for _ in range(n):
-        seq.append(int(m(torch.tensor([seq])).logits[0, -1].argmax()))
+        seq.append(int(m(torch.tensor([seq], device=device)).logits[0, -1].argmax()))
     return seq[len(prompt):]
 
 
