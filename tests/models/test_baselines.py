@@ -13,6 +13,7 @@ from srupp.models.baselines import (GRULanguageModel, LSTMLanguageModel, SRULang
 from srupp.train import Trainer
 
 from lm_helpers import baseline_config, greedy_by_recomputing, metrics
+from models_on_device import across_shapes
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 BASELINES = ["sru", "lstm", "gru", "transformer"]
@@ -21,30 +22,35 @@ CLASSES = {"srupp": LanguageModel, "sru": SRULanguageModel, "lstm": LSTMLanguage
 OWN = {"srupp": dict(proj_size=4), "transformer": dict(num_heads=2)}  # fields of one type
 
 
-def make(kind, **kw):
+def make(kind, device=None, **kw):
+    """A tiny model built on the CPU (the same weights whatever the device), moved to device."""
     torch.manual_seed(0)
     cfg = dict(vocab_size=11, d_model=8, num_layers=2, dropout=0.0, mem_len=64, type=kind,
                **OWN.get(kind, {}))
     cfg.update(kw)
-    return build_model(cfg).eval()
+    return build_model(cfg).eval().to(device)
+
+
+def tokens(*shape, device):
+    return torch.randint(0, 11, shape).to(device)
 
 
 # ---------------------------------------------------------------- the models
 @pytest.mark.parametrize("kind", list(CLASSES))
-def test_build_model_dispatches_and_counts(kind):
-    m = make(kind)
+def test_build_model_dispatches_and_counts(kind, device):
+    m = make(kind, device)
     assert type(m) is CLASSES[kind] and isinstance(m, CausalLM)
-    out = m(torch.randint(0, 11, (3, 6)), targets=torch.randint(0, 11, (3, 6)))
+    out = m(tokens(3, 6, device=device), targets=tokens(3, 6, device=device))
     assert out.logits.shape == (3, 6, 11) and torch.isfinite(out.loss)
-    tied = make(kind, tie_embeddings=True)
+    tied = make(kind, device, tie_embeddings=True)
     assert tied.output.weight is tied.embedding.weight
     assert tied.num_parameters() == m.num_parameters() - 11 * 8
 
 
 @pytest.mark.parametrize("kind", BASELINES)
-def test_segments_with_state_match_one_pass(kind):
-    m = make(kind)  # transformer: mem_len 64 >= the 12 tokens
-    t = torch.randint(0, 11, (2, 12))
+def test_segments_with_state_match_one_pass(kind, device):
+    m = make(kind, device)  # transformer: mem_len 64 >= the 12 tokens
+    t = tokens(2, 12, device=device)
     full = m(t).logits
     a = m(t[:, :5])
     b = m(t[:, 5:], a.state.detach())
@@ -52,25 +58,25 @@ def test_segments_with_state_match_one_pass(kind):
 
 
 @pytest.mark.parametrize("kind", BASELINES)
-def test_greedy_generation_matches_recomputation(kind):
-    m = make(kind)
+def test_greedy_generation_matches_recomputation(kind, device):
+    m = make(kind, device)
     prompt = [1, 5, 2, 7]
     assert m.generate([prompt], 8, temperature=0)[0] == greedy_by_recomputing(m, prompt, 8)
 
 
 @pytest.mark.parametrize("kind", BASELINES)
-def test_batched_left_padded_generation_matches_single(kind):
-    m = make(kind)
+def test_batched_left_padded_generation_matches_single(kind, device):
+    m = make(kind, device)
     prompts = [[3, 1, 4, 1, 5], [9], [2, 6]]
     batched = m.generate(prompts, 6, temperature=0)
     for p, got in zip(prompts, batched):
         assert got == m.generate([p], 6, temperature=0)[0]
 
 
-def test_transformer_without_memory_restarts_segments_and_learned_positions():
-    m = make("transformer", mem_len=0)
+def test_transformer_without_memory_restarts_segments_and_learned_positions(device):
+    m = make("transformer", device, mem_len=0)
     assert m.positions == "learned" and m.pos_embedding is not None
-    t = torch.randint(0, 11, (2, 10))
+    t = tokens(2, 10, device=device)
     a = m(t[:, :4])
     assert "k.0" not in a.state and int(a.state["pos"].sum()) == 0
     torch.testing.assert_close(m(t[:, 4:], a.state).logits, m(t[:, 4:]).logits, **TOL)
@@ -80,42 +86,44 @@ def test_transformer_without_memory_restarts_segments_and_learned_positions():
         TransformerConfig(positions="learned", mem_len=8)
 
 
-def test_transformer_memory_is_a_window():
-    m = make("transformer", mem_len=3)
+def test_transformer_memory_is_a_window(device):
+    m = make("transformer", device, mem_len=3)
     assert m.positions == "sinusoidal"
-    s = m(torch.randint(0, 11, (2, 5))).state
+    s = m(tokens(2, 5, device=device)).state
     assert s["k.0"].shape == (2, 2, 3, 4) and s["pos"].tolist() == [5, 5]
-    s = m(torch.randint(0, 11, (2, 2)), s).state
+    s = m(tokens(2, 2, device=device), s).state
     assert s["v.1"].shape == (2, 2, 3, 4) and s["pos"].tolist() == [7, 7]
 
 
 @pytest.mark.parametrize("kind", BASELINES)
-def test_state_dict_round_trip_and_index_select(kind):
-    m = make(kind)
-    s = m(torch.randint(0, 11, (3, 4))).state
+def test_state_dict_round_trip_and_index_select(kind, device):
+    m = make(kind, device)
+    s = m(tokens(3, 4, device=device)).state
     assert isinstance(s, TensorState) and s.batch_size == 3 and s.nbytes() > 0
     back = state_from_dict(s.to_dict())
     assert isinstance(back, TensorState) and back.batch_dims == s.batch_dims
     for k in s.tensors:
         assert torch.equal(back[k], s[k])
-    sel = s.index_select(torch.tensor([2, 0]))
+    sel = s.index_select(torch.tensor([2, 0]))  # a CPU index selects on any device
     assert sel.batch_size == 2
-    t = torch.randint(0, 11, (3, 3))
-    torch.testing.assert_close(m(t[[2, 0]], sel).logits, m(t, s).logits[[2, 0]], **TOL)
+    assert all(t.device == s[k].device for k, t in sel.tensors.items())
+    t = tokens(3, 3, device=device)
+    torch.testing.assert_close(m(t[[2, 0]], sel).logits, m(t, s).logits[[2, 0]],
+                               **across_shapes(device, **TOL))
     # SRU++ states still load as SRUppState
     from srupp.nn import SRUppState
-    assert isinstance(state_from_dict(make("srupp")(t).state.to_dict()), SRUppState)
+    assert isinstance(state_from_dict(make("srupp", device)(t).state.to_dict()), SRUppState)
 
 
 @pytest.mark.parametrize("kind", list(CLASSES))
-def test_save_load_round_trip_gives_the_saved_type(tmp_path, kind):
-    m = make(kind)
+def test_save_load_round_trip_gives_the_saved_type(tmp_path, kind, device):
+    m = make(kind, device)
     m.save_pretrained(tmp_path / "m")
     assert json.loads((tmp_path / "m" / "config.json").read_text())["type"] == kind
     for loader in (CausalLM.from_pretrained, type(m).from_pretrained, load_model):
-        back = loader(tmp_path / "m")
-        assert type(back) is type(m) and not back.training
-        t = torch.randint(0, 11, (2, 7))
+        back = loader(tmp_path / "m", device=device)
+        assert type(back) is type(m) and not back.training and back.device == m.device
+        t = tokens(2, 7, device=device)
         torch.testing.assert_close(back(t).logits, m(t).logits)
 
 

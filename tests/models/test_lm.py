@@ -8,11 +8,13 @@ from srupp.errors import UserError
 from srupp.models import LanguageModel, SRUppConfig, config_from_dict, sample
 
 from lm_helpers import greedy_by_recomputing
+from models_on_device import across_shapes, generators
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def make(**kw):
+def make(device=None, **kw):
+    """The tiny model, built on the CPU (the same weights whatever the device), moved to device."""
     torch.manual_seed(0)
     cfg = dict(vocab_size=11, d_model=8, proj_size=4, num_layers=2, dropout=0.0, mem_len=64)
     cfg.update(kw)
@@ -20,58 +22,62 @@ def make(**kw):
     with torch.no_grad():  # give attention a say (α starts at 0)
         for layer in m.rnn.layers:
             layer.transform.alpha.fill_(0.7)
-    return m
+    return m.to(device)
 
 
-def test_loss_is_cross_entropy_and_counts_every_parameter():
-    m = make()
-    t = torch.randint(0, 11, (3, 6))
-    y = torch.randint(0, 11, (3, 6))
+def test_loss_is_cross_entropy_and_counts_every_parameter(device):
+    m = make(device)
+    t = torch.randint(0, 11, (3, 6)).to(device)
+    y = torch.randint(0, 11, (3, 6)).to(device)
     y[0, 0] = -100
     out = m(t, targets=y)
     assert out.logits.shape == (3, 6, 11)
     expected = F.cross_entropy(out.logits.reshape(-1, 11), y.reshape(-1), ignore_index=-100)
     torch.testing.assert_close(out.loss, expected)
     assert m.num_parameters() == sum(p.numel() for p in m.parameters())
-    tied = make(tie_embeddings=True)
+    tied = make(device, tie_embeddings=True)
     assert tied.output.weight is tied.embedding.weight
     assert tied.num_parameters() == m.num_parameters() - 11 * 8
 
 
-def test_segments_with_state_match_one_pass():
-    m = make()
-    t = torch.randint(0, 11, (2, 12))
+def test_segments_with_state_match_one_pass(device):
+    m = make(device)
+    t = torch.randint(0, 11, (2, 12)).to(device)
     full = m(t).logits
     a = m(t[:, :5])
     b = m(t[:, 5:], a.state.detach())
-    torch.testing.assert_close(torch.cat([a.logits, b.logits], 1), full, **TOL)
+    torch.testing.assert_close(torch.cat([a.logits, b.logits], 1), full,
+                               **across_shapes(device, **TOL))
 
 
-def test_greedy_generation_matches_recomputation():
-    m = make()
+def test_greedy_generation_matches_recomputation(device):
+    m = make(device)
     prompt = [1, 5, 2, 7]
     got = m.generate([prompt], 8, temperature=0)[0]
     assert got == greedy_by_recomputing(m, prompt, 8)
 
 
-def test_batched_left_padded_generation_matches_single():
-    m = make()
+def test_batched_left_padded_generation_matches_single(device):
+    m = make(device)
     prompts = [[3, 1, 4, 1, 5], [9], [2, 6]]
     batched = m.generate(prompts, 6, temperature=0)
     for p, got in zip(prompts, batched):
         assert got == m.generate([p], 6, temperature=0)[0]
 
 
-def test_seeded_sampling_repeats():
-    m = make()
-    a = m.generate([[1, 2]], 10, generator=torch.Generator().manual_seed(3), top_k=5, top_p=0.9)
-    b = m.generate([[1, 2]], 10, generator=torch.Generator().manual_seed(3), top_k=5, top_p=0.9)
-    c = m.generate([[1, 2]], 10, generator=torch.Generator().manual_seed(4), top_k=5, top_p=0.9)
-    assert a == b and a != c
+def test_seeded_sampling_repeats(device):
+    m = make(device)
+    # a CPU generator samples a model on any device; on a GPU, so does one of the GPU's
+    for g3, g3_again, g4 in zip(generators(device, 3), generators(device, 3),
+                                generators(device, 4)):
+        a = m.generate([[1, 2]], 10, generator=g3, top_k=5, top_p=0.9)
+        b = m.generate([[1, 2]], 10, generator=g3_again, top_k=5, top_p=0.9)
+        c = m.generate([[1, 2]], 10, generator=g4, top_k=5, top_p=0.9)
+        assert a == b and a != c
 
 
-def test_eos_and_stop_strings():
-    m = make()
+def test_eos_and_stop_strings(device):
+    m = make(device)
     free = m.generate([[1, 2]], 8, temperature=0)[0]
     eos = free[2]
     first = free.index(eos)
@@ -83,23 +89,25 @@ def test_eos_and_stop_strings():
     assert decode(cut) == text[:text.index(stop)]
 
 
-def test_sampling_filters():
-    logits = torch.tensor([[0.1, 3.0, 0.5, 2.9]])
-    g = torch.Generator().manual_seed(0)
-    assert sample(logits, top_k=1, generator=g).item() == 1
-    assert sample(logits, top_p=1e-3, generator=g).item() == 1
-    draws = {sample(logits, top_k=2, generator=g).item() for _ in range(50)}
-    assert draws == {1, 3}
+def test_sampling_filters(device):
+    logits = torch.tensor([[0.1, 3.0, 0.5, 2.9]], device=device)
+    for g in generators(device, 0):
+        assert sample(logits, top_k=1, generator=g).item() == 1
+        assert sample(logits, top_p=1e-3, generator=g).item() == 1
+        drawn = [sample(logits, top_k=2, generator=g) for _ in range(50)]
+        assert all(d.device == logits.device for d in drawn)
+        assert {d.item() for d in drawn} == {1, 3}
     assert sample(logits, temperature=0).item() == 1
 
 
-def test_save_and_load(tmp_path):
-    m = make(tie_embeddings=True)
+def test_save_and_load(tmp_path, device):
+    m = make(device, tie_embeddings=True)
     m.save_pretrained(tmp_path / "m")
-    back = LanguageModel.from_pretrained(tmp_path / "m")
+    back = LanguageModel.from_pretrained(tmp_path / "m", device=device)
     assert not back.training and back.config == m.config
     assert back.output.weight is back.embedding.weight
-    t = torch.randint(0, 11, (2, 5))
+    assert back.device == m.device
+    t = torch.randint(0, 11, (2, 5)).to(device)
     torch.testing.assert_close(back(t).logits, m(t).logits, rtol=0, atol=0)
 
 

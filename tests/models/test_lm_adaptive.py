@@ -7,12 +7,14 @@ from srupp.models import LanguageModel, SRUppConfig
 from srupp.train import evaluate
 
 from lm_helpers import greedy_by_recomputing
+from models_on_device import across_shapes, generators
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 V = 40
 
 
-def make(**kw):
+def make(device=None, **kw):
+    """The tiny model, built on the CPU (the same weights whatever the device), moved to device."""
     torch.manual_seed(0)
     cfg = dict(vocab_size=V, d_model=8, proj_size=4, num_layers=2, dropout=0.0, mem_len=64,
                adaptive_cutoffs=[10, 20], div_val=2, emb_dim=8, tie_embeddings=True)
@@ -23,17 +25,17 @@ def make(**kw):
             layer.transform.alpha.fill_(0.7)
         for b in m.output.out_biases:
             b.normal_()
-    return m
+    return m.to(device)
 
 
-def test_loss_is_mean_nll_of_log_probs_and_logits_are_log_probs():
-    m = make()
-    t = torch.randint(0, V, (3, 6))
-    y = torch.randint(0, V, (3, 6))
+def test_loss_is_mean_nll_of_log_probs_and_logits_are_log_probs(device):
+    m = make(device)
+    t = torch.randint(0, V, (3, 6)).to(device)
+    y = torch.randint(0, V, (3, 6)).to(device)
     y[0, 0] = -100
     lp = m(t).logits
     assert lp.shape == (3, 6, V)
-    torch.testing.assert_close(lp.logsumexp(-1), torch.zeros(3, 6), **TOL)
+    torch.testing.assert_close(lp.logsumexp(-1), torch.zeros(3, 6, device=device), **TOL)
     out = m(t, targets=y)
     assert out.logits is None
     keep = y != -100
@@ -57,27 +59,28 @@ def test_tying_counts_shared_parameters_once():
     assert proj_untied.num_parameters() == tied.num_parameters() + projs
 
 
-def test_segments_with_state_match_one_pass():
-    m = make()
-    t = torch.randint(0, V, (2, 12))
+def test_segments_with_state_match_one_pass(device):
+    m = make(device)
+    t = torch.randint(0, V, (2, 12)).to(device)
     full = m(t).logits
     a = m(t[:, :5])
     b = m(t[:, 5:], a.state.detach())
-    torch.testing.assert_close(torch.cat([a.logits, b.logits], 1), full, **TOL)
+    torch.testing.assert_close(torch.cat([a.logits, b.logits], 1), full,
+                               **across_shapes(device, **TOL))
 
 
-def test_greedy_generation_matches_recomputation():
-    m = make()
+def test_greedy_generation_matches_recomputation(device):
+    m = make(device)
     prompt = [1, 25, 12, 7]
     got = m.generate([prompt], 6, temperature=0)[0]
     assert got == greedy_by_recomputing(m, prompt, 6)
-    sampled = m.generate([prompt], 5, temperature=0.8, top_k=5,
-                         generator=torch.Generator().manual_seed(0))[0]
-    assert len(sampled) == 5 and all(0 <= s < V for s in sampled)
+    for g in generators(device, 0):
+        sampled = m.generate([prompt], 5, temperature=0.8, top_k=5, generator=g)[0]
+        assert len(sampled) == 5 and all(0 <= s < V for s in sampled)
 
 
-def test_evaluate_uses_the_targets_path_and_agrees():
-    m = make()
+def test_evaluate_uses_the_targets_path_and_agrees(device):
+    m = make(device)
     ids = torch.randint(0, V, (200,))
     res = evaluate(m, ids, batch_size=2, unroll=16)
 
@@ -97,13 +100,13 @@ def test_evaluate_uses_the_targets_path_and_agrees():
     assert res["loss"] == pytest.approx(old["loss"], rel=1e-5)
 
 
-def test_save_and_load_keeps_ties(tmp_path):
-    m = make()
+def test_save_and_load_keeps_ties(tmp_path, device):
+    m = make(device)
     m.save_pretrained(tmp_path / "m")
-    back = LanguageModel.from_pretrained(tmp_path / "m")
+    back = LanguageModel.from_pretrained(tmp_path / "m", device=device)
     assert back.config.adaptive_cutoffs == [10, 20]
     assert back.output.out_embs[1] is back.embedding.emb_layers[1].weight
-    t = torch.randint(0, V, (2, 7))
+    t = torch.randint(0, V, (2, 7)).to(device)
     torch.testing.assert_close(back(t).logits, m(t).logits)
 
 

@@ -27,8 +27,9 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def make(kind):
-    """A tiny language model of ``kind`` whose memory keeps 4 positions."""
+def make(kind, device=None):
+    """A tiny language model of ``kind`` whose memory keeps 4 positions, built on the CPU
+    (the same weights whatever the device) and moved to ``device``."""
     torch.manual_seed(0)
     m = build_model(dict(vocab_size=11, d_model=8, num_layers=2, dropout=0.0, mem_len=4,
                          type=kind, **OWN.get(kind, {}))).eval()
@@ -36,60 +37,78 @@ def make(kind):
         with torch.no_grad():  # give attention a say (α starts at 0)
             for layer in m.rnn.layers:
                 layer.transform.alpha.fill_(0.7)
-    return m
+    return m.to(device)
 
 
-def assert_same_state(back, state):
-    """Same class, same tensors (names, values, dtypes), on the CPU."""
+def held(state):
+    """The tensors a state holds (to_dict adds bookkeeping it makes on the CPU: mem_len,
+    batch dimensions)."""
+    if isinstance(state, TensorState):
+        return dict(state.tensors)
+    parts = {"c": state.c, "memory_mask_pad": state.memory_mask_pad,
+             **{f"memory.{i}": m for i, m in enumerate(state.memory)}}
+    return {k: t for k, t in parts.items() if t is not None}
+
+
+def assert_same_state(back, state, device=torch.device("cpu")):
+    """Same class, same tensors (names, values, dtypes), held on ``device`` (by default the
+    CPU, where load_state puts them unless told otherwise)."""
     assert type(back) is type(state)
     want, got = state.to_dict(), back.to_dict()
     assert got.keys() == want.keys()
     for k, t in want.items():
-        assert got[k].device.type == "cpu", k
-        assert got[k].dtype == t.dtype and torch.equal(got[k], t.cpu()), k
+        assert got[k].dtype == t.dtype and torch.equal(got[k].cpu(), t.cpu()), k
+    assert held(back).keys() == held(state).keys()
+    for k, t in held(back).items():
+        assert t.device.type == device.type, k
     if isinstance(state, TensorState):
         assert back.batch_dims == state.batch_dims
 
 
 # ---------------------------------------------------------------- round trips
 @pytest.mark.parametrize("kind", KINDS)
-def test_round_trip_of_every_model_s_state(tmp_path, kind):
-    m = make(kind)
-    tokens = torch.tensor([[3, 1, 4, 1, 5], [0, 0, 2, 6, 5]])
-    pad = torch.tensor([[False] * 5, [True, True, False, False, False]])
+def test_round_trip_of_every_model_s_state(tmp_path, kind, device):
+    m = make(kind, device)
+    tokens = torch.tensor([[3, 1, 4, 1, 5], [0, 0, 2, 6, 5]], device=device)
+    pad = torch.tensor([[False] * 5, [True, True, False, False, False]], device=device)
     with torch.no_grad():  # padding inside the window: SRU++ and transformer keep a mask
         state = m(tokens, m.generation_state(2, mem_len=4), mask_pad=pad).state
     save_state(state, tmp_path / "s.safetensors")
-    back = load_state(tmp_path / "s.safetensors")
-    assert_same_state(back, state)
+    assert_same_state(load_state(tmp_path / "s.safetensors"), state)       # onto the CPU
+    back = load_state(tmp_path / "s.safetensors", device=device)         # onto the model's
+    assert_same_state(back, state, device)
     if kind == "srupp":
         assert back.mem_len == 4 and back.memory_mask_pad is not None
         assert all(kv is None for kv in back.kv_cache)  # derived data: not saved
-    t = torch.randint(0, 11, (2, 3))
+    t = torch.randint(0, 11, (2, 3)).to(device)
     torch.testing.assert_close(m(t, back).logits, m(t, state).logits, **TOL)
 
 
-def test_round_trip_keeps_dtypes_and_optional_parts(tmp_path):
-    sru_pp = SRUppState(c=torch.randn(2, 3, 4),
-                        memory=[torch.randn(3, 5, 6).to(torch.bfloat16), None],
-                        memory_mask_pad=torch.rand(3, 5) > 0.5, mem_len=7)
-    tensors = TensorState({"x": torch.randn(4, 3, dtype=torch.float64),
-                           "half": torch.randn(3, 2).half(), "flag": torch.zeros(3).bool(),
-                           "n": torch.tensor(-1)}, {"x": 1, "half": 0, "flag": 0, "n": None})
+def test_round_trip_keeps_dtypes_and_optional_parts(tmp_path, device):
+    g = torch.Generator().manual_seed(0)  # made on the CPU, saved from the device
+    sru_pp = SRUppState(c=torch.randn(2, 3, 4, generator=g).to(device),
+                        memory=[torch.randn(3, 5, 6, generator=g).to(device, torch.bfloat16),
+                                None],
+                        memory_mask_pad=(torch.rand(3, 5, generator=g) > 0.5).to(device),
+                        mem_len=7)
+    tensors = TensorState({"x": torch.randn(4, 3, dtype=torch.float64, generator=g),
+                           "half": torch.randn(3, 2, generator=g).half(),
+                           "flag": torch.zeros(3).bool(), "n": torch.tensor(-1)},
+                          {"x": 1, "half": 0, "flag": 0, "n": None}).to(device)
     for state in (sru_pp, tensors):
         save_state(state, tmp_path / "s.safetensors")
         assert_same_state(load_state(tmp_path / "s.safetensors"), state)
+        assert_same_state(load_state(tmp_path / "s.safetensors", device=device), state, device)
     back = load_state(tmp_path / "s.safetensors", device="meta")  # device= moves the tensors
     assert back["x"].device.type == "meta" and back.batch_dims["n"] is None
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_a_cuda_state_saves_and_loads_onto_a_device(tmp_path):
-    state = SRUppState(c=torch.randn(2, 1, 4, device="cuda"),
-                       memory=[torch.randn(1, 3, 4, device="cuda"), None])
+def test_a_state_saves_and_loads_onto_a_device(tmp_path, device):
+    state = SRUppState(c=torch.randn(2, 1, 4, device=device),
+                       memory=[torch.randn(1, 3, 4, device=device), None])
     save_state(state, tmp_path / "s.safetensors")
-    back = load_state(tmp_path / "s.safetensors", device="cuda")
-    assert back.c.is_cuda and torch.equal(back.c, state.c)
+    back = load_state(tmp_path / "s.safetensors", device=device)
+    assert back.c.device == state.c.device and torch.equal(back.c, state.c)
     assert torch.equal(back.memory[0], state.memory[0])
 
 
@@ -106,7 +125,9 @@ def test_metadata_and_replacing_a_file(tmp_path):
 
 
 # ------------------------------------------------- resuming in a fresh process
-# Loads the model and the state from their files only, then decodes greedily.
+# Loads the model and the state from their files only, onto the device the parent decodes
+# on, then decodes greedily. On CUDA it computes fp32 in IEEE fp32, as the parent does under
+# tests/models/conftest.py (cuDNN's LSTM would otherwise take TF32).
 CHILD = r"""
 import json, sys
 import torch
@@ -114,12 +135,14 @@ from srupp.models import load_model, load_state
 
 torch.set_num_threads(1)
 model_dir, state_file, token, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-model = load_model(model_dir)
-state = load_state(state_file)
+device = torch.device(sys.argv[5])
+torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+model = load_model(model_dir, device=device)
+state = load_state(state_file, device=device)
 tokens, logits = [], []
 with torch.no_grad():
     for _ in range(steps):
-        out, state = model.step(torch.tensor([token]), state)
+        out, state = model.step(torch.tensor([token], device=device), state)
         token = int(out[0].argmax())
         tokens.append(token)
         logits.append(out[0].tolist())
@@ -132,7 +155,7 @@ def greedy(m, token, state, steps):
     tokens, logits = [], []
     with torch.no_grad():
         for _ in range(steps):
-            out, state = m.step(torch.tensor([token]), state)
+            out, state = m.step(torch.tensor([token], device=m.device), state)
             token = int(out[0].argmax())
             tokens.append(token)
             logits.append(out[0])
@@ -140,11 +163,11 @@ def greedy(m, token, state, steps):
 
 
 @pytest.mark.parametrize("kind", ["srupp", "lstm", "transformer"])
-def test_a_state_saved_mid_decoding_resumes_in_a_fresh_process(tmp_path, kind):
-    m = make(kind)
+def test_a_state_saved_mid_decoding_resumes_in_a_fresh_process(tmp_path, kind, device):
+    m = make(kind, device)
     N, M = 5, 6  # N + M steps: the 4-position memory window moves while decoding
     with torch.no_grad():
-        prompt = m(torch.tensor([[1, 5, 2, 7]]), m.generation_state(1, mem_len=4))
+        prompt = m(torch.tensor([[1, 5, 2, 7]], device=device), m.generation_state(1, mem_len=4))
     first = int(prompt.logits[0, -1].argmax())
     tokens, logits, _ = greedy(m, first, prompt.state, N + M)  # one uninterrupted decode
     head, _, state = greedy(m, first, prompt.state, N)          # the same N steps, then park
@@ -153,12 +176,13 @@ def test_a_state_saved_mid_decoding_resumes_in_a_fresh_process(tmp_path, kind):
     m.save_pretrained(tmp_path / "model")
 
     run = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "model"),
-                          str(tmp_path / "conversation.safetensors"), str(head[-1]), str(M)],
+                          str(tmp_path / "conversation.safetensors"), str(head[-1]), str(M),
+                          str(device)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     child = json.loads(run.stdout.strip().splitlines()[-1])
     assert child["tokens"] == tokens[N:]
-    torch.testing.assert_close(torch.tensor(child["logits"]), logits[N:], **TOL)
+    torch.testing.assert_close(torch.tensor(child["logits"], device=device), logits[N:], **TOL)
     # the check has teeth: without the saved state the continuation differs
     _, fresh, _ = greedy(m, head[-1], m.generation_state(1, mem_len=4), M)
     assert not torch.allclose(fresh, logits[N:], atol=1e-3)

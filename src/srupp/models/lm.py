@@ -183,7 +183,8 @@ class CausalLM(SavedModel):
                 these (the text is cut before it); needs ``decode``.
             decode: ids -> str, for stop strings.
             mem_len: attention window while decoding; defaults to the model's.
-            generator: a seeded torch.Generator makes sampling repeatable.
+            generator: a seeded torch.Generator makes sampling repeatable (on the
+                model's device, or on the CPU, which then draws the tokens).
             on_tokens: called with the (B,) tokens of each step, for streaming.
         Returns:
             B lists of new token ids (prompt excluded).
@@ -209,9 +210,11 @@ class CausalLM(SavedModel):
                          generator=generator)                     # (B,)
             if on_tokens is not None:
                 on_tokens(torch.where(done, torch.full_like(nxt, -1), nxt))
+            # the step's tokens read back in one transfer (one sync on a GPU), not per row
+            ids, finished = nxt.tolist(), done.tolist()
             for b in range(B):
-                if not done[b]:
-                    new[b].append(int(nxt[b]))
+                if not finished[b]:
+                    new[b].append(ids[b])
                     if stop_strings and any(s in decode(new[b]) for s in stop_strings):
                         done[b] = True
             if eos_id is not None:
@@ -286,6 +289,11 @@ def sample(logits: Tensor, *, temperature: float = 1.0, top_k: Optional[int] = N
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(dim=-1)
+    if generator is not None and generator.device != probs.device:
+        # a generator draws on its own device: a CPU one (torch.Generator()'s default)
+        # samples a model's GPU logits on the CPU, as repeatable as on the CPU
+        draw = torch.multinomial(probs.to(generator.device), 1, generator=generator)
+        return draw.squeeze(-1).to(probs.device)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
