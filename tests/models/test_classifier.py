@@ -11,6 +11,8 @@ from srupp.models import (Classifier, ClassifierBase, ClassifierConfig, LSTMClas
                           build_model, config_from_dict, load_model)
 from srupp.models.classifier import POOLINGS, attention_pool, max_pool, mean_pool
 
+from models_on_device import across_shapes
+
 TYPES = {"srupp": Classifier, "sru": SRUClassifier, "lstm": LSTMClassifier,
          "transformer": TransformerClassifier}
 # what each type needs beyond the shared fields, at d = 16
@@ -29,15 +31,16 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def tiny(kind, **kw):
-    """A tiny classifier of ``kind`` (d = 16, 2 layers, vocab 30, 3 labels), in eval mode."""
+def tiny(kind, device=None, **kw):
+    """A tiny classifier of ``kind`` (d = 16, 2 layers, vocab 30, 3 labels), in eval mode,
+    built on the CPU (the same weights whatever the device) and moved to ``device``."""
     torch.manual_seed(0)
     cfg = {"task": "classify", "type": kind, "num_labels": 3, "vocab_size": V, "d_model": 16,
            "num_layers": 2, **EXTRA[kind], **kw}
-    return build_model(cfg).eval()
+    return build_model(cfg).eval().to(device)
 
 
-def ragged_batch():
+def ragged_batch(device=None):
     """4 rows of 7 with padding at the end, at the start, in the middle, and none."""
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, V, (4, 7), generator=g)
@@ -46,7 +49,7 @@ def ragged_batch():
     pad[1, :3] = True
     pad[2, [1, 2, 5]] = True
     tokens[pad] = 999  # ids under padding are never read
-    return tokens, pad
+    return tokens.to(device), pad.to(device)
 
 
 # --------------------------------------------------------------------------- registry, saving
@@ -62,13 +65,13 @@ def test_each_type_is_registered_under_classify():
 
 
 @pytest.mark.parametrize("kind", TYPES)
-def test_save_and_load_give_identical_logits(kind, tmp_path):
-    model = tiny(kind, pooling="attention")
+def test_save_and_load_give_identical_logits(kind, tmp_path, device):
+    model = tiny(kind, device, pooling="attention")
     with torch.no_grad():  # a query away from its zero start, so that it is saved for real
         model.pooling.query.normal_()
-    tokens, pad = ragged_batch()
+    tokens, pad = ragged_batch(device)
     model.save_pretrained(tmp_path)
-    loaded = load_model(tmp_path)
+    loaded = load_model(tmp_path, device=device)
     assert type(loaded) is TYPES[kind] and loaded.config == model.config
     assert not loaded.training
     torch.testing.assert_close(loaded(tokens, mask_pad=pad).logits,
@@ -84,24 +87,25 @@ def test_from_pretrained_of_another_type_names_the_saved_type(tmp_path):
 
 # --------------------------------------------------------------------------- padding
 
-def assert_padded_rows_match_alone(model):
+def assert_padded_rows_match_alone(model, device):
     """Each row of a ragged, padded batch gets the logits it gets run alone."""
-    tokens, pad = ragged_batch()
+    tokens, pad = ragged_batch(device)
     with torch.no_grad():
         batch = model(tokens, mask_pad=pad).logits                       # (4, 3)
         for b in range(4):
             alone = model(tokens[b][~pad[b]].unsqueeze(0)).logits        # (1, 3)
-            torch.testing.assert_close(batch[b:b + 1], alone, rtol=0, atol=1e-6)
+            torch.testing.assert_close(batch[b:b + 1], alone,
+                                       **across_shapes(device, rtol=0, atol=1e-6))
 
 
 @pytest.mark.parametrize("pooling", POOLINGS)
 @pytest.mark.parametrize("kind", TYPES)
-def test_a_padded_row_gets_the_logits_it_gets_alone(kind, pooling):
-    model = tiny(kind, pooling=pooling)
+def test_a_padded_row_gets_the_logits_it_gets_alone(kind, pooling, device):
+    model = tiny(kind, device, pooling=pooling)
     if pooling == "attention":
         with torch.no_grad():
             model.pooling.query.normal_()
-    assert_padded_rows_match_alone(model)
+    assert_padded_rows_match_alone(model, device)
 
 
 @pytest.mark.parametrize("layout,attends", [
@@ -111,21 +115,22 @@ def test_a_padded_row_gets_the_logits_it_gets_alone(kind, pooling):
     ({"attention_every_n_layers": 2}, [False, True]),
 ])
 def test_srupp_attends_in_the_layers_the_config_names_and_stays_exact_under_padding(
-        layout, attends):
-    model = tiny("srupp", **layout)
+        layout, attends, device):
+    model = tiny("srupp", device, **layout)
     assert [layer.use_attention for layer in model.encoder.layers] == attends
     assert config_from_dict(model.config.to_dict()) == model.config
-    assert_padded_rows_match_alone(model)
+    assert_padded_rows_match_alone(model, device)
 
 
 # --------------------------------------------------------------------------- pooling
 
 @pytest.mark.parametrize("junk", [1e30, -1e30, float("inf"), float("nan")])
-def test_pooling_sees_only_real_positions(junk):
+def test_pooling_sees_only_real_positions(junk, device):
     g = torch.Generator().manual_seed(2)
-    h = torch.randn(3, 5, 4, generator=g, dtype=torch.float64)
-    query = torch.randn(4, generator=g, dtype=torch.float64)
-    pad = torch.tensor([[0, 0, 0, 1, 1], [1, 0, 1, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    h = torch.randn(3, 5, 4, generator=g, dtype=torch.float64).to(device)
+    query = torch.randn(4, generator=g, dtype=torch.float64).to(device)
+    pad = torch.tensor([[0, 0, 0, 1, 1], [1, 0, 1, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool,
+                       device=device)
     dirty = h.masked_fill(pad.unsqueeze(-1), junk)
     for b in range(3):
         real = h[b][~pad[b]]                                             # (n, 4)
@@ -142,16 +147,16 @@ def test_pooling_sees_only_real_positions(junk):
                                torch.einsum("bl,bld->bd", torch.softmax(h @ query, 1), h))
 
 
-def test_attention_pooling_starts_as_mean_pooling():
-    mean, attention = tiny("srupp"), tiny("srupp", pooling="attention")
-    tokens, pad = ragged_batch()
+def test_attention_pooling_starts_as_mean_pooling(device):
+    mean, attention = tiny("srupp", device), tiny("srupp", device, pooling="attention")
+    tokens, pad = ragged_batch(device)
     torch.testing.assert_close(attention(tokens, mask_pad=pad).logits,
                                mean(tokens, mask_pad=pad).logits)
 
 
 # --------------------------------------------------------------------------- gradients
 
-def test_gradcheck_of_the_srupp_classifier_in_float64():
+def test_gradcheck_of_the_srupp_classifier_in_float64(device):
     torch.manual_seed(0)
     cfg = SRUppClassifierConfig(vocab_size=6, num_labels=2, d_model=4, num_layers=2,
                                 dropout=0.0, proj_size=2, pooling="attention")
@@ -160,9 +165,10 @@ def test_gradcheck_of_the_srupp_classifier_in_float64():
         model.pooling.query.normal_()
         for layer in model.encoder.layers:  # α starts at 0, which would hide the attention
             layer.transform.alpha.fill_(0.5)
-    tokens = torch.tensor([[1, 2, 3, 4], [5, 0, 2, 0]])
-    pad = torch.tensor([[False] * 4, [False, False, True, False]])
-    labels = torch.tensor([0, 1])
+    model.to(device)
+    tokens = torch.tensor([[1, 2, 3, 4], [5, 0, 2, 0]], device=device)
+    pad = torch.tensor([[False] * 4, [False, False, True, False]], device=device)
+    labels = torch.tensor([0, 1], device=device)
     names = [n for n, _ in model.named_parameters()]
     params = tuple(p.detach().clone().requires_grad_() for p in model.parameters())
 
@@ -189,18 +195,18 @@ def toy_task(n, g):
 
 
 @pytest.mark.parametrize("kind", TYPES)
-def test_learns_whether_a_token_occurs(kind):
-    g = torch.Generator().manual_seed(3)
-    model = tiny(kind, pooling="max", dropout=0.0).train()
-    tokens, pad, labels = toy_task(512, g)
+def test_learns_whether_a_token_occurs(kind, device):
+    g = torch.Generator().manual_seed(3)  # the data is drawn on the CPU, then moved
+    model = tiny(kind, device, pooling="max", dropout=0.0).train()
+    tokens, pad, labels = (t.to(device) for t in toy_task(512, g))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     for step in range(60):
-        i = torch.randint(0, 512, (32,), generator=g)
+        i = torch.randint(0, 512, (32,), generator=g).to(device)
         loss = model(tokens[i], mask_pad=pad[i], labels=labels[i]).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
-    tokens, pad, labels = toy_task(256, g)
+    tokens, pad, labels = (t.to(device) for t in toy_task(256, g))
     with torch.no_grad():
         accuracy = (model.eval()(tokens, mask_pad=pad).logits.argmax(1) == labels).float().mean()
     assert accuracy >= 0.95, f"{kind}: accuracy {accuracy:.3f}"
@@ -208,29 +214,36 @@ def test_learns_whether_a_token_occurs(kind):
 
 # --------------------------------------------------------------------------- errors
 
+def token_ids(*shape, device, fill=0, dtype=torch.long):
+    return torch.full(shape, fill, dtype=dtype, device=device)
+
+
+# The tokens are on the model's device; masks and labels stay on the CPU, where a caller may
+# keep them: the checks read them on the tokens' device.
 @pytest.mark.parametrize("call,message", [
-    (lambda m: m(torch.zeros(5, dtype=torch.long)), r"tokens must be a \(B, L\) long tensor"),
-    (lambda m: m(torch.zeros(2, 3)), r"tokens must be a \(B, L\) long tensor.*float32"),
-    (lambda m: m(torch.zeros(2, 0, dtype=torch.long)), "at least one token per row"),
-    (lambda m: m(torch.full((2, 3), V)), r"ids outside \[0, vocab_size=30\)"),
-    (lambda m: m(torch.zeros(2, 3, dtype=torch.long), mask_pad=torch.zeros(2, 4, dtype=torch.bool)),
+    (lambda m, d: m(token_ids(5, device=d)), r"tokens must be a \(B, L\) long tensor"),
+    (lambda m, d: m(token_ids(2, 3, device=d, dtype=torch.float32)),
+     r"tokens must be a \(B, L\) long tensor.*float32"),
+    (lambda m, d: m(token_ids(2, 0, device=d)), "at least one token per row"),
+    (lambda m, d: m(token_ids(2, 3, device=d, fill=V)), r"ids outside \[0, vocab_size=30\)"),
+    (lambda m, d: m(token_ids(2, 3, device=d), mask_pad=torch.zeros(2, 4, dtype=torch.bool)),
      r"mask_pad must be a bool tensor of the tokens' shape \(B, L\) = \(2, 3\)"),
-    (lambda m: m(torch.zeros(2, 3, dtype=torch.long), mask_pad=torch.zeros(2, 3)),
+    (lambda m, d: m(token_ids(2, 3, device=d), mask_pad=torch.zeros(2, 3)),
      "mask_pad must be a bool tensor"),
-    (lambda m: m(torch.zeros(2, 3, dtype=torch.long),
-                 mask_pad=torch.tensor([[False, True, True], [True, True, True]])),
+    (lambda m, d: m(token_ids(2, 3, device=d),
+                    mask_pad=torch.tensor([[False, True, True], [True, True, True]])),
      "row 1 of mask_pad is all padding"),
-    (lambda m: m(torch.zeros(2, 3, dtype=torch.long), labels=torch.tensor([0, 3])),
+    (lambda m, d: m(token_ids(2, 3, device=d), labels=torch.tensor([0, 3])),
      r"labels must be class ids in \[0, num_labels=3\), got values from 0 to 3"),
-    (lambda m: m(torch.zeros(2, 3, dtype=torch.long), labels=torch.tensor([-1, 0])),
+    (lambda m, d: m(token_ids(2, 3, device=d), labels=torch.tensor([-1, 0])),
      r"labels must be class ids in \[0, num_labels=3\)"),
-    (lambda m: m(torch.zeros(2, 3, dtype=torch.long), labels=torch.tensor([[0, 1]])),
+    (lambda m, d: m(token_ids(2, 3, device=d), labels=torch.tensor([[0, 1]])),
      r"labels must be a \(B,\) = \(2,\) long tensor"),
 ], ids=["1-d", "float-tokens", "empty", "id-too-big", "mask-shape", "float-mask", "all-padding",
         "label-too-big", "label-negative", "labels-2-d"])
-def test_bad_inputs_are_value_errors(call, message):
+def test_bad_inputs_are_value_errors(call, message, device):
     with pytest.raises(ValueError, match=message):
-        call(tiny("srupp"))
+        call(tiny("srupp", device), device)
 
 
 @pytest.mark.parametrize("fields,message", [

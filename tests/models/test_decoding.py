@@ -130,7 +130,11 @@ def test_search_arguments_are_checked():
 
 # ------------------------------------------------------------------ the SRU++ model
 
-def make(design):
+# The stubs above run on the CPU (their tables are Python); the SRU++ model runs on the
+# device: the search's own tensors (scores, tokens, the reorder index) live on src's device.
+
+def make(design, device):
+    """Built on the CPU (the same weights whatever the device), moved to device."""
     torch.manual_seed(0)
     m = Seq2Seq(SRUppSeq2SeqConfig(vocab_size=20, d_model=16, encoder_layers=2,
                                    decoder_layers=2, dropout=0.3, cross_attention=design,
@@ -139,22 +143,22 @@ def make(design):
         for module in m.modules():
             if hasattr(module, "alpha"):
                 module.alpha.fill_(0.8)
-    return m
+    return m.to(device)
 
 
-def sources():
+def sources(device):
     g = torch.Generator().manual_seed(3)
     src = torch.randint(2, 20, (4, 7), generator=g)
     pad = torch.zeros(4, 7, dtype=torch.bool)
     pad[1, 3:] = True
     pad[3, 5:] = True
-    return src, pad
+    return src.to(device), pad.to(device)
 
 
 @pytest.mark.parametrize("design", ["memory", "sublayer"])
-def test_beam_one_is_greedy_in_eval_mode(design):
-    m = make(design).train()                             # dropout 0.3: eval must be switched on
-    src, pad = sources()
+def test_beam_one_is_greedy_in_eval_mode(design, device):
+    m = make(design, device).train()                     # dropout 0.3: eval must be switched on
+    src, pad = sources(device)
     greedy = greedy_decode(m, src, pad, max_len_b=4)
     assert m.training                                    # the mode is given back
     beam1 = beam_search(m, src, pad, beam=1, max_len_b=4)
@@ -165,9 +169,9 @@ def test_beam_one_is_greedy_in_eval_mode(design):
 
 
 @pytest.mark.parametrize("design", ["memory", "sublayer"])
-def test_batched_beam_search_equals_one_sentence_at_a_time(design):
-    m = make(design).eval()
-    src, pad = sources()
+def test_batched_beam_search_equals_one_sentence_at_a_time(design, device):
+    m = make(design, device).eval()
+    src, pad = sources(device)
     batched = beam_search(m, src, pad, beam=4, lenpen=1.0, max_len_b=4)
     for b, hyp in enumerate(batched):
         n = int((~pad[b]).sum())

@@ -10,6 +10,8 @@ from srupp.models.seq2seq import (CrossAttentionState, EncoderOutput, Seq2Seq, S
                                   SRUppSeq2SeqConfig)
 from srupp.nn import SRUpp, SRUppState
 
+from models_on_device import across_shapes
+
 DESIGNS = ["memory", "sublayer"]
 V, D = 20, 16
 
@@ -24,7 +26,8 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def make(design="memory", dtype=None, **kw):
+def make(design="memory", dtype=None, device=None, **kw):
+    """Built on the CPU (the same weights whatever the device), moved to ``device``."""
     torch.manual_seed(0)
     cfg = dict(vocab_size=V, d_model=D, encoder_layers=2, decoder_layers=2, dropout=0.0,
                cross_attention=design)
@@ -34,18 +37,19 @@ def make(design="memory", dtype=None, **kw):
         for module in m.modules():
             if hasattr(module, "alpha"):
                 module.alpha.fill_(0.8)
-    return m
+    return m.to(device)
 
 
-def batch(B=3, S=6, T=5, seed=1):
-    """Sources with padding at the end of rows 1 and 2 on, and decoder inputs."""
+def batch(B=3, S=6, T=5, seed=1, device=None):
+    """Sources with padding at the end of rows 1 and 2 on, and decoder inputs (made on the
+    CPU, then moved to ``device``)."""
     g = torch.Generator().manual_seed(seed)
     src = torch.randint(2, V, (B, S), generator=g)
     tgt = torch.randint(2, V, (B, T), generator=g)
     pad = torch.zeros(B, S, dtype=torch.bool)
     pad[1, 3:] = True
     pad[2:, S - 1:] = True
-    return src, pad, tgt
+    return src.to(device), pad.to(device), tgt.to(device)
 
 
 # ------------------------------------------------------------------ config and registry
@@ -84,11 +88,11 @@ def test_registry_builds_seq2seq():
 
 
 @pytest.mark.parametrize("design", DESIGNS)
-def test_save_and_load_give_identical_outputs(design, tmp_path):
-    m = make(design, tie_embeddings=False)
-    src, pad, tgt = batch()
+def test_save_and_load_give_identical_outputs(design, tmp_path, device):
+    m = make(design, device=device, tie_embeddings=False)
+    src, pad, tgt = batch(device=device)
     m.save_pretrained(tmp_path)
-    loaded = load_model(tmp_path)
+    loaded = load_model(tmp_path, device=device)
     assert type(loaded) is Seq2Seq and loaded.config == m.config and not loaded.training
     with torch.no_grad():
         torch.testing.assert_close(loaded(src, tgt, src_pad=pad).logits,
@@ -98,10 +102,12 @@ def test_save_and_load_give_identical_outputs(design, tmp_path):
 # ------------------------------------------------------------------ gradients
 
 @pytest.mark.parametrize("design", DESIGNS)
-def test_gradcheck_float64(design):
-    m = make(design, dtype=torch.float64, d_model=8, vocab_size=7, encoder_layers=1)
-    src, tgt = torch.tensor([[2, 3, 4], [5, 6, 0]]), torch.tensor([[1, 4, 2], [1, 3, 3]])
-    pad = torch.tensor([[False, False, False], [False, False, True]])
+def test_gradcheck_float64(design, device):
+    m = make(design, dtype=torch.float64, device=device, d_model=8, vocab_size=7,
+             encoder_layers=1)
+    src = torch.tensor([[2, 3, 4], [5, 6, 0]], device=device)
+    tgt = torch.tensor([[1, 4, 2], [1, 3, 3]], device=device)
+    pad = torch.tensor([[False, False, False], [False, False, True]], device=device)
     names = ["embedding.weight", "encoder.layers.0.transform.alpha",
              "decoder.layers.1.transform.alpha" if design == "memory"
              else "cross.1.key_value.weight"]
@@ -116,36 +122,38 @@ def test_gradcheck_float64(design):
 
 # ------------------------------------------------------------------ padding and decoding
 
-def test_encoder_output_under_padding_equals_each_sentence_alone():
-    m = make()
-    src, pad, _ = batch(S=7)
+def test_encoder_output_under_padding_equals_each_sentence_alone(device):
+    m = make(device=device)
+    src, pad, _ = batch(S=7, device=device)
     with torch.no_grad():
         enc = m.encode(src, pad)
         for b in range(src.shape[0]):
             n = int((~pad[b]).sum())
             alone = m.encode(src[b:b + 1, :n]).states[0]                   # (n, d)
-            torch.testing.assert_close(enc.states[b, :n], alone, rtol=0, atol=1e-6)
+            torch.testing.assert_close(enc.states[b, :n], alone,
+                                       **across_shapes(device, rtol=0, atol=1e-6))
 
 
 @pytest.mark.parametrize("design", DESIGNS)
-def test_padded_batch_scores_each_sentence_as_alone(design):
+def test_padded_batch_scores_each_sentence_as_alone(design, device):
     """The decoder never reads padded source positions (whose encoder output is 0 but
     whose keys would still take softmax weight)."""
-    m = make(design)
-    src, pad, tgt = batch()
+    m = make(design, device=device)
+    src, pad, tgt = batch(device=device)
     with torch.no_grad():
         logits = m(src, tgt, src_pad=pad).logits                          # (B, T, V)
         for b in range(src.shape[0]):
             n = int((~pad[b]).sum())
             alone = m(src[b:b + 1, :n], tgt[b:b + 1]).logits[0]
-            torch.testing.assert_close(logits[b], alone, rtol=0, atol=1e-5)
+            torch.testing.assert_close(logits[b], alone,
+                                       **across_shapes(device, rtol=0, atol=1e-5))
 
 
 @pytest.mark.parametrize("design", DESIGNS)
 @pytest.mark.parametrize("grad", [False, True])
-def test_step_by_step_equals_teacher_forcing(design, grad):
-    m = make(design)
-    src, pad, tgt = batch()
+def test_step_by_step_equals_teacher_forcing(design, grad, device):
+    m = make(design, device=device)
+    src, pad, tgt = batch(device=device)
     with torch.set_grad_enabled(grad):  # no_grad: the K/V-cached path; grad: recomputed
         enc = m.encode(src, pad)
         forced = m.decode(tgt, enc)                                      # (B, T, d)
@@ -172,10 +180,10 @@ def test_memory_design_adds_no_parameters():
 
 
 @pytest.mark.parametrize("design", DESIGNS)
-def test_reorder_equals_running_the_selected_rows(design):
-    m = make(design)
-    src, pad, tgt = batch()
-    index = torch.tensor([2, 0, 2])
+def test_reorder_equals_running_the_selected_rows(design, device):
+    m = make(design, device=device)
+    src, pad, tgt = batch(device=device)
+    index = torch.tensor([2, 0, 2])  # on the CPU: reorder takes an index on any device
     with torch.no_grad():
         state = m.init_decoder(m.encode(src, pad))
         h, state = m.decode_step(tgt[:, 0], state)
@@ -184,22 +192,22 @@ def test_reorder_equals_running_the_selected_rows(design):
         alone = m.init_decoder(m.encode(src[index], pad[index]))
         _, alone = m.decode_step(tgt[index, 0], alone)
         want, _ = m.decode_step(tgt[index, 1], alone)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got, want, **across_shapes(device, rtol=0, atol=1e-6))
     kind = SRUppState if design == "memory" else CrossAttentionState
     assert isinstance(state, kind)
 
 
 @pytest.mark.parametrize("design", DESIGNS)
-def test_training_lowers_the_loss_on_reversal(design):
+def test_training_lowers_the_loss_on_reversal(design, device):
     """Reversing 4 tokens of 10: a decoder that ignores the source can do no better than
     4·ln(10)/5 ≈ 1.84 nats per token (position known, EOS free)."""
-    m = make(design, vocab_size=12).train()
+    m = make(design, device=device, vocab_size=12).train()
     opt = torch.optim.Adam(m.parameters(), lr=3e-2)
     g = torch.Generator().manual_seed(0)
-    eos = torch.ones(32, 1, dtype=torch.long)
+    eos = torch.ones(32, 1, dtype=torch.long, device=device)
     losses = []
     for _ in range(80):
-        seq = torch.randint(2, 12, (32, 4), generator=g)
+        seq = torch.randint(2, 12, (32, 4), generator=g).to(device)
         rev = seq.flip(1)
         out = m(torch.cat([seq, eos], 1), torch.cat([eos, rev], 1),
                 targets=torch.cat([rev, eos], 1), label_smoothing=0.1)
@@ -211,11 +219,11 @@ def test_training_lowers_the_loss_on_reversal(design):
 
 
 @pytest.mark.parametrize("design", DESIGNS)
-def test_source_keys_and_values_are_computed_once_per_sentence(design):
+def test_source_keys_and_values_are_computed_once_per_sentence(design, device):
     """Beam search reads the encoder through K/V made in init_decoder: every later call of
     the projections that make them sees one new position per row, never the source."""
-    m = make(design)
-    src, pad, _ = batch(B=2, S=6)
+    m = make(design, device=device)
+    src, pad, _ = batch(B=2, S=6, device=device)
     calls = []
     if design == "memory":
         watched = [layer.transform.linear1 for layer in m.decoder.layers]
@@ -237,9 +245,9 @@ def test_source_keys_and_values_are_computed_once_per_sentence(design):
         assert calls == source_calls
 
 
-def test_decode_steps_grow_memory_and_cache_and_keep_the_encoder_output():
-    m = make("memory")
-    src, pad, tgt = batch()
+def test_decode_steps_grow_memory_and_cache_and_keep_the_encoder_output(device):
+    m = make("memory", device=device)
+    src, pad, tgt = batch(device=device)
     with torch.no_grad():
         enc = m.encode(src, pad)
         before = enc.states.clone()
@@ -250,8 +258,12 @@ def test_decode_steps_grow_memory_and_cache_and_keep_the_encoder_output():
     # memory and K/V cache: the source, then one row per step
     assert state.memory_length == src.shape[1] + 3
     assert [kv.kv.shape[:2] for kv in state.kv_cache] == [(3, src.shape[1] + 3)] * 2
-    assert isinstance(EncoderOutput(enc.states, None).index_select(torch.tensor([0])),
-                      EncoderOutput)
+    # rows of the encoder output, by an index on the CPU (a list, too) whatever the device
+    for index in (torch.tensor([2, 0]), [2, 0]):
+        picked = EncoderOutput(enc.states, pad).index_select(index)
+        assert isinstance(picked, EncoderOutput) and picked.states.device == enc.states.device
+        assert torch.equal(picked.states, enc.states[[2, 0]])
+        assert torch.equal(picked.pad, pad[[2, 0]])
 
 
 @pytest.mark.parametrize("index,group,copies", [
@@ -260,16 +272,20 @@ def test_decode_steps_grow_memory_and_cache_and_keep_the_encoder_output():
     ([2, 0, 2], 1, True),               # rows that are no runs: one source entry each
     ([0, 1, 2], 1, False),              # the same rows
 ])
-def test_cross_attention_state_groups_beams_over_one_source(index, group, copies):
-    m = make("sublayer")
-    src, pad, tgt = batch()
-    index = torch.tensor(index)
+def test_cross_attention_state_groups_beams_over_one_source(index, group, copies, device):
+    m = make("sublayer", device=device)
+    src, pad, tgt = batch(device=device)
+    index = torch.tensor(index, device=device)  # as beam search makes it
     with torch.no_grad():
         state = m.init_decoder(m.encode(src, pad))
         _, state = m.decode_step(tgt[:, 0], state)
         picked = m.reorder(state, index)
         assert picked.group == group and picked.keys[0].shape[0] == len(index) // group
         assert (picked.keys[0].data_ptr() != state.keys[0].data_ptr()) == copies
+        # the state's own index_select takes an index on any device (a CPU one here)
+        by_cpu_index = state.index_select(index.cpu())
+        assert by_cpu_index.group == group
+        assert all(torch.equal(a, b) for a, b in zip(by_cpu_index.keys, picked.keys))
         got, after = m.decode_step(tgt[index, 1], picked)
         # the same rows without grouping: every row its own copy of the source
         flat = CrossAttentionState(picked.layers, [k.index_select(0, index) for k in state.keys],
@@ -279,5 +295,5 @@ def test_cross_attention_state_groups_beams_over_one_source(index, group, copies
         # and the grouping survives a second reorder within the groups
         again = m.reorder(after, torch.arange(len(index)).flip(0) if group == 1
                           else torch.arange(len(index)))
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(got, want, **across_shapes(device, rtol=0, atol=1e-6))
     assert again.group == group

@@ -9,6 +9,8 @@ from srupp.models.seq2seq import Seq2SeqModel
 from srupp.models.seq2seq_baselines import (LSTMSeq2Seq, RNNSeq2SeqConfig, SRUSeq2Seq,
                                             TransformerSeq2Seq)
 
+from models_on_device import across_shapes
+
 V, BOS, EOS = 20, 1, 1
 # every type, both attention scores, input feeding and the bridge each on and off
 CASES = {
@@ -22,21 +24,27 @@ CLASSES = {"lstm": LSTMSeq2Seq, "sru": SRUSeq2Seq, "transformer": TransformerSeq
 LENGTHS = [6, 3, 1]  # the source rows' real tokens (eos included); padded to 6
 
 
-def make(case, **kw):
+def make(case, device=None, **kw):
+    """Built on the CPU (the same weights whatever the device), moved to ``device``."""
     torch.manual_seed(0)
     cfg = dict(task="translate", vocab_size=V, d_model=16, encoder_layers=2, decoder_layers=2,
                dropout=0.0, **CASES[case])
     cfg.update(kw)
-    return build_model(cfg).eval()
+    return build_model(cfg).eval().to(device)
 
 
-def padded_source(lengths=LENGTHS, seed=1):
+def padded_source(lengths=LENGTHS, seed=1, device=None):
     """(B, S) ids (random ids under the padding too: they must never be read), (B, S) pad."""
     g = torch.Generator().manual_seed(seed)
     S = max(lengths)
     src = torch.randint(2, V, (len(lengths), S), generator=g)
     pad = torch.arange(S)[None] >= torch.tensor(lengths)[:, None]
-    return src, pad
+    return src.to(device), pad.to(device)
+
+
+def targets(B, T, device):
+    """(B, T) decoder ids, drawn on the CPU (the same whatever the device)."""
+    return torch.randint(2, V, (B, T)).to(device)
 
 
 def copy_batch(g, B=16, max_len=5):
@@ -53,52 +61,54 @@ def copy_batch(g, B=16, max_len=5):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_build_model_registers_each_type(case):
-    m = make(case)
+def test_build_model_registers_each_type(case, device):
+    m = make(case, device)
     kind = CASES[case]["type"]
     assert type(m) is CLASSES[kind] and isinstance(m, Seq2SeqModel)
     assert config_from_dict(m.config.to_dict()) == m.config
     assert m.output.weight is m.embedding.weight
-    src, pad = padded_source()
-    tgt = torch.randint(2, V, (3, 4))
+    src, pad = padded_source(device=device)
+    tgt = targets(3, 4, device)
     out = m(src, tgt, src_pad=pad, targets=tgt)
     assert out.logits.shape == (3, 4, V) and torch.isfinite(out.loss)
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_save_and_load_round_trip(case, tmp_path):
-    m = make(case)
+def test_save_and_load_round_trip(case, tmp_path, device):
+    m = make(case, device)
     m.save_pretrained(tmp_path)
-    loaded = load_model(tmp_path)
+    loaded = load_model(tmp_path, device=device)
     assert type(loaded) is type(m) and loaded.config == m.config and not loaded.training
     sd = loaded.state_dict()
     assert all(torch.equal(t, sd[k]) for k, t in m.state_dict().items())
-    src, pad = padded_source()
-    tgt = torch.randint(2, V, (3, 5))
+    src, pad = padded_source(device=device)
+    tgt = targets(3, 5, device)
     assert torch.equal(loaded(src, tgt, src_pad=pad).logits, m(src, tgt, src_pad=pad).logits)
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_padding_never_reaches_real_positions(case):
-    m = make(case)
-    src, pad = padded_source()
-    tgt = torch.randint(2, V, (3, 5))
+def test_padding_never_reaches_real_positions(case, device):
+    m = make(case, device)
+    src, pad = padded_source(device=device)
+    tgt = targets(3, 5, device)
     enc = m.encode(src, pad)
     logits = m(src, tgt, src_pad=pad).logits
     for i, n in enumerate(LENGTHS):
         alone = m.encode(src[i:i + 1, :n])
-        torch.testing.assert_close(enc.states[i, :n], alone.states[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(enc.states[i, :n], alone.states[0],
+                                   **across_shapes(device, rtol=1e-6, atol=1e-6))
         # the whole model too: bridge and attention mask
         torch.testing.assert_close(logits[i], m(src[i:i + 1, :n], tgt[i:i + 1]).logits[0],
                                    rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_stepping_matches_teacher_forcing(case):
-    m = make(case)
-    src, pad = padded_source()
-    tgt = torch.randint(2, V, (3, 7))
+def test_stepping_matches_teacher_forcing(case, device):
+    m = make(case, device)
+    src, pad = padded_source(device=device)
+    tgt = targets(3, 7, device)
     tgt_pad = torch.arange(7)[None] >= torch.tensor([[7], [4], [2]])  # right padding: unread
+    tgt_pad = tgt_pad.to(device)
     enc = m.encode(src, pad)
     forced = m.decode(tgt, enc, tgt_pad)                                  # (B, T, d)
     log_probs = F.log_softmax(m(src, tgt, src_pad=pad, tgt_pad=tgt_pad).logits, -1)
@@ -115,11 +125,11 @@ def test_stepping_matches_teacher_forcing(case):
 
 @pytest.mark.parametrize("case", CASES)
 @torch.no_grad()
-def test_reorder_equals_running_the_selected_rows(case):
-    m = make(case)
-    src, pad = padded_source()
-    tokens = torch.randint(2, V, (3, 6))
-    index = torch.tensor([2, 0, 0, 1])
+def test_reorder_equals_running_the_selected_rows(case, device):
+    m = make(case, device)
+    src, pad = padded_source(device=device)
+    tokens = targets(3, 6, device)
+    index = torch.tensor([2, 0, 0, 1])  # on the CPU: reorder takes an index on any device
     state = m.init_decoder(m.encode(src, pad))
     for t in range(3):
         _, state = m.step(tokens[:, t], state)
@@ -133,13 +143,14 @@ def test_reorder_equals_running_the_selected_rows(case):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_training_lowers_the_loss_on_a_copy_task(case):
-    m = make(case, dropout=0.1).train()
+def test_training_lowers_the_loss_on_a_copy_task(case, device):
+    m = make(case, device, dropout=0.1).train()
     opt = torch.optim.Adam(m.parameters(), lr=1e-2)
-    src, pad, tgt_in, targets = copy_batch(torch.Generator().manual_seed(0), B=8)
+    batch = copy_batch(torch.Generator().manual_seed(0), B=8)
+    src, pad, tgt_in, labels = (t.to(device) for t in batch)
     losses = []
     for _ in range(40):  # a few dozen steps on one batch: memorising it needs attention
-        out = m(src, tgt_in, src_pad=pad, tgt_pad=pad, targets=targets, label_smoothing=0.1)
+        out = m(src, tgt_in, src_pad=pad, tgt_pad=pad, targets=labels, label_smoothing=0.1)
         opt.zero_grad()
         out.loss.backward()
         opt.step()
@@ -169,9 +180,9 @@ def test_the_shared_rnn_config_is_not_built_directly():
 
 
 @pytest.mark.parametrize("case", ["lstm-luong", "sru-luong", "transformer"])
-def test_padding_must_be_at_the_end_of_rows(case):
-    m = make(case)
-    src, pad = padded_source()
+def test_padding_must_be_at_the_end_of_rows(case, device):
+    m = make(case, device)  # the checks read the padding where it is
+    src, pad = padded_source(device=device)
     with pytest.raises(ValueError, match="src_pad has a real token after padding"):
         m.encode(src, pad.flip(1))
     with pytest.raises(ValueError, match="every source row needs at least one real token"):
@@ -179,6 +190,6 @@ def test_padding_must_be_at_the_end_of_rows(case):
     with pytest.raises(ValueError, match="src_pad must be a bool tensor"):
         m.encode(src, pad.long())
     enc = m.encode(src, pad)
-    tgt = torch.randint(2, V, (3, 4))
+    tgt = targets(3, 4, device)
     with pytest.raises(ValueError, match="tgt_pad has a real token after padding"):
-        m.decode(tgt, enc, torch.tensor([[True, False, False, False]] * 3))
+        m.decode(tgt, enc, torch.tensor([[True, False, False, False]] * 3, device=device))

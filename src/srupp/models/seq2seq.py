@@ -100,6 +100,8 @@ class EncoderOutput:
     pad: Optional[Tensor]
 
     def index_select(self, index: Tensor) -> "EncoderOutput":
+        """Rows ``index`` (B',): a list, or a tensor on any device."""
+        index = torch.as_tensor(index, dtype=torch.long, device=self.states.device)
         return EncoderOutput(self.states.index_select(0, index),
                              None if self.pad is None else self.pad.index_select(0, index))
 
@@ -349,7 +351,9 @@ class CrossAttentionState:
         length that each read one source entry (beams of a sentence), the
         runs become the new group and only the source entries change (none,
         when they stay the same); otherwise every row gets its own entry.
+        ``index`` may be a list, or a tensor on any device.
         """
+        index = torch.as_tensor(index, dtype=torch.long, device=self.keys[0].device)
         layers = [st.index_select(index) for st in self.layers]
         source = torch.div(index, self.group, rounding_mode="floor")      # (B',)
         group = _run_length(source)
