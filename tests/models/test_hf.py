@@ -19,12 +19,14 @@ from srupp.models.hf import (SRUppCache, SRUppForCausalLM, SRUppHFConfig,  # noq
                              SRUppTokenizer, export_run_to_hf)
 
 from lm_helpers import TEXT, config  # noqa: E402
+from tolerances import half_dtypes  # noqa: E402
 
 V = 32
 
 
-def tiny(**kw):
-    """A small SRU++ language model in eval mode whose attention has a say."""
+def tiny(device=None, **kw):
+    """A small SRU++ language model in eval mode whose attention has a say, built on the CPU
+    (the same weights whatever the device) and moved to ``device``."""
     torch.manual_seed(0)
     cfg = dict(vocab_size=V, d_model=16, proj_size=8, num_layers=2, dropout=0.0, mem_len=64)
     cfg.update(kw)
@@ -32,19 +34,19 @@ def tiny(**kw):
     with torch.no_grad():  # α starts at 0, which would leave attention out
         for layer in m.rnn.layers:
             layer.transform.alpha.fill_(0.7)
-    return m
+    return m.to(device)
 
 
-def baseline(kind):
+def baseline(kind, device=None):
     torch.manual_seed(0)
     shape = dict(vocab_size=V, d_model=16, num_layers=2, dropout=0.0)
     if kind == "transformer":
-        return build_model(TransformerConfig(num_heads=2, **shape)).eval()
+        return build_model(TransformerConfig(num_heads=2, **shape)).eval().to(device)
     config_class = {"sru": SRUConfig, "lstm": LSTMConfig, "gru": GRUConfig}[kind]
-    return build_model(config_class(**shape)).eval()
+    return build_model(config_class(**shape)).eval().to(device)
 
 
-def left_pad(prompts):
+def left_pad(prompts, device=None):
     """(ids, attention_mask) for a batch of prompts, left-padded as generate() wants them."""
     n = max(map(len, prompts))
     ids = torch.zeros(len(prompts), n, dtype=torch.long)
@@ -52,7 +54,7 @@ def left_pad(prompts):
     for b, p in enumerate(prompts):
         ids[b, n - len(p):] = torch.tensor(p)
         mask[b, n - len(p):] = 1
-    return ids, mask
+    return ids.to(device), mask.to(device)
 
 
 def record_lengths(hf):
@@ -65,20 +67,28 @@ def record_lengths(hf):
 
 
 @pytest.mark.parametrize("kind", ["srupp", "sru", "lstm", "gru", "transformer"])
-def test_greedy_generate_matches_srupps_own_decoding_one_token_per_step(kind):
-    m = tiny() if kind == "srupp" else baseline(kind)
+def test_greedy_generate_matches_srupps_own_decoding_one_token_per_step(kind, device):
+    m = tiny(device) if kind == "srupp" else baseline(kind, device)
     hf = SRUppForCausalLM.from_srupp(m)
+    assert next(hf.parameters()).device == next(m.parameters()).device
     prompts = [[3, 1, 4, 1, 5], [9, 2]]
     want = m.generate(prompts, 8, temperature=0)
-    ids, mask = left_pad(prompts)
+    ids, mask = left_pad(prompts, device)
     lengths = record_lengths(hf)
     got = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
     assert got[:, ids.shape[1]:].tolist() == want
     # the prompt once, then only the new token with the state: the prefix is never recomputed
     assert lengths == [ids.shape[1]] + [1] * 7
     # a single prompt without a mask
-    assert hf.generate(torch.tensor([prompts[0]]), max_new_tokens=8,
+    assert hf.generate(torch.tensor([prompts[0]], device=device), max_new_tokens=8,
                        do_sample=False)[0, 5:].tolist() == want[0]
+    if kind == "srupp":  # and in half precision: the copy keeps the weights' dtype
+        for dtype in half_dtypes(device):
+            half = tiny(device).to(dtype)
+            hf = SRUppForCausalLM.from_srupp(half)
+            assert next(hf.parameters()).dtype == dtype
+            got = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+            assert got[:, ids.shape[1]:].tolist() == half.generate(prompts, 8, temperature=0)
 
 
 def reference_beam_search(m, prompt, beams, n):
@@ -93,19 +103,20 @@ def reference_beam_search(m, prompt, beams, n):
     for _ in range(n):
         candidates = []
         for score, seq in hyps:
-            logp = m(torch.tensor([seq])).logits[0, -1].float().log_softmax(-1)
+            logp = m(torch.tensor([seq], device=m.device)).logits[0, -1].float().log_softmax(-1)
             candidates += [(s, seq + [t]) for t, s in enumerate(logp + score)]
         candidates.sort(key=lambda c: float(c[0]), reverse=True)
         hyps = candidates[:beams]
     return hyps[0][1][len(prompt):]
 
 
-def test_beam_search_matches_a_reference_that_recomputes_every_prefix():
-    m = tiny()
+def test_beam_search_matches_a_reference_that_recomputes_every_prefix(device):
+    m = tiny(device)
     hf = SRUppForCausalLM.from_srupp(m)
     prompt = [3, 1, 4, 1, 5]
     lengths = record_lengths(hf)
-    got = hf.generate(torch.tensor([prompt]), num_beams=2, do_sample=False, max_new_tokens=6)
+    got = hf.generate(torch.tensor([prompt], device=device), num_beams=2, do_sample=False,
+                      max_new_tokens=6)
     with torch.no_grad():
         want = reference_beam_search(m, prompt, 2, 6)
     assert got[0, len(prompt):].tolist() == want
@@ -113,12 +124,12 @@ def test_beam_search_matches_a_reference_that_recomputes_every_prefix():
     assert lengths == [len(prompt)] + [1] * 5
 
 
-def test_sampling_is_reproducible_with_a_seed():
-    hf = SRUppForCausalLM.from_srupp(tiny())
-    x = torch.tensor([[3, 1, 4]])
+def test_sampling_is_reproducible_with_a_seed(device):
+    hf = SRUppForCausalLM.from_srupp(tiny(device))
+    x = torch.tensor([[3, 1, 4]], device=device)
 
     def draw():
-        torch.manual_seed(7)
+        torch.manual_seed(7)  # seeds the CPU's and every GPU's generator
         return hf.generate(x, do_sample=True, top_k=10, temperature=1.5, max_new_tokens=12,
                            num_return_sequences=3)
 
@@ -132,10 +143,10 @@ def test_sampling_is_reproducible_with_a_seed():
                                 {"tie_embeddings": True, "adaptive_cutoffs": [8, 16],
                                  "div_val": 2}],
                          ids=["untied", "tied", "adaptive-tied"])
-def test_save_pretrained_and_auto_from_pretrained_give_identical_logits(tmp_path, kw):
+def test_save_pretrained_and_auto_from_pretrained_give_identical_logits(tmp_path, kw, device):
     from safetensors import safe_open
 
-    hf = SRUppForCausalLM.from_srupp(tiny(**kw))
+    hf = SRUppForCausalLM.from_srupp(tiny(device, **kw))  # saved from the device
     hf.save_pretrained(tmp_path)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         saved = set(f.keys())
@@ -143,7 +154,8 @@ def test_save_pretrained_and_auto_from_pretrained_give_identical_logits(tmp_path
     assert type(loaded) is SRUppForCausalLM
     assert type(AutoConfig.from_pretrained(tmp_path)) is SRUppHFConfig
     assert loaded.config.srupp == hf.config.srupp and not loaded.training
-    x = torch.randint(0, V, (2, 7))
+    loaded.to(device)  # loaded onto the CPU, then moved: ties and cluster bounds follow
+    x = torch.randint(0, V, (2, 7)).to(device)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x).logits, hf(x).logits, rtol=0, atol=0)
     # each tied tensor is stored once, under its first name
@@ -160,12 +172,12 @@ def test_save_pretrained_and_auto_from_pretrained_give_identical_logits(tmp_path
         assert "model.output.weight" not in saved
 
 
-def test_labels_give_the_next_token_loss_and_a_foreign_cache_is_refused():
-    m = tiny()
+def test_labels_give_the_next_token_loss_and_a_foreign_cache_is_refused(device):
+    m = tiny(device)
     hf = SRUppForCausalLM.from_srupp(m)
-    x = torch.randint(0, V, (2, 9))
+    x = torch.randint(0, V, (2, 9)).to(device)
     out = hf(x, labels=x)
-    targets = torch.cat([x[:, 1:], torch.full((2, 1), -100)], 1)
+    targets = torch.cat([x[:, 1:], torch.full((2, 1), -100, device=device)], 1)
     torch.testing.assert_close(out.loss, m(x, targets=targets).loss)
     # transformers 5.24 renamed the state's field and argument past_key_values -> cache
     cache = out.cache if hasattr(out, "cache") else out.past_key_values

@@ -41,8 +41,9 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def make(**kw):
-    """A tiny language model whose attention has a say (α starts at 0)."""
+def make(device=None, **kw):
+    """A tiny language model whose attention has a say (α starts at 0), built on the CPU
+    (the same weights whatever the device) and moved to ``device``."""
     torch.manual_seed(0)
     fields = dict(vocab_size=11, d_model=8, num_layers=2, dropout=0.0)
     fields.update(kw)
@@ -52,7 +53,7 @@ def make(**kw):
             if getattr(layer.transform, "alpha", None) is not None:
                 layer.transform.alpha.fill_(0.7)
             layer.bias.uniform_(-0.5, 0.5)  # gates away from their initial values
-    return m
+    return m.to(device)
 
 
 def step_args(state):
@@ -76,18 +77,19 @@ def assert_memory_matches(graph, ours, theirs):
 
 # ----------------------------------------------------------------- the graphs' modules
 
+# The graphs' modules are plain PyTorch: they run on the model's device.
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_graph_modules_equal_the_model_forward_and_step(variant):
-    m = make(**VARIANTS[variant])
+def test_graph_modules_equal_the_model_forward_and_step(variant, device):
+    m = make(device, **VARIANTS[variant])
     forward, step = ForwardGraph(m), StepGraph(m)
     W = forward.window
-    prompt = torch.randint(0, 11, (2, 9))
+    prompt = torch.randint(0, 11, (2, 9)).to(device)
     with torch.no_grad():
         ours = forward(prompt)
         out = m(prompt, m.initial_state(2, mem_len=W))
     torch.testing.assert_close(ours[0], out.logits, **TOL)
     state, theirs = ours[1:], out.state
-    tokens = torch.randint(0, 11, (25, 2))  # more steps than the window: it wraps
+    tokens = torch.randint(0, 11, (25, 2)).to(device)  # more steps than the window: it wraps
     for t in tokens:
         with torch.no_grad():
             logits, *state = step(t, *step_args(state))
@@ -99,15 +101,15 @@ def test_graph_modules_equal_the_model_forward_and_step(variant):
             assert_memory_matches(step, state, theirs)
 
 
-def test_a_window_other_than_the_model_mem_len():
-    m = make(type="srupp", proj_size=4, mem_len=50)
+def test_a_window_other_than_the_model_mem_len(device):
+    m = make(device, type="srupp", proj_size=4, mem_len=50)
     forward, step = ForwardGraph(m, 3), StepGraph(m, 3)
-    prompt = torch.randint(0, 11, (1, 6))
+    prompt = torch.randint(0, 11, (1, 6)).to(device)
     with torch.no_grad():
         ours = forward(prompt)
     out = m(prompt, m.initial_state(1, mem_len=3))
     state, theirs = ours[1:], out.state
-    for t in torch.randint(0, 11, (10, 1)):
+    for t in torch.randint(0, 11, (10, 1)).to(device):
         with torch.no_grad():
             logits, *state = step(t, *step_args(state))
         want, theirs = m.step(t, theirs)
@@ -151,14 +153,19 @@ def _run(session, feeds):
 
 
 def _max_error(a, b) -> float:
-    return float((torch.as_tensor(a) - b.detach()).abs().max())
+    """max |a - b|: a an onnxruntime output (NumPy, on the CPU), b the model's (any device)."""
+    return float((torch.as_tensor(a) - b.detach().cpu()).abs().max())
 
 
+# onnxruntime runs on the CPU (CPUExecutionProvider): the model is on the device, exported
+# from there (export_onnx copies it to the CPU), and its outputs are compared on the CPU.
+# The tokens are drawn on the CPU, fed to onnxruntime as they are and to the model moved.
 @pytest.mark.parametrize("variant,steps", [("srupp-heads-prenorm-mixed", 300), ("sru", 40)])
-def test_onnxruntime_matches_pytorch_over_many_steps(tmp_path, variant, steps):
+def test_onnxruntime_matches_pytorch_over_many_steps(tmp_path, variant, steps, device):
     ort = _runtime()
-    m = make(**VARIANTS[variant])
+    m = make(device, **VARIANTS[variant])
     description = export_onnx(m, tmp_path, tokenizer={"type": "byte"})
+    assert next(m.parameters()).device.type == device.type  # exporting left the model there
     W = description["window"]
     meta, sessions = _sessions(ort, tmp_path)
     assert meta == description and set(os.listdir(tmp_path)) == {
@@ -168,18 +175,18 @@ def test_onnxruntime_matches_pytorch_over_many_steps(tmp_path, variant, steps):
     for B, L in ((1, 1), (3, 17)):
         tokens = torch.randint(0, 11, (B, L))
         got = _run(sessions["forward"], {"tokens": tokens.numpy()})
-        assert _max_error(got["logits"], m(tokens).logits.detach()) < ORT_TOL
+        assert _max_error(got["logits"], m(tokens.to(device)).logits) < ORT_TOL
 
     # prefill, then many steps, each graph fed back its own state
     prompt = torch.randint(0, 11, (2, 9))
     outs = _run(sessions["forward"], {"tokens": prompt.numpy()})
     state = {n: outs[f"new_{n}"] for n in meta["state"]}
-    theirs = m(prompt, m.initial_state(2, mem_len=W)).state
+    theirs = m(prompt.to(device), m.initial_state(2, mem_len=W)).state
     worst = 0.0
     for t in torch.randint(0, 11, (steps, 2)):
         outs = _run(sessions["step"], {"tokens": t.numpy(), **state})
         state = {n: outs[f"new_{n}"] for n in meta["state"]}
-        want, theirs = m.step(t, theirs)
+        want, theirs = m.step(t.to(device), theirs)
         worst = max(worst, _max_error(outs["logits"], want))
     assert worst < ORT_TOL, worst
     if W:

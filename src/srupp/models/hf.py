@@ -210,8 +210,10 @@ class SRUppForCausalLM(PreTrainedModel, GenerationMixin):
             raise TypeError(f"from_srupp takes a srupp language model (srupp.models.CausalLM), "
                             f"got {type(model).__name__}")
         hf = cls(SRUppHFConfig(srupp=model.config.to_dict()))
+        p = next(model.parameters())
+        hf.to(p.dtype)  # the copy keeps the weights' dtype (a bf16 model stays bf16)
         hf.model.load_state_dict(model.state_dict())
-        return hf.to(next(model.parameters()).device).train(model.training)
+        return hf.to(p.device).train(model.training)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:

@@ -336,8 +336,10 @@ def export_onnx(model: nn.Module, out_dir, *, mem_len: Optional[int] = None,
     window = resolve_window(model, mem_len)
     require("onnx", "onnx", "ONNX export")
     require("onnxscript", "onnx", "ONNX export")  # torch.onnx's exporter builds graphs with it
-    # a private fp32 copy without gradients: exporting never touches the caller's model
-    model = copy.deepcopy(model).float().eval().requires_grad_(False)
+    # a private fp32 copy on the CPU, without gradients: exporting never touches the
+    # caller's model, and a model on a GPU exports the same graphs (onnxruntime runs
+    # them wherever it runs; the example inputs below are CPU tensors)
+    model = copy.deepcopy(model).to("cpu", torch.float32).eval().requires_grad_(False)
     forward, step = ForwardGraph(model, window), StepGraph(model, window)
     names = forward.state_names
     out_dir = Path(out_dir)
