@@ -160,6 +160,11 @@ def test_decode():
         assert mem["srupp"]["64"] <= mem["srupp"]["32"] + m["attention_window"] * per_step
 
 
+def test_triton_compile():
+    r = run_benchmark("triton_compile.py", "--limit", "2", "--archs", "90")
+    assert r["compilations"] == 2 and not r["errors"] and not r["spilling"]
+
+
 def test_gpu_check_dry_run(tmp_path):
     """benchmarks/gpu_check.py's every step, on the CPU at tiny sizes: the command a
     GPU window runs must not arrive broken."""
