@@ -4,11 +4,14 @@ the same error, naming the argument, before any kernel runs.
 Each case is run through ``sru_recurrence`` on each backend ("reference", "cpu",
 and "triton", which runs CPU tensors under TRITON_INTERPRET=1), and through
 ``sru_recurrence_reference`` called directly. No kernel is built or run: the
-check comes first.
+check comes first, on any device: with ``--device cuda`` the good arguments are
+CUDA tensors (the forced "cpu" backend still rejects bad ones with the same error,
+before it would refuse the device).
 """
 
 import pytest
 import torch
+from tolerances import tol
 
 import srupp.ops as ops
 from srupp.ops import sru_recurrence, sru_recurrence_reference
@@ -16,10 +19,19 @@ from srupp.ops import sru_recurrence, sru_recurrence_reference
 B, L, D = 2, 3, 4
 
 
-def good():
-    return dict(U=torch.randn(B, L, 3, D), x=torch.randn(B, L, D), weight_c=torch.randn(2, D),
+def good(device="cpu"):
+    args = dict(U=torch.randn(B, L, 3, D), x=torch.randn(B, L, D), weight_c=torch.randn(2, D),
                 bias=torch.randn(2, D), c0=torch.randn(B, D),
                 mask_pad=torch.zeros(B, L, dtype=torch.bool), dropout_mask=torch.ones(B, D))
+    return {k: v.to(device) for k, v in args.items()}
+
+
+def on(device, value):
+    """A case's bad value on ``device``; values on the meta device (the wrong-device
+    cases) and non-tensors stay as they are."""
+    if isinstance(value, torch.Tensor) and value.device.type != "meta":
+        return value.to(device)
+    return value
 
 
 # (argument, bad value, error, message); every other argument is good()
@@ -64,45 +76,51 @@ def call(backend, args, **kw):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name,value,error,message", CASES, ids=IDS)
-def test_bad_argument(backend, name, value, error, message, monkeypatch):
+def test_bad_argument(backend, name, value, error, message, monkeypatch, device):
     monkeypatch.setattr(ops.recurrence, "route", lambda *a: pytest.fail("the check came late"))
-    args = good()
-    args[name] = value
+    args = good(device)
+    message = message.replace("but U is on cpu", f"but U is on {args['U'].device}")
+    args[name] = on(device, value)
     with pytest.raises(error, match=f"^{message}$"):
         call(backend, args)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_k4_takes_no_x_and_bidirectional_takes_even_units(backend, monkeypatch):
+def test_k4_takes_no_x_and_bidirectional_takes_even_units(backend, monkeypatch, device):
     monkeypatch.setattr(ops.recurrence, "route", lambda *a: pytest.fail("the check came late"))
-    args = good()
-    args["U"] = torch.randn(B, L, 4, D)
+    args = good(device)
+    args["U"] = torch.randn(B, L, 4, D).to(device)
     with pytest.raises(ValueError, match=r"with k = 4 the skip term is U\[:, :, 3\]; pass x=None"):
         call(backend, args)
-    args = good()
+    args = good(device)
     for name, shape in (("U", (B, L, 3, D + 1)), ("x", (B, L, D + 1)), ("weight_c", (2, D + 1)),
                         ("bias", (2, D + 1)), ("c0", (B, D + 1)), ("dropout_mask", (B, D + 1))):
-        args[name] = torch.randn(shape)
+        args[name] = torch.randn(shape).to(device)
     with pytest.raises(ValueError, match="bidirectional needs an even number of units D, got D = 5"):
         call(backend, args, bidirectional=True)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
-def test_good_arguments_pass_and_integer_masks_count_nonzero_as_padding(backend):
+# the C++ kernel runs CPU tensors only: not collected with --device cuda
+@pytest.mark.parametrize("backend", ["reference", pytest.param("cpu", marks=pytest.mark.cpu_only),
+                                     "triton"])
+def test_good_arguments_pass_and_integer_masks_count_nonzero_as_padding(backend, device):
     """Integer masks are accepted (nonzero = padding), like bool ones; the optional
     arguments may be None."""
     if backend == "cpu" and not ops.cpu.is_available():
         pytest.skip(f"CPU kernel unavailable: {ops.cpu.build_error()}")
     if backend == "triton":
         pytest.importorskip("triton", reason="triton not installed")
-    args = good()
-    args["mask_pad"] = torch.tensor([[0, 1, 0], [2, 0, 0]], dtype=torch.int32)
+    args = good(device)
+    args["mask_pad"] = torch.tensor([[0, 1, 0], [2, 0, 0]], dtype=torch.int32).to(device)
+    # fp32 on CPU; on CUDA tests/tolerances.py's fp32 figure (compiled Triton's exp is
+    # an approximation: see tests/ops/test_triton_kernel.py)
+    fp32 = dict(rtol=1e-5, atol=1e-6) if device.type == "cpu" else tol(torch.float32)
     with torch.no_grad():
         h, c = call(backend, args)
         h_ref, c_ref = sru_recurrence_reference(*list(args.values())[:5],
                                                 mask_pad=args["mask_pad"] != 0,
                                                 dropout_mask=args["dropout_mask"])
-        torch.testing.assert_close(h, h_ref, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(c, c_ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(h, h_ref, **fp32)
+        torch.testing.assert_close(c, c_ref, **fp32)
         assert (h[0, 1] == 0).all() and (h[1, 0] == 0).all()
-        call(backend, dict(good(), x=None, c0=None, mask_pad=None, dropout_mask=None))
+        call(backend, dict(good(device), x=None, c0=None, mask_pad=None, dropout_mask=None))

@@ -16,6 +16,9 @@ import torch
 import srupp.ops as ops
 from srupp.ops import cpu, recurrence, settings, sru_recurrence, sru_recurrence_reference
 
+# Not collected with --device cuda: the C++ kernel runs CPU tensors only.
+pytestmark = pytest.mark.cpu_only
+
 FP32 = dict(rtol=1e-5, atol=1e-6)
 
 

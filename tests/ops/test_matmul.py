@@ -3,6 +3,13 @@
 Both are IEEE fp32 GEMMs that differ only in summation order, so fp32 agreement
 is checked at the issue's tolerance (rtol=1e-5, atol=1e-6) on inputs scaled so
 outputs are O(1).
+
+oneDNN and the few-rows kernel are CPU code: those tests don't take the ``device``
+fixture, so ``--device cuda`` doesn't collect them. Two tests do: srupp's
+``Linear`` against ``nn.Linear``, and torch.export of an SRU++ stack (on CUDA,
+``ops.linear`` is F.linear and attention is SDPA; the exported graph must still
+hold plain aten ops and agree with eager). Their CUDA tolerance is
+tests/tolerances.py's fp32 figure (cuBLAS may block the two products differently).
 """
 
 from __future__ import annotations
@@ -15,8 +22,13 @@ import srupp.ops as ops
 from srupp.nn import SRUpp
 from srupp.nn.linear import Linear
 from srupp.ops import matmul, settings
+from tolerances import tol
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
+
+
+def fp32_tol(device):
+    return FP32 if device.type == "cpu" else tol(torch.float32)
 
 needs_onednn = pytest.mark.skipif(not matmul.onednn_available(),
                                   reason="this torch build has no oneDNN fp32 linear op")
@@ -106,16 +118,17 @@ def test_backend_setting_and_env(monkeypatch):
     monkeypatch.setattr(settings, "_backends", None)
 
 
-def test_linear_module_is_a_drop_in_nn_linear():
+def test_linear_module_is_a_drop_in_nn_linear(device):
     torch.manual_seed(0)
-    lin = Linear(32, 16, bias=False)
-    ref = torch.nn.Linear(32, 16, bias=False)
+    lin = Linear(32, 16, bias=False).to(device)
+    ref = torch.nn.Linear(32, 16, bias=False).to(device)
     ref.load_state_dict(lin.state_dict())
-    x = torch.randn(200, 32)
-    torch.testing.assert_close(lin(x), ref(x), **FP32)
-    biased = Linear(32, 16)
+    x = torch.randn(200, 32).to(device)
+    torch.testing.assert_close(lin(x), ref(x), **fp32_tol(device))
+    biased = Linear(32, 16).to(device)
     assert set(biased.state_dict()) == {"weight", "bias"}
-    torch.testing.assert_close(biased(x), F.linear(x, biased.weight, biased.bias), **FP32)
+    torch.testing.assert_close(biased(x), F.linear(x, biased.weight, biased.bias),
+                               **fp32_tol(device))
 
 
 @needs_onednn
@@ -152,10 +165,10 @@ def test_onednn_is_bitwise_repeatable():
             assert torch.equal(a, b)
 
 
-def test_export_sees_plain_aten_ops():
+def test_export_sees_plain_aten_ops(device):
     """torch.export (and compile) trace F.linear and SDPA, never the eager fast paths."""
     torch.manual_seed(0)
-    m = SRUpp(32, 32, 8, num_layers=1, batch_first=True).eval()
+    m = SRUpp(32, 32, 8, num_layers=1, batch_first=True).eval().to(device)
 
     class Wrap(torch.nn.Module):
         def __init__(self):
@@ -165,13 +178,13 @@ def test_export_sees_plain_aten_ops():
         def forward(self, x):
             return self.m(x)[0]
 
-    x = torch.randn(2, 100, 32)  # 200 rows: eager would take the oneDNN path
+    x = torch.randn(2, 100, 32).to(device)  # 200 rows: eager would take the oneDNN path on CPU
     ep = torch.export.export(Wrap(), (x,))
     targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
     assert "aten.linear.default" in targets
     assert "aten.scaled_dot_product_attention.default" in targets
     assert not any("mkldnn" in t for t in targets)
-    torch.testing.assert_close(ep.module()(x), Wrap()(x), **FP32)
+    torch.testing.assert_close(ep.module()(x), Wrap()(x), **fp32_tol(device))
 
 
 @needs_onednn

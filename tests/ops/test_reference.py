@@ -1,10 +1,17 @@
-"""The reference recurrence: gradients in float64, and the spec's equations."""
+"""The reference recurrence: gradients in float64, and the spec's equations.
+
+Every test takes the ``device`` fixture (``pytest --device cuda`` runs them on the
+GPU, where float64 and every ``use_backend("reference")`` run this loop): inputs
+are drawn on the CPU from a seeded generator and then moved, so both devices see
+the same values.
+"""
 
 import itertools
 
 import pytest
 import torch
 from torch.autograd import gradcheck
+from tolerances import half_dtypes
 
 from srupp.ops import sru_recurrence_reference
 
@@ -12,20 +19,25 @@ B, L, D = 2, 4, 6
 
 
 def make_inputs(k=3, skip=True, bidir=False, pad=False, dropout=False, dtype=torch.float64,
-                seed=0):
+                seed=0, device="cpu"):
+    """Leaf tensors on ``device``, drawn on the CPU (the same values on every device)."""
     g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g, dtype=dtype)  # noqa: E731
-    U = r(B, L, k, D).requires_grad_()
-    x = r(B, L, D).requires_grad_() if (skip and k == 3) else None
-    wc = r(2, D).requires_grad_()
-    bias = r(2, D).requires_grad_()
-    c0 = r(B, D).requires_grad_()
+
+    def r(*s):
+        return torch.randn(*s, generator=g, dtype=dtype).to(device).requires_grad_()
+
+    U = r(B, L, k, D)
+    x = r(B, L, D) if (skip and k == 3) else None
+    wc = r(2, D)
+    bias = r(2, D)
+    c0 = r(B, D)
     mask = None
     if pad:
         mask = torch.zeros(B, L, dtype=torch.bool)
         mask[0, -1] = True          # right padding
         mask[1, 0] = True           # left padding
-    dm = (torch.rand(B, D, generator=g) > 0.3).to(dtype) / 0.7 if dropout else None
+        mask = mask.to(device)
+    dm = (torch.rand(B, D, generator=g) > 0.3).to(dtype).div(0.7).to(device) if dropout else None
     return U, x, wc, bias, c0, mask, dm
 
 
@@ -35,8 +47,8 @@ OPTIONS = [o for o in itertools.product([3, 4], [True, False], [False, True], [F
 
 
 @pytest.mark.parametrize("k,skip,bidir,pad,dropout", OPTIONS)
-def test_gradcheck(k, skip, bidir, pad, dropout):
-    U, x, wc, bias, c0, mask, dm = make_inputs(k, skip, bidir, pad, dropout)
+def test_gradcheck(k, skip, bidir, pad, dropout, device):
+    U, x, wc, bias, c0, mask, dm = make_inputs(k, skip, bidir, pad, dropout, device=device)
     inputs = [t for t in (U, x, wc, bias, c0) if t is not None]
 
     def fn(*ts):
@@ -60,8 +72,8 @@ def direct_step(U, x, wc, bias, c, scale_x=1.0):
 
 
 @pytest.mark.parametrize("k", [3, 4])
-def test_matches_equations(k):
-    U, x, wc, bias, c0, _, _ = make_inputs(k)
+def test_matches_equations(k, device):
+    U, x, wc, bias, c0, _, _ = make_inputs(k, device=device)
     h, c = sru_recurrence_reference(U, x, wc, bias, c0, scale_x=1.7)
     c_t = c0
     for t in range(L):
@@ -70,10 +82,11 @@ def test_matches_equations(k):
     torch.testing.assert_close(c, c_t)
 
 
-def test_padding_holds_state_and_zeroes_output():
-    U, x, wc, bias, c0, _, _ = make_inputs()
+def test_padding_holds_state_and_zeroes_output(device):
+    U, x, wc, bias, c0, _, _ = make_inputs(device=device)
     mask = torch.zeros(B, L, dtype=torch.bool)
     mask[:, 1] = True
+    mask = mask.to(device)
     h, c = sru_recurrence_reference(U, x, wc, bias, c0, mask_pad=mask)
     assert torch.all(h[:, 1] == 0)
     # dropping step 1 entirely gives the same state and the same other outputs
@@ -86,8 +99,8 @@ def test_padding_holds_state_and_zeroes_output():
     assert torch.all(U.grad[:, 1] == 0) and torch.all(x.grad[:, 1] == 0)
 
 
-def test_bidirectional_is_forward_on_flipped_time():
-    U, x, wc, bias, c0, _, _ = make_inputs(bidir=True)
+def test_bidirectional_is_forward_on_flipped_time(device):
+    U, x, wc, bias, c0, _, _ = make_inputs(bidir=True, device=device)
     h, c = sru_recurrence_reference(U, x, wc, bias, c0, bidirectional=True)
     d = D // 2
     bw = slice(d, D)
@@ -100,24 +113,26 @@ def test_bidirectional_is_forward_on_flipped_time():
     torch.testing.assert_close(c[:, :d], cf)
 
 
-def test_no_skip_term_and_dropout_mask():
-    U, _, wc, bias, c0, _, _ = make_inputs()
-    dm = torch.tensor([[0.0] * 3 + [2.0] * 3, [2.0] * 6], dtype=torch.float64)
+def test_no_skip_term_and_dropout_mask(device):
+    U, _, wc, bias, c0, _, _ = make_inputs(device=device)
+    dm = torch.tensor([[0.0] * 3 + [2.0] * 3, [2.0] * 6], dtype=torch.float64, device=device)
     h, _ = sru_recurrence_reference(U, None, wc, bias, c0, dropout_mask=dm)
     assert torch.all(h[0, :, :3] == 0)  # m = 0 and no skip term: nothing passes
     # with a skip term, m = 0 passes the skip through unchanged
-    x = torch.randn(B, L, D, dtype=torch.float64)
+    x = torch.randn(B, L, D, dtype=torch.float64).to(device)
     h, _ = sru_recurrence_reference(U, x, wc, bias, c0, dropout_mask=dm, scale_x=2.0)
     torch.testing.assert_close(h[0, :, :3], 2.0 * x[0, :, :3])
 
 
-def test_half_inputs_keep_fp32_state():
-    U, x, wc, bias, c0, _, _ = make_inputs(dtype=torch.float32)
-    h, c = sru_recurrence_reference(U.bfloat16(), x.bfloat16(), wc, bias, c0)
-    assert h.dtype == torch.bfloat16 and c.dtype == torch.float32
+def test_half_inputs_keep_fp32_state(device):
+    U, x, wc, bias, c0, _, _ = make_inputs(dtype=torch.float32, device=device)
+    for half in half_dtypes(device):  # bf16; fp16 too on CUDA
+        h, c = sru_recurrence_reference(U.to(half), x.to(half), wc, bias, c0)
+        assert h.dtype == half and c.dtype == torch.float32
 
 
-def test_rejects_bad_k():
-    U = torch.randn(B, L, 2, D)
+def test_rejects_bad_k(device):
+    U = torch.randn(B, L, 2, D).to(device)
     with pytest.raises(ValueError, match="k = 3 or 4"):
-        sru_recurrence_reference(U, None, torch.randn(2, D), torch.randn(2, D))
+        sru_recurrence_reference(U, None, torch.randn(2, D).to(device),
+                                 torch.randn(2, D).to(device))

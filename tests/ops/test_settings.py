@@ -6,6 +6,11 @@ import torch
 import srupp.ops as ops
 from srupp.ops import recurrence, settings
 
+# Not collected with --device cuda: the settings object and its environment variables,
+# the CPU's bf16 feature probe, and a routing table written for CPU and meta tensors
+# (CUDA tensors' routing runs in every --device cuda test of tests/ops/test_triton_kernel.py).
+pytestmark = pytest.mark.cpu_only
+
 
 def test_one_typed_settings_object(monkeypatch):
     monkeypatch.setattr(settings, "_backends", None)  # read the environment again
