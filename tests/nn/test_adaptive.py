@@ -1,14 +1,26 @@
-"""Adaptive input and projected adaptive softmax: against nn.AdaptiveLogSoftmaxWithLoss, tying."""
+"""Adaptive input and projected adaptive softmax: against nn.AdaptiveLogSoftmaxWithLoss, tying.
+
+The tests that compute something take the ``device`` fixture (``pytest --device
+cuda`` runs them on the GPU): modules are built and inputs drawn on the CPU (the
+same values on every device), then moved. fp32 tolerance: ``rtol=1e-5,
+atol=1e-6`` on CPU, as these tests always had; on CUDA tests/tolerances.py's fp32
+figure (``atol=1e-5``: cuBLAS blocks ours and torch's products differently).
+"""
 
 import pytest
 import torch
 from torch import nn
+from tolerances import tol
 
 from srupp.nn import AdaptiveInput, ProjectedAdaptiveLogSoftmax
 from srupp.nn.adaptive import check_cutoffs
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 V, D, CUTOFFS = 50, 16, [10, 20, 35]
+
+
+def fp32_tol(device):
+    return TOL if device.type == "cpu" else tol(torch.float32)
 
 
 def untied_pair(div_val=2, head_bias=True):
@@ -43,23 +55,39 @@ def untied_pair(div_val=2, head_bias=True):
 
 
 @pytest.mark.parametrize("div_val,head_bias", [(2, True), (1, True), (2, False)])
-def test_matches_torch_adaptive_log_softmax(div_val, head_bias):
+def test_matches_torch_adaptive_log_softmax(div_val, head_bias, device):
     ours, ref = untied_pair(div_val, head_bias)
-    h = torch.randn(40, D, requires_grad=True)
+    ours, ref = ours.to(device), ref.to(device)
+    h = torch.randn(40, D).to(device).requires_grad_()
     h2 = h.detach().clone().requires_grad_(True)
     t = torch.randint(0, V, (40,))
     t[:4] = torch.tensor([0, 15, 25, 49])  # every cluster
-    torch.testing.assert_close(ours.log_prob(h), ref.log_prob(h2), **TOL)
+    t = t.to(device)
+    torch.testing.assert_close(ours.log_prob(h), ref.log_prob(h2), **fp32_tol(device))
 
     mine = ours.loss(h, t).mean()
     theirs = ref(h2, t).loss
-    torch.testing.assert_close(mine, theirs, **TOL)
+    torch.testing.assert_close(mine, theirs, **fp32_tol(device))
     mine.backward()
     theirs.backward()
-    torch.testing.assert_close(h.grad, h2.grad, **TOL)
+    torch.testing.assert_close(h.grad, h2.grad, **fp32_tol(device))
+    # and the gradients of the weights they share: torch's head is [our shortlist rows;
+    # our cluster rows], its tail i is (our projection i)^T, then our cluster i's rows
+    s = CUTOFFS[0]
+    pairs = [(ours.out_embs[0].grad, ref.head.weight.grad[:s]),
+             (ours.cluster_weight.grad, ref.head.weight.grad[s:])]
+    if head_bias:
+        pairs += [(ours.out_biases[0].grad, ref.head.bias.grad[:s]),
+                  (ours.cluster_bias.grad, ref.head.bias.grad[s:])]
+    for i, tail in enumerate(ref.tail, start=1):
+        pairs.append((ours.out_embs[i].grad, tail[1].weight.grad))
+        if ours.projection(i) is not None:
+            pairs.append((ours.projection(i).grad.t(), tail[0].weight.grad))
+    for a, b in pairs:
+        torch.testing.assert_close(a, b, **fp32_tol(device))
 
 
-def test_loss_is_minus_gathered_log_prob_and_rows_sum_to_one():
+def test_loss_is_minus_gathered_log_prob_and_rows_sum_to_one(device):
     torch.manual_seed(1)
     inp = AdaptiveInput(V, D, cutoffs=CUTOFFS, div_val=2, emb_dim=8)
     out = ProjectedAdaptiveLogSoftmax(V, D, cutoffs=CUTOFFS, div_val=2, emb_dim=8,
@@ -67,13 +95,14 @@ def test_loss_is_minus_gathered_log_prob_and_rows_sum_to_one():
     with torch.no_grad():
         for b in out.out_biases:
             b.normal_()
-    h = torch.randn(3, 7, D, dtype=torch.float64)
-    out.double()
+    h = torch.randn(3, 7, D, dtype=torch.float64).to(device)
+    out.double().to(device)
     lp = out.log_prob(h)
     assert lp.shape == (3, 7, V) and lp.dtype == torch.float64
-    torch.testing.assert_close(lp.exp().sum(-1), torch.ones(3, 7, dtype=torch.float64))
+    torch.testing.assert_close(lp.exp().sum(-1), torch.ones(3, 7, dtype=torch.float64).to(device))
     t = torch.randint(0, V, (3, 7))
     t[0, 0] = -100
+    t = t.to(device)
     nll = out.loss(h, t)
     assert nll.shape == (3, 7) and nll[0, 0] == 0
     expected = -lp.gather(-1, t.clamp(min=0).unsqueeze(-1)).squeeze(-1)
@@ -81,10 +110,10 @@ def test_loss_is_minus_gathered_log_prob_and_rows_sum_to_one():
     torch.testing.assert_close(nll, expected)
 
 
-def test_loss_computes_only_needed_clusters():
-    out = ProjectedAdaptiveLogSoftmax(V, D, cutoffs=CUTOFFS, div_val=2, emb_dim=D)
-    h = torch.randn(5, D, requires_grad=True)
-    out.loss(h, torch.tensor([1, 2, 3, 12, 13])).sum().backward()  # shortlist and cluster 1
+def test_loss_computes_only_needed_clusters(device):
+    out = ProjectedAdaptiveLogSoftmax(V, D, cutoffs=CUTOFFS, div_val=2, emb_dim=D).to(device)
+    h = torch.randn(5, D).to(device).requires_grad_()
+    out.loss(h, torch.tensor([1, 2, 3, 12, 13]).to(device)).sum().backward()  # shortlist, cluster 1
     assert out.out_embs[1].grad is not None
     assert out.out_embs[2].grad is None and out.out_embs[3].grad is None
 
@@ -112,11 +141,11 @@ def test_tied_clusters_and_projections_are_the_input_parameters():
     assert inp.emb_layers[3].weight.grad is not None
 
 
-def test_adaptive_input_embeds_each_cluster():
+def test_adaptive_input_embeds_each_cluster(device):
     torch.manual_seed(0)
-    inp = AdaptiveInput(V, D, cutoffs=CUTOFFS, div_val=2, emb_dim=8)
+    inp = AdaptiveInput(V, D, cutoffs=CUTOFFS, div_val=2, emb_dim=8).to(device)
     assert inp.widths == [8, 4, 2, 1]
-    ids = torch.tensor([[0, 9, 10, 19], [20, 34, 35, 49]])
+    ids = torch.tensor([[0, 9, 10, 19], [20, 34, 35, 49]]).to(device)
     x = inp(ids)
     assert x.shape == (2, 4, D)
     for b in range(2):
@@ -126,12 +155,15 @@ def test_adaptive_input_embeds_each_cluster():
             lo = ([0] + CUTOFFS)[i]
             e = inp.emb_layers[i].weight[w - lo] @ inp.projection(i).t()
             torch.testing.assert_close(x[b, j], e)
-    with pytest.raises(IndexError):
-        inp(torch.tensor([V]))
+    if device.type == "cpu":
+        # (on CUDA an out-of-range embedding index is a device-side assert, which
+        # leaves the CUDA context unusable, not an IndexError)
+        with pytest.raises(IndexError):
+            inp(torch.tensor([V]))
     # no projection where the cluster is d_model wide
-    same = AdaptiveInput(V, D, cutoffs=CUTOFFS, div_val=1, emb_dim=D)
+    same = AdaptiveInput(V, D, cutoffs=CUTOFFS, div_val=1, emb_dim=D).to(device)
     assert len(same.emb_projs) == 0
-    torch.testing.assert_close(same(torch.tensor([3])), same.emb_layers[0].weight[3:4])
+    torch.testing.assert_close(same(torch.tensor([3]).to(device)), same.emb_layers[0].weight[3:4])
 
 
 def test_init_gives_every_cluster_the_plain_embedding_scale():

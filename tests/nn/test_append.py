@@ -1,4 +1,8 @@
-"""append_steps: equal to torch.cat, in place only when that is safe."""
+"""append_steps: equal to torch.cat, in place only when that is safe.
+
+Every test takes the ``device`` fixture (``pytest --device cuda`` runs them on the
+GPU, where decoding appends to its caches): tensors are drawn on the CPU and moved.
+"""
 
 import pytest
 import torch
@@ -6,66 +10,68 @@ import torch
 from srupp.nn.append import append_steps
 
 
-def test_repeated_appends_equal_cat_and_reuse_the_buffer():
+def test_repeated_appends_equal_cat_and_reuse_the_buffer(device):
     torch.manual_seed(0)
     with torch.no_grad():
-        cache, want = None, torch.empty(2, 0, 3)
+        cache, want = None, torch.empty(2, 0, 3, device=device)
         for L in (5, 1, 1, 2, 1, 64, 1):
-            new = torch.randn(2, L, 3)
+            new = torch.randn(2, L, 3).to(device)
             cache = append_steps(cache, new)
             want = torch.cat([want, new], 1)
             torch.testing.assert_close(cache, want, rtol=0, atol=0)
         # the last single step fitted into spare room: same buffer as before
-        again = append_steps(cache, torch.randn(2, 1, 3))
+        again = append_steps(cache, torch.randn(2, 1, 3).to(device))
         assert again._base is cache._base
 
 
-def test_an_older_view_never_changes_and_a_second_branch_copies():
+def test_an_older_view_never_changes_and_a_second_branch_copies(device):
     with torch.no_grad():
-        root = append_steps(None, torch.zeros(1, 4, 2))
-        a = append_steps(root, torch.ones(1, 1, 2))        # in place after root
-        b = append_steps(root, torch.full((1, 1, 2), 7.0))  # root is no longer the end: copy
+        root = append_steps(None, torch.zeros(1, 4, 2, device=device))
+        a = append_steps(root, torch.ones(1, 1, 2, device=device))  # in place after root
+        # root is no longer the end: copy
+        b = append_steps(root, torch.full((1, 1, 2), 7.0, device=device))
         assert a._base is root._base and b._base is not root._base
-        torch.testing.assert_close(a[:, -1], torch.ones(1, 2))
-        torch.testing.assert_close(b[:, -1], torch.full((1, 2), 7.0))
-        torch.testing.assert_close(root, torch.zeros(1, 4, 2))
+        torch.testing.assert_close(a[:, -1], torch.ones(1, 2, device=device))
+        torch.testing.assert_close(b[:, -1], torch.full((1, 2), 7.0, device=device))
+        torch.testing.assert_close(root, torch.zeros(1, 4, 2, device=device))
 
 
-def test_a_sliding_window_and_other_dims():
+def test_a_sliding_window_and_other_dims(device):
     torch.manual_seed(1)
     with torch.no_grad():
-        cache, want = None, torch.empty(1, 2, 0, 3)
+        cache, want = None, torch.empty(1, 2, 0, 3, device=device)
         for _ in range(200):
-            new = torch.randn(1, 2, 1, 3)
+            new = torch.randn(1, 2, 1, 3).to(device)
             cache = append_steps(cache, new, dim=2)[:, :, -8:]  # keep the last 8 steps
             want = torch.cat([want, new], 2)[:, :, -8:]
             torch.testing.assert_close(cache, want, rtol=0, atol=0)
         assert cache._base.shape[2] <= 64 + 2 * 9  # the buffer stays bounded
 
 
-def test_with_gradients_it_is_plain_cat():
-    old = torch.randn(1, 3, 2)
-    new = torch.randn(1, 1, 2, requires_grad=True)
+def test_with_gradients_it_is_plain_cat(device):
+    old = torch.randn(1, 3, 2).to(device)
+    new = torch.randn(1, 1, 2).to(device).requires_grad_()
     out = append_steps(old, new)
     assert out.grad_fn is not None
     out.sum().backward()
     torch.testing.assert_close(new.grad, torch.ones_like(new))
 
 
-def test_dtype_of_the_new_steps_wins():
+def test_dtype_of_the_new_steps_wins(device):
     with torch.no_grad():
-        out = append_steps(torch.zeros(1, 2, 2, dtype=torch.float64), torch.ones(1, 1, 2))
+        out = append_steps(torch.zeros(1, 2, 2, dtype=torch.float64, device=device),
+                           torch.ones(1, 1, 2, device=device))
     assert out.dtype == torch.float32 and out.shape == (1, 3, 2)
 
 
 @pytest.mark.parametrize("M,L,n", [(0, 5, None), (4, 5, None), (4, 5, 3), (4, 5, 5), (4, 3, 5),
                                    (2, 3, 9), (6, 1, 4), (None, 5, 2), (None, 2, 5)])
 @pytest.mark.parametrize("grad", [False, True])
-def test_append_keep_last_equals_cat_then_cut(M, L, n, grad):
+def test_append_keep_last_equals_cat_then_cut(M, L, n, grad, device):
     from srupp.nn.srupp import _append_keep_last, _keep_last
 
-    old = None if M is None else torch.randn(2, M, 3)
-    new = torch.randn(2, L, 3, requires_grad=grad)
+    old = None if M is None else torch.randn(2, M, 3).to(device)
+    new = torch.randn(2, L, 3).to(device).requires_grad_(grad)
     with torch.set_grad_enabled(grad):
         got = _append_keep_last(old, new, n)
     want = _keep_last(new if old is None else torch.cat([old, new], 1), n)

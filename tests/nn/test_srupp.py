@@ -1,10 +1,25 @@
-"""SRU++ stack: gradients, execution modes that must agree, autocast, bad input."""
+"""SRU++ stack: gradients, execution modes that must agree, autocast, bad input.
+
+The tests that compare two ways of computing the same thing (gradcheck, chunks,
+steps and the K/V cache against one pass, padded against single runs, layouts,
+compiled against eager) take the ``device`` fixture: ``pytest --device cuda``
+runs them on the GPU. Modules are built and inputs drawn on the CPU (the same
+values on every device), then moved. float64 (gradcheck) runs the reference
+recurrence and SDPA's math kernel on either device; fp32 runs the device's fast
+paths (on CUDA: cuBLAS, SDPA's kernels, the Triton recurrence).
+
+fp32 tolerance: ``rtol=1e-5, atol=1e-6`` on CPU, as these tests always had; on CUDA
+tests/tolerances.py's fp32 figure (``atol=1e-5``): cuBLAS and SDPA pick other
+kernels for other shapes (a chunk against the whole sequence, one step against
+a prefix) and compiled Triton's exp is an approximation of a few ulps.
+"""
 
 import pytest
 import torch
 from torch import nn
 from torch.autograd import gradcheck
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+from tolerances import half_dtypes, tol
 
 from srupp.nn import SRUpp, SRUppCell, SRUppState
 
@@ -12,20 +27,26 @@ close = torch.testing.assert_close  # fp32 defaults overridden per call: rtol=1e
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
+def fp32_tol(device):
+    return TOL if device.type == "cpu" else tol(torch.float32)
+
+
 def randomize(module, seed=0):
-    """Move every parameter off its initial value, α included, so attention matters."""
+    """Move every parameter off its initial value, α included, so attention matters.
+    The offsets are drawn on the CPU, so a module on any device gets the same ones."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in module.parameters():
-            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype).to(p.device) * 0.3)
     return module
 
 
-def make(**kw):
+def make(device="cpu", **kw):
+    """A randomised SRU++ stack (eval mode), built on the CPU and moved to ``device``."""
     torch.manual_seed(0)
     cfg = dict(input_size=6, hidden_size=4, proj_size=4, num_layers=2)
     cfg.update(kw)
-    return randomize(SRUpp(**cfg).eval())
+    return randomize(SRUpp(**cfg).eval()).to(device)
 
 
 # ------------------------------------------------------------------ gradcheck
@@ -45,15 +66,17 @@ GRAD_CASES = {
 
 @pytest.mark.parametrize("case", list(GRAD_CASES))
 @pytest.mark.parametrize("with_pad", [False, True])
-def test_gradcheck_stack(case, with_pad):
-    m = make(**GRAD_CASES[case]).double()
+def test_gradcheck_stack(case, with_pad, device):
+    m = make(device, **GRAD_CASES[case]).double()
     L, B = 4, 2
-    x = torch.randn(L, B, m.input_size, dtype=torch.float64, requires_grad=True)
-    c0 = torch.randn(m.num_layers, B, m.output_size, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(L, B, m.input_size, dtype=torch.float64).to(device).requires_grad_()
+    c0 = torch.randn(m.num_layers, B, m.output_size,
+                     dtype=torch.float64).to(device).requires_grad_()
     mask = None
     if with_pad:
         mask = torch.zeros(L, B, dtype=torch.bool)
         mask[-1, 1] = True
+        mask = mask.to(device)
     params = list(m.parameters())
 
     def fn(x, c0, *ps):
@@ -64,14 +87,16 @@ def test_gradcheck_stack(case, with_pad):
     assert gradcheck(fn, (x, c0, *params), eps=1e-6, atol=1e-5)
 
 
-def test_gradcheck_with_memory():
-    m = make(causal=True, num_heads=2).double()
+def test_gradcheck_with_memory(device):
+    m = make(device, causal=True, num_heads=2).double()
     B = 2
-    x = torch.randn(3, B, m.input_size, dtype=torch.float64, requires_grad=True)
-    mem = [torch.randn(B, 2, m.input_size if i == 0 else m.output_size, dtype=torch.float64,
-                       requires_grad=True) for i in range(m.num_layers)]
-    c0 = torch.randn(m.num_layers, B, m.output_size, dtype=torch.float64, requires_grad=True)
-    mmask = torch.tensor([[True, False], [False, False]])
+    x = torch.randn(3, B, m.input_size, dtype=torch.float64).to(device).requires_grad_()
+    mem = [torch.randn(B, 2, m.input_size if i == 0 else m.output_size,
+                       dtype=torch.float64).to(device).requires_grad_()
+           for i in range(m.num_layers)]
+    c0 = torch.randn(m.num_layers, B, m.output_size,
+                     dtype=torch.float64).to(device).requires_grad_()
+    mmask = torch.tensor([[True, False], [False, False]]).to(device)
 
     def fn(x, c0, m0, m1, *ps):
         out, st = m(x, SRUppState(c=c0, memory=[m0, m1], memory_mask_pad=mmask))
@@ -96,21 +121,21 @@ def run_chunks(m, x, sizes, state=None):
 
 @pytest.mark.parametrize("chunk", [1, 3, 7, 12])
 @pytest.mark.parametrize("mem_len", [None, 12, 20])
-def test_chunks_match_one_pass(chunk, mem_len):
-    m = make(causal=True, num_layers=3, num_heads=2, mem_len=mem_len, layer_norm=True)
-    x = torch.randn(12, 2, 6)
+def test_chunks_match_one_pass(chunk, mem_len, device):
+    m = make(device, causal=True, num_layers=3, num_heads=2, mem_len=mem_len, layer_norm=True)
+    x = torch.randn(12, 2, 6).to(device)
     full, full_state = m(x)
     out, state = run_chunks(m, x, [chunk])
-    close(out, full, **TOL)
-    close(state.c, full_state.c, **TOL)
+    close(out, full, **fp32_tol(device))
+    close(state.c, full_state.c, **fp32_tol(device))
 
 
-def test_irregular_chunks_match_one_pass():
-    m = make(causal=True, num_layers=2, attention_last_n_layers=1)
-    x = torch.randn(15, 3, 6)
+def test_irregular_chunks_match_one_pass(device):
+    m = make(device, causal=True, num_layers=2, attention_last_n_layers=1)
+    x = torch.randn(15, 3, 6).to(device)
     full, _ = m(x)
     out, _ = run_chunks(m, x, [1, 4, 2, 7])
-    close(out, full, **TOL)
+    close(out, full, **fp32_tol(device))
 
 
 def window_mask(L, allowed_from):
@@ -122,39 +147,41 @@ def window_mask(L, allowed_from):
 
 
 @pytest.mark.parametrize("mem_len", [0, 2, 5])
-def test_token_by_token_is_a_sliding_window(mem_len):
-    m = make(causal=True, num_heads=2, mem_len=mem_len)
+def test_token_by_token_is_a_sliding_window(mem_len, device):
+    m = make(device, causal=True, num_heads=2, mem_len=mem_len)
     L = 10
-    x = torch.randn(L, 2, 6)
+    x = torch.randn(L, 2, 6).to(device)
     stepped, _ = run_chunks(m, x, [1])
-    ref = make(num_heads=2)  # same weights, not causal: the window mask does it all
-    expected, _ = ref(x, attn_mask=window_mask(L, [max(0, p - mem_len) for p in range(L)]))
-    close(stepped, expected, **TOL)
+    ref = make(device, num_heads=2)  # same weights, not causal: the window mask does it all
+    mask = window_mask(L, [max(0, p - mem_len) for p in range(L)]).to(device)
+    expected, _ = ref(x, attn_mask=mask)
+    close(stepped, expected, **fp32_tol(device))
 
 
 @pytest.mark.parametrize("chunk,mem_len", [(3, 2), (4, 4), (5, 3)])
-def test_chunks_follow_transformer_xl(chunk, mem_len):
+def test_chunks_follow_transformer_xl(chunk, mem_len, device):
     """A chunk sees at most mem_len earlier tokens plus its own causal prefix."""
-    m = make(causal=True, mem_len=mem_len)
+    m = make(device, causal=True, mem_len=mem_len)
     L = 11
-    x = torch.randn(L, 2, 6)
+    x = torch.randn(L, 2, 6).to(device)
     out, _ = run_chunks(m, x, [chunk])
     starts = [(p // chunk) * chunk for p in range(L)]
-    expected, _ = make()(x, attn_mask=window_mask(L, [max(0, s - mem_len) for s in starts]))
-    close(out, expected, **TOL)
+    mask = window_mask(L, [max(0, s - mem_len) for s in starts]).to(device)
+    expected, _ = make(device)(x, attn_mask=mask)
+    close(out, expected, **fp32_tol(device))
 
 
-def test_user_attn_mask_is_added_to_causal():
-    m = make(causal=True)
-    x = torch.randn(5, 2, 6)
+def test_user_attn_mask_is_added_to_causal(device):
+    m = make(device, causal=True)
+    x = torch.randn(5, 2, 6).to(device)
     extra = torch.zeros(5, 5)
     extra[:, 0] = float("-inf")  # nobody may look at position 0, except... nobody
-    out, _ = m(x, attn_mask=extra)
+    out, _ = m(x, attn_mask=extra.to(device))
     causal = torch.triu(torch.full((5, 5), float("-inf")), diagonal=1)
-    expected, _ = make()(x, attn_mask=causal + extra)
+    expected, _ = make(device)(x, attn_mask=(causal + extra).to(device))
     # row 0 is fully masked: its attention output is zeros, not NaN, in both paths
     assert torch.isfinite(out).all()
-    close(out, expected, **TOL)
+    close(out, expected, **fp32_tol(device))
 
 
 # ------------------------------------------------------------------ padding
@@ -162,8 +189,8 @@ def test_user_attn_mask_is_added_to_causal():
 @pytest.mark.parametrize("cfg", [dict(), dict(bidirectional=True), dict(causal=True),
                                  dict(input_size=5, num_heads=2, layer_norm=True)])
 @pytest.mark.parametrize("side", ["right", "left"])
-def test_padded_batch_matches_single_runs(cfg, side):
-    m = make(**cfg)
+def test_padded_batch_matches_single_runs(cfg, side, device):
+    m = make(device, **cfg)
     lengths = [5, 3, 1]
     L = max(lengths)
     seqs = [torch.randn(n, 1, m.input_size) for n in lengths]
@@ -175,32 +202,34 @@ def test_padded_batch_matches_single_runs(cfg, side):
         x[span, b] = s[:, 0]
         mask[span, b] = False
         spans.append(span)
+    x, mask, seqs = x.to(device), mask.to(device), [s.to(device) for s in seqs]
     out, state = m(x, mask_pad=mask)
     for b, (s, span) in enumerate(zip(seqs, spans)):
         alone, alone_state = m(s)
-        close(out[span, b], alone[:, 0], **TOL)
-        close(state.c[:, b], alone_state.c[:, 0], **TOL)
+        close(out[span, b], alone[:, 0], **fp32_tol(device))
+        close(state.c[:, b], alone_state.c[:, 0], **fp32_tol(device))
         pad = mask[:, b]
         assert torch.all(out[pad, b] == 0)
 
 
-def test_packed_sequence_matches_padded():
-    m = make(bidirectional=True)
-    lengths = torch.tensor([2, 4, 3])
-    x = torch.randn(4, 3, 6)
-    mask = torch.arange(4).unsqueeze(1) >= lengths.unsqueeze(0)
+def test_packed_sequence_matches_padded(device):
+    m = make(device, bidirectional=True)
+    lengths = torch.tensor([2, 4, 3])  # on the CPU, as pack_padded_sequence wants them
+    x = torch.randn(4, 3, 6).to(device)
+    mask = (torch.arange(4).unsqueeze(1) >= lengths.unsqueeze(0)).to(device)
     padded, st = m(x, mask_pad=mask)
     packed, pst = m(pack_padded_sequence(x, lengths, enforce_sorted=False))
     unpacked, _ = pad_packed_sequence(packed)
-    close(unpacked, padded, **TOL)
-    close(pst.c, st.c, **TOL)
+    close(unpacked, padded, **fp32_tol(device))
+    close(pst.c, st.c, **fp32_tol(device))
 
 
-def test_fully_padded_sequence_gives_zeros_not_nan():
-    m = make(causal=True)
-    x = torch.randn(3, 2, 6)
+def test_fully_padded_sequence_gives_zeros_not_nan(device):
+    m = make(device, causal=True)
+    x = torch.randn(3, 2, 6).to(device)
     mask = torch.zeros(3, 2, dtype=torch.bool)
     mask[:, 1] = True
+    mask = mask.to(device)
     out, state = m(x, mask_pad=mask)
     assert torch.isfinite(out).all() and torch.all(out[:, 1] == 0)
     out.sum().backward()
@@ -209,36 +238,38 @@ def test_fully_padded_sequence_gives_zeros_not_nan():
 
 # ------------------------------------------------------------- layouts, state
 
-def test_batch_first_matches_time_major():
-    m = make(num_heads=2)
-    mb = make(num_heads=2, batch_first=True)
-    x = torch.randn(5, 3, 6)
+def test_batch_first_matches_time_major(device):
+    m = make(device, num_heads=2)
+    mb = make(device, num_heads=2, batch_first=True)
+    x = torch.randn(5, 3, 6).to(device)
     mask = torch.zeros(5, 3, dtype=torch.bool)
     mask[4, 0] = True
+    mask = mask.to(device)
     out, st = m(x, mask_pad=mask)
     outb, stb = mb(x.transpose(0, 1), mask_pad=mask.T)
-    close(outb.transpose(0, 1), out, **TOL)
-    close(stb.c, st.c, **TOL)
+    close(outb.transpose(0, 1), out, **fp32_tol(device))
+    close(stb.c, st.c, **fp32_tol(device))
 
 
-def test_cell_is_a_one_layer_stack():
+def test_cell_is_a_one_layer_stack(device):
     torch.manual_seed(1)
-    cell = randomize(SRUppCell(6, 4, 4, causal=True, num_heads=2))
-    stack = SRUpp(6, 4, 4, num_layers=1, causal=True, num_heads=2)
+    cell = randomize(SRUppCell(6, 4, 4, causal=True, num_heads=2)).to(device)
+    stack = SRUpp(6, 4, 4, num_layers=1, causal=True, num_heads=2).to(device)
     stack.layers[0].load_state_dict(cell.state_dict())
-    x = torch.randn(5, 2, 6)
+    x = torch.randn(5, 2, 6).to(device)
     a, sa = cell(x)
     b, sb = stack(x)
-    close(a, b, **TOL)
+    close(a, b, **fp32_tol(device))
     c, _ = cell(x[3:], cell(x[:3])[1])
-    close(c, a[3:], **TOL)
+    close(c, a[3:], **fp32_tol(device))
 
 
-def test_state_round_trip_detach_and_size():
-    m = make(causal=True, mem_len=4)
-    x = torch.randn(6, 2, 6, requires_grad=True)
+def test_state_round_trip_detach_and_size(device):
+    m = make(device, causal=True, mem_len=4)
+    x = torch.randn(6, 2, 6).to(device).requires_grad_()
     mask = torch.zeros(6, 2, dtype=torch.bool)
     mask[0, 1] = True
+    mask = mask.to(device)
     _, st = m(x, mask_pad=mask)
     assert st.memory_length == 4 and st.memory_mask_pad.shape == (2, 4)
     d = st.to_dict()
@@ -249,49 +280,57 @@ def test_state_round_trip_detach_and_size():
     assert not det.c.requires_grad and all(not t.requires_grad for t in det.memory if t is not None)
     expected = sum(t.numel() * t.element_size() for t in d.values())
     assert st.nbytes() == expected
-    y1, _ = m(torch.randn(2, 2, 6), back)  # usable as a state
+    y1, _ = m(torch.randn(2, 2, 6).to(device), back)  # usable as a state
     assert y1.shape == (2, 2, 4)
 
 
-def test_index_select_follows_sequences():
-    m = make(causal=True)
-    x = torch.randn(7, 3, 6)
+def test_index_select_follows_sequences(device):
+    m = make(device, causal=True)
+    x = torch.randn(7, 3, 6).to(device)
     _, st = m(x[:4])
-    idx = torch.tensor([2, 0, 0])
+    idx = torch.tensor([2, 0, 0]).to(device)
     out, _ = m(x[4:, idx], st.index_select(idx))
     full, _ = m(x[:, idx])
-    close(out, full[4:], **TOL)
+    close(out, full[4:], **fp32_tol(device))
 
 
-def test_state_mem_len_overrides_layer():
-    m = make(causal=True, mem_len=2)
+def test_state_mem_len_overrides_layer(device):
+    m = make(device, causal=True, mem_len=2)
     st = m.initial_state(2, mem_len=5)
-    _, st = m(torch.randn(6, 2, 6), st)
+    assert st.c.device == m.layers[0].weight_c.device
+    _, st = m(torch.randn(6, 2, 6).to(device), st)
     assert st.memory_length == 5 and st.mem_len == 5
 
 
-def test_bare_c0_tensor_is_accepted():
-    m = make()
-    c0 = torch.randn(2, 3, 4)
-    a, _ = m(torch.randn(4, 3, 6), c0)
-    b, st = m(torch.randn(4, 3, 6), SRUppState(c=c0))
+def test_bare_c0_tensor_is_accepted(device):
+    m = make(device)
+    c0 = torch.randn(2, 3, 4).to(device)
+    a, _ = m(torch.randn(4, 3, 6).to(device), c0)
+    b, st = m(torch.randn(4, 3, 6).to(device), SRUppState(c=c0))
     assert a.shape == b.shape
 
 
 # ----------------------------------------------------------------- autocast
 
-def test_bf16_autocast_dtypes():
-    m = make(causal=True, layer_norm=True, normalize_after=True, num_layers=3)
-    x = torch.randn(5, 2, 6)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out, st = m(x)
-        out2, st2 = m(x, st)
-    assert out.dtype == torch.bfloat16 and out2.dtype == torch.bfloat16
-    assert st.c.dtype == torch.float32
-    assert st.memory[0].dtype == torch.float32          # layer 0's input is the fp32 x
-    assert st.memory[1].dtype == torch.bfloat16         # later layers get bf16 h
+# against the fp32 run: bf16 has 8 bits of mantissa, fp16 11 (8x finer)
+AUTOCAST_TOL = {torch.bfloat16: dict(rtol=0.05, atol=0.05),
+                torch.float16: dict(rtol=0.05 / 8, atol=0.05 / 8)}
+
+
+def test_bf16_autocast_dtypes(device):
+    """Autocast to bf16 (and on CUDA to fp16 too, tests/tolerances.py's half_dtypes)."""
+    m = make(device, causal=True, layer_norm=True, normalize_after=True, num_layers=3)
+    x = torch.randn(5, 2, 6).to(device)
     ref, _ = m(x)
-    close(out.float(), ref, rtol=0.05, atol=0.05)  # bf16 has 8 bits of mantissa
+    for half in half_dtypes(device):
+        with torch.autocast(device.type, dtype=half):
+            out, st = m(x)
+            out2, st2 = m(x, st)
+        assert out.dtype == half and out2.dtype == half
+        assert st.c.dtype == torch.float32
+        assert st.memory[0].dtype == torch.float32          # layer 0's input is the fp32 x
+        assert st.memory[1].dtype == half                   # later layers get half h
+        close(out.float(), ref, **AUTOCAST_TOL[half])
 
 
 # ---------------------------------------------------------------- bad input
@@ -344,25 +383,27 @@ def test_attention_layout():
     assert [layer.use_attention for layer in m.layers] == [False, False, False, True]
 
 
-def test_device_dtype_factory_kwargs():
-    m = SRUpp(6, 4, 4, dtype=torch.float64, device="cpu")
-    assert all(p.dtype == torch.float64 for p in m.parameters())
-    out, st = m(torch.randn(3, 2, 6, dtype=torch.float64))
+def test_device_dtype_factory_kwargs(device):
+    m = SRUpp(6, 4, 4, dtype=torch.float64, device=device)
+    assert all(p.dtype == torch.float64 and p.device.type == device.type
+               for p in m.parameters())
+    out, st = m(torch.randn(3, 2, 6, dtype=torch.float64).to(device))
     assert out.dtype == torch.float64 and st.c.dtype == torch.float64
+    assert out.device.type == st.c.device.type == device.type
 
 
 # ------------------------------------------------------------- the K/V cache
 
-def test_kv_cache_gives_the_same_decoding():
-    m = make(causal=True, num_heads=2, mem_len=4)
-    x = torch.randn(9, 2, 6)
+def test_kv_cache_gives_the_same_decoding(device):
+    m = make(device, causal=True, num_heads=2, mem_len=4)
+    x = torch.randn(9, 2, 6).to(device)
     with torch.no_grad():
         cached, st = run_chunks(m, x, [1])
         assert any(kv is not None for kv in st.kv_cache)
         with torch.enable_grad():
             uncached, st2 = run_chunks(m, x, [1])  # grad mode: no cache is kept
         assert all(kv is None for kv in st2.kv_cache)
-        close(cached, uncached.detach(), **TOL)
+        close(cached, uncached.detach(), **fp32_tol(device))
 
 
 def _fresh_parameter(w):
@@ -390,7 +431,7 @@ def _in_place(m):
 
 
 def _load_state_dict(m):
-    other = make(causal=True, num_heads=2, mem_len=4)
+    other = make(causal=True, num_heads=2, mem_len=4)  # on the CPU: copied into m's device
     randomize(other, seed=5)
     m.load_state_dict(other.state_dict())
 
@@ -402,55 +443,55 @@ def _assign_data(m):
 
 @pytest.mark.parametrize("change", [_swap_same_address, _in_place, _load_state_dict,
                                     _assign_data])
-def test_kv_cache_is_dropped_when_the_weights_change(change):
+def test_kv_cache_is_dropped_when_the_weights_change(change, device):
     """After any change of W1 or W2, decoding on gives what a fresh computation gives."""
-    m = make(causal=True, num_heads=2, mem_len=4)
+    m = make(device, causal=True, num_heads=2, mem_len=4)
     for layer in m.layers:  # fresh Parameters: every weight at version 0
         t = layer.transform
         t.linear1.weight = _fresh_parameter(t.linear1.weight)
         t.linear2.weight = _fresh_parameter(t.linear2.weight)
-    x = torch.randn(5, 2, 6)
+    x = torch.randn(5, 2, 6).to(device)
     with torch.no_grad():
         _, st = run_chunks(m, x, [1])
         assert all(kv.valid_for(layer.transform.kv_weights, 4)
                    for kv, layer in zip(st.kv_cache, m.layers))
         change(m)
-        nxt = torch.randn(2, 6)
+        nxt = torch.randn(2, 6).to(device)
         a, st_a = m.step(nxt, st)
         b, st_b = m.step(nxt, st.drop_kv_cache())
-        close(a, b, **TOL)
+        close(a, b, **fp32_tol(device))
         full, _ = m(nxt.unsqueeze(0), SRUppState(c=st.c, memory=st.memory, mem_len=st.mem_len))
-        close(a, full[0], **TOL)
+        close(a, full[0], **fp32_tol(device))
         assert all(kv.valid_for(layer.transform.kv_weights, 4)
                    for kv, layer in zip(st_a.kv_cache, m.layers))
 
 
-def test_kv_cache_follows_detach_index_select_and_to():
-    m = make(causal=True, num_heads=2, mem_len=4)
+def test_kv_cache_follows_detach_index_select_and_to(device):
+    m = make(device, causal=True, num_heads=2, mem_len=4)
     with torch.no_grad():
-        _, st = run_chunks(m, torch.randn(5, 3, 6), [1])
-        idx = torch.tensor([2, 0])
-        for moved in (st.detach(), st.to("cpu"), st.index_select(idx)):
+        _, st = run_chunks(m, torch.randn(5, 3, 6).to(device), [1])
+        idx = torch.tensor([2, 0]).to(device)
+        for moved in (st.detach(), st.to(device), st.index_select(idx)):
             for kv, layer in zip(moved.kv_cache, m.layers):
                 assert kv.valid_for(layer.transform.kv_weights, 4)
         picked = st.index_select(idx)
         assert torch.equal(picked.kv_cache[0].kv, st.kv_cache[0].kv[idx])
-        nxt = torch.randn(2, 6)
+        nxt = torch.randn(2, 6).to(device)
         a, _ = m.step(nxt, picked)
         b, _ = m.step(nxt, picked.drop_kv_cache())
-        close(a, b, **TOL)
+        close(a, b, **fp32_tol(device))
 
 
 # ----------------------------------------------------------------- compiled
 
-def test_compiled_stack_matches_eager_without_graph_breaks():
+def test_compiled_stack_matches_eager_without_graph_breaks(device):
     """torch.compile(fullgraph=True) traces the whole stack, memory and state included."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    m = make(causal=True, num_heads=2, mem_len=4, layer_norm=True)
-    x = torch.randn(5, 2, 6)
-    _, st0 = m(torch.randn(3, 2, 6))
+    m = make(device, causal=True, num_heads=2, mem_len=4, layer_norm=True)
+    x = torch.randn(5, 2, 6).to(device)
+    _, st0 = m(torch.randn(3, 2, 6).to(device))
     st0 = st0.detach()
 
     def f(x, c0, m0, m1):
@@ -467,7 +508,7 @@ def test_compiled_stack_matches_eager_without_graph_breaks():
     # without inductor's slow cold C++ compile
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
     for a, b in zip(value_and_grads(compiled), value_and_grads(f)):
-        close(a, b, **TOL)
+        close(a, b, **fp32_tol(device))
 
 
 # ------------------------------------------------------------ step (decoding)
@@ -486,11 +527,11 @@ STEP_CASES = {
 
 
 @pytest.mark.parametrize("case", list(STEP_CASES))
-def test_step_matches_forward_token_by_token(case):
+def test_step_matches_forward_token_by_token(case, device):
     cfg = STEP_CASES[case]
-    m = make(**cfg)
+    m = make(device, **cfg)
     n_in = cfg.get("input_size", 6)
-    x = torch.randn(8, 3, n_in)
+    x = torch.randn(8, 3, n_in).to(device)
     with torch.no_grad():
         # a 3-token prefix by forward, then one token per call
         expected, exp_state = run_chunks(m, x, [3, 1, 1, 1, 1, 1])
@@ -500,24 +541,24 @@ def test_step_matches_forward_token_by_token(case):
             h, state = m.step(x[t], state)
             assert h.shape == (3, m.output_size)
             outs.append(h.unsqueeze(0))
-    close(torch.cat(outs), expected, **TOL)
-    close(state.c, exp_state.c, **TOL)
+    close(torch.cat(outs), expected, **fp32_tol(device))
+    close(state.c, exp_state.c, **fp32_tol(device))
     for a, b in zip(state.memory, exp_state.memory):
         assert (a is None) == (b is None)
         if a is not None:
-            close(a, b, **TOL)
+            close(a, b, **fp32_tol(device))
 
 
-def test_step_from_no_state_and_after_left_padding():
-    m = make(causal=True, num_heads=2, batch_first=True)
-    x = torch.randn(2, 6, 6)
+def test_step_from_no_state_and_after_left_padding(device):
+    m = make(device, causal=True, num_heads=2, batch_first=True)
+    x = torch.randn(2, 6, 6).to(device)
     pad = torch.tensor([[True, True, False, False, False, False],
-                        [False] * 6])
+                        [False] * 6]).to(device)
     with torch.no_grad():
         # row 0 alone (its 4 real tokens), stepped from no state after the first
         alone, _ = m(x[:1, 2:])
         h0, st0 = m.step(x[0, 2:3], None)
-        close(h0, alone[0, :1], **TOL)
+        close(h0, alone[0, :1], **fp32_tol(device))
         # the padded batch: prefix by forward with padding, then steps keep the key mask
         out, st = m(x[:, :4], mask_pad=pad[:, :4])
         assert st.memory_mask_pad is not None
@@ -526,9 +567,9 @@ def test_step_from_no_state_and_after_left_padding():
             h, st = m.step(x[:, t], st)
             steps.append(h)
         assert st.memory_mask_pad.shape == (2, 6)
-        close(torch.stack(steps, 1)[0], alone[0, 2:], **TOL)
+        close(torch.stack(steps, 1)[0], alone[0, 2:], **fp32_tol(device))
         full, _ = m(x[1:])
-        close(torch.stack(steps, 1)[1], full[0, 4:], **TOL)
+        close(torch.stack(steps, 1)[1], full[0, 4:], **fp32_tol(device))
 
 
 def test_step_bad_input():
