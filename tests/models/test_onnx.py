@@ -12,7 +12,7 @@ import torch
 
 from srupp.cli import main
 from srupp.models import build_model
-from srupp.models.onnx import ForwardGraph, StepGraph, export_onnx
+from srupp.models.onnx import MIN_EXPORT_TORCH, ForwardGraph, StepGraph, export_onnx
 
 from lm_helpers import config, one_line_error
 
@@ -132,6 +132,8 @@ def test_models_the_graphs_do_not_cover_are_refused(fields, match):
 # ----------------------------------------------------------------- onnxruntime
 
 def _runtime():
+    if torch.torch_version.TorchVersion(torch.__version__) < MIN_EXPORT_TORCH:
+        pytest.skip(f"torch {torch.__version__}: ONNX export needs torch >= {MIN_EXPORT_TORCH}")
     for name in ("onnx", "onnxscript"):
         pytest.importorskip(name, reason=f"{name} is not installed (pip install 'srupp[onnx]')")
     return pytest.importorskip(
@@ -191,6 +193,13 @@ def test_onnxruntime_matches_pytorch_over_many_steps(tmp_path, variant, steps, d
     assert worst < ORT_TOL, worst
     if W:
         assert steps > W and state["lengths"].tolist() == [W, W]  # the window wrapped
+
+
+def test_an_older_torch_is_refused_before_exporting(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.11.0")
+    with pytest.raises(ValueError, match=r"ONNX export needs torch >= 2\.13.*upgrade torch"):
+        export_onnx(make(type="sru"), tmp_path)
+    assert not any(tmp_path.iterdir())  # refused before writing anything
 
 
 # ----------------------------------------------------------------- the example and the CLI

@@ -259,8 +259,10 @@ class ForwardGraph(_Graph):
                 z = F.linear(xin, layer.transform.linear1.weight)          # (B, L, d′)
                 U = _attention_u(layer.transform, z, z, causal)
                 # the last W inputs, right-aligned in W slots: pad in front, keep the last W
+                # (a slice from the end: torch.export on torch 2.11 cannot prove a slice
+                # from the symbolic L in range)
                 padded = torch.cat([xin.new_zeros(B, self.slots, xin.shape[-1]), xin], dim=1)
-                memories.append(padded[:, L:])                             # (B, W, n_in)
+                memories.append(padded[:, padded.shape[1] - self.slots:])  # (B, W, n_in)
             else:
                 U = _projected_u(layer, xin)
             c0 = x.new_zeros(B, layer.output_size)
@@ -334,6 +336,7 @@ def export_onnx(model: nn.Module, out_dir, *, mem_len: Optional[int] = None,
     """
     check_exportable(model)
     window = resolve_window(model, mem_len)
+    check_torch_exports()
     require("onnx", "onnx", "ONNX export")
     require("onnxscript", "onnx", "ONNX export")  # torch.onnx's exporter builds graphs with it
     # a private fp32 copy on the CPU, without gradients: exporting never touches the
@@ -381,6 +384,21 @@ def export_onnx(model: nn.Module, out_dir, *, mem_len: Optional[int] = None,
         atomic_write_json(out_dir / "tokenizer.json", tokenizer)
     atomic_write_json(out_dir / DESCRIPTION, description)
     return description
+
+
+#: The oldest torch whose exporter gives graphs that run any batch and length.
+#: torch 2.11's specialises the example's length inside the attention (its
+#: forward graph then fails at other lengths in onnxruntime); 2.13 is tested.
+MIN_EXPORT_TORCH = "2.13"
+
+
+def check_torch_exports() -> None:
+    """ValueError, naming the fix, when the installed torch exports wrong graphs."""
+    version = torch.torch_version.TorchVersion(torch.__version__)
+    if version < MIN_EXPORT_TORCH:
+        raise ValueError(f"ONNX export needs torch >= {MIN_EXPORT_TORCH}: torch "
+                         f"{torch.__version__}'s exporter fixes the sequence length of the "
+                         f"graphs; upgrade torch, or export on a machine that has it")
 
 
 def _export(graph: nn.Module, args: tuple, path: Path, *, inputs: List[str], outputs: List[str],
