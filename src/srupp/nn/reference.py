@@ -68,12 +68,14 @@ def srupp_layer_reference(
         S = torch.einsum("ibhe,jbhe->bhij", qh, kh) / math.sqrt(dh)  # Qᵀ K / √(d′/H)
         allowed = torch.ones(B, 1, L, M + L, dtype=torch.bool, device=x.device)
         if causal:
-            i, j = torch.arange(L).view(L, 1), torch.arange(M + L).view(1, M + L)
-            allowed = allowed & (j <= i + M).to(x.device)     # no peeking at the future
+            i = torch.arange(L, device=x.device).view(L, 1)
+            j = torch.arange(M + L, device=x.device).view(1, M + L)
+            allowed = allowed & (j <= i + M)                  # no peeking at the future
         if mask_pad is not None or memory_mask_pad is not None:
-            pads = [torch.zeros(n, B, dtype=torch.bool) if p is None else p
+            pads = [torch.zeros(n, B, dtype=torch.bool, device=x.device) if p is None
+                    else p.to(x.device)
                     for n, p in ((M, memory_mask_pad), (L, mask_pad))]
-            key_pad = torch.cat(pads, 0).to(x.device).T       # (B, M+L): padded keys
+            key_pad = torch.cat(pads, 0).T                    # (B, M+L): padded keys
             allowed = allowed & ~key_pad.view(B, 1, 1, M + L)
         dead = ~allowed.any(-1, keepdim=True)                 # a query with no key at all
         S = S.masked_fill(~allowed, float("-inf")).masked_fill(dead, 0.0)
