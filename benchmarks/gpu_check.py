@@ -8,7 +8,8 @@ Run from the repository root, from source, on the GPU machine's own Python:
 Steps, in order, each in its own process (a crash, a hang or a CUDA error in
 one is recorded with its error and the next step still runs):
 
-    environment  device, driver, torch, CUDA, triton and library versions
+    environment  device, driver, torch, CUDA, triton and library versions; imports
+                 the reference (which compiles its CUDA kernel once)
     pytest       the agreement tests on the device (pytest --device cuda)
     bounds       the device's copy bandwidth and bf16 GEMM peak
     recurrence   the recurrence kernel's forward and backward bandwidth (fp32,
@@ -51,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # earlier steps run); the whole run fits --budget (default 470 s: under the
 # 8 minutes a GPU window allows, with room to spare)
 STEPS = (
-    ("environment", 60, 10),
+    ("environment", 150, 10),  # the reference's CUDA kernel is compiled here
     ("pytest", 210, 0),
     ("bounds", 45, 15),
     ("recurrence", 75, 30),
@@ -154,7 +155,25 @@ def step_environment(args, done):
     info["fully_shard"] = (_has("torch.distributed.fsdp", "fully_shard")
                            or _has("torch.distributed._composable.fsdp", "fully_shard"))
     info["nccl"] = bool(torch.distributed.is_available() and torch.distributed.is_nccl_available())
+    info["reference"] = import_reference()
     return info
+
+
+def import_reference() -> dict:
+    """Import ``sru==3.0.0.dev6``, which compiles its CUDA kernel with nvcc on import
+    (a minute or more, once: torch caches the build). Done here, before the tests
+    (whose collection imports it) and the layer step, which then find it built."""
+    t0 = time.perf_counter()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import sru  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - not installed, or broken
+        return {"imported": False, "error": f"{type(e).__name__}: {e}"[:500]}
+    failed = [str(w.message) for w in caught if "unsuccessful" in str(w.message)]
+    return {"imported": True, "cuda_kernel_compiled": not failed,
+            "error": failed[0][-500:] if failed else None,
+            "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def _has(module: str, name: str) -> bool:
