@@ -271,6 +271,9 @@ def step_recurrence(args, done):
     B, D = (2, 64) if args.dry_run else (args.rec_batch, args.rec_units)
     lengths = (16, 32) if args.dry_run else (512, 1024, 2048, 4096)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    # on the CPU (--dry-run) the Triton kernels also run, under the interpreter, so
+    # that the path a GPU takes is exercised too
+    interpreted = args.dry_run and os.environ.get("TRITON_INTERPRET") == "1"
     rows = []
     for name, dtype in dtypes.items():
         for L in lengths:
@@ -280,33 +283,40 @@ def step_recurrence(args, done):
             wc = (0.5 * torch.randn(2, D, generator=g)).to(dev)
             bias = torch.zeros(2, D, device=dev)
             c0 = torch.zeros(B, D, device=dev)
-            kernel = recurrence.route(U, x, wc, bias, c0, None)
-            row = {"dtype": name, "L": L, "B": B, "D": D, "kernel": kernel}
-            if kernel == "reference":  # (the CPU kernel computes no fp16)
-                rows.append({**row, "skipped": "no fast kernel for this dtype here"})
-                continue
-            mod = recurrence.kernels(U, kernel == "triton")
-            fwd = lambda: mod.sru_fwd(U, x, wc, bias, c0, None, None, 1.0, False, True)  # noqa: E731
-            h, _, c_all = fwd()
             gh = torch.randn(B, L, D, generator=g).to(dev, dtype)
-            bwd = lambda: mod.sru_bwd(U, x, wc, bias, c0, None, None, c_all, gh, None,  # noqa: E731
-                                      1.0, False, True)
-            reps = 3 if args.dry_run else 10
-            f_ms, b_ms = median_ms(fwd, dev, reps), median_ms(bwd, dev, reps)
-            el = U.element_size()
-            fwd_bytes = B * L * D * (3 * el + el + el + 4)
-            bwd_bytes = B * L * D * (3 * el + el + 4 + el + 3 * el + el)
-            row.update(forward_ms=round(f_ms, 3), backward_ms=round(b_ms, 3),
-                       forward_GBps=round(fwd_bytes / f_ms / 1e6, 1),
-                       backward_GBps=round(bwd_bytes / b_ms / 1e6, 1))
-            if copy:
-                row.update(forward_share=round(row["forward_GBps"] / copy, 3),
-                           backward_share=round(row["backward_GBps"] / copy, 3))
-            rows.append(row)
-            del U, x, h, c_all, gh
+            routed = recurrence.route(U, x, wc, bias, c0, None)
+            for kernel in dict.fromkeys([routed] + (["triton"] if interpreted else [])):
+                row = {"dtype": name, "L": L, "B": B, "D": D, "kernel": kernel}
+                if kernel == "reference":  # (the CPU kernel computes no fp16)
+                    rows.append({**row, "skipped": "no fast kernel for this dtype here"})
+                    continue
+                rows.append({**row, **_time_recurrence(recurrence.kernels(U, kernel == "triton"),
+                                                       U, x, wc, bias, c0, gh, dev, copy,
+                                                       reps=3 if args.dry_run else 10)})
+            del U, x, gh
     shares = [min(r["forward_share"], r["backward_share"]) for r in rows if "forward_share" in r]
     return {"rows": rows, "copy_GBps": copy, "worst_share": min(shares) if shares else None,
             "target_share": TARGETS["recurrence_share_of_copy"]}
+
+
+def _time_recurrence(mod, U, x, wc, bias, c0, gh, dev, copy, reps) -> dict:
+    """Forward (per-step state kept, as in training) and backward of one kernel module."""
+    B, L, _, D = U.shape
+    fwd = lambda: mod.sru_fwd(U, x, wc, bias, c0, None, None, 1.0, False, True)  # noqa: E731
+    c_all = fwd()[2]
+    bwd = lambda: mod.sru_bwd(U, x, wc, bias, c0, None, None, c_all, gh, None,  # noqa: E731
+                              1.0, False, True)
+    f_ms, b_ms = median_ms(fwd, dev, reps), median_ms(bwd, dev, reps)
+    el = U.element_size()
+    fwd_bytes = B * L * D * (3 * el + el + el + 4)               # U, x -> h, c_all
+    bwd_bytes = B * L * D * (3 * el + el + 4 + el + 3 * el + el)  # U, x, c_all, gh -> gU, gx
+    row = {"forward_ms": float(f"{f_ms:.4g}"), "backward_ms": float(f"{b_ms:.4g}"),
+           "forward_GBps": float(f"{fwd_bytes / f_ms / 1e6:.4g}"),
+           "backward_GBps": float(f"{bwd_bytes / b_ms / 1e6:.4g}")}
+    if copy:
+        row.update(forward_share=float(f"{fwd_bytes / f_ms / 1e6 / copy:.3g}"),
+                   backward_share=float(f"{bwd_bytes / b_ms / 1e6 / copy:.3g}"))
+    return row
 
 
 def step_layer(args, done):
@@ -466,13 +476,13 @@ def markdown(results: dict) -> str:
                      f"{_headline(name, r)} |")
     rec = results["steps"].get("recurrence", {}).get("result") or {}
     if rec.get("rows"):
-        lines += ["", "| dtype | L | fwd GB/s | bwd GB/s | fwd share | bwd share |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", "| kernel | dtype | L | fwd GB/s | bwd GB/s | fwd share | bwd share |",
+                  "|---|---|---|---|---|---|---|"]
         for r in rec["rows"]:
             if "skipped" in r:
-                lines.append(f"| {r['dtype']} | {r['L']} | {r['skipped']} | | | |")
+                lines.append(f"| {r['kernel']} | {r['dtype']} | {r['L']} | {r['skipped']} | | | |")
             else:
-                lines.append(f"| {r['dtype']} | {r['L']} | {r['forward_GBps']} | "
+                lines.append(f"| {r['kernel']} | {r['dtype']} | {r['L']} | {r['forward_GBps']} | "
                              f"{r['backward_GBps']} | {r.get('forward_share', '-')} | "
                              f"{r.get('backward_share', '-')} |")
     lay = results["steps"].get("layer", {}).get("result") or {}
@@ -547,9 +557,12 @@ def run_all(args, passthrough) -> dict:
             log.write(f"\n===== {name} =====\n")
             log.flush()
             t0 = time.perf_counter()
+            env = dict(os.environ)
+            if args.dry_run:  # the Triton kernels run on the CPU under the interpreter
+                env["TRITON_INTERPRET"] = "1"
             try:
                 proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
-                                      cwd=ROOT)
+                                      cwd=ROOT, env=env)
                 code = proc.returncode
             except subprocess.TimeoutExpired:
                 code = "timeout"

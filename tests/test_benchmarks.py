@@ -181,6 +181,9 @@ def test_gpu_check_dry_run(tmp_path):
     assert {(x["dtype"], x["L"]) for x in rows} == {(d, L) for d in ("fp32", "bf16", "fp16")
                                                    for L in (16, 32)}
     assert all(x["forward_share"] > 0 for x in rows if "skipped" not in x)
+    # the Triton kernels, which a GPU runs, ran too (under the interpreter), in every dtype
+    assert {x["dtype"] for x in rows if x["kernel"] == "triton" and x["backward_GBps"] > 0} \
+        == {"fp32", "bf16", "fp16"}
     assert min(steps["layer"]["result"]["tokens_per_s"].values()) > 0
     lm = steps["enwik8"]["result"]
     assert lm["steps"] == 6 and lm["tokens_per_s"] > 0 and 0 < lm["mfu"]
