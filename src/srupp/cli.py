@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import select
 import sys
 import time
@@ -214,12 +215,6 @@ class _Streamer:
 def cmd_generate(args) -> int:
     import torch
 
-    if args.max_new_tokens < 0:
-        raise UserError("--max-new-tokens must be >= 0")
-    if args.top_p is not None and not 0 < args.top_p <= 1:
-        raise UserError("--top-p must be in (0, 1]")
-    if args.top_k is not None and args.top_k < 1:
-        raise UserError("--top-k must be >= 1")
     if args.dtype == "bf16":
         from .ops.settings import cpu_has_native_bf16
 
@@ -311,10 +306,6 @@ def cmd_translate(args) -> int:
 
     from .train.translate import translate_lines
 
-    if args.beam < 1:
-        raise UserError("--beam must be >= 1")
-    if args.batch_size < 1:
-        raise UserError("--batch-size must be >= 1")
     run_cfg, tokenizer, model, _ = _load_for(args, "translate", "translate")
     cfg = _run_config(run_cfg, "translate", [])
     if args.threads:
@@ -422,14 +413,48 @@ def cmd_demo(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, where a flag's value out of its range (a :func:`_number` type) is
+    srupp's one line (``--top-p must be in (0, 1], got 2.0``), exit code 2."""
+
+    def error(self, message: str):
+        bad = re.match(r"argument (-[\w-]+)(?:/-[\w-]+)*: (must be .*)$", message)
+        if bad is None:
+            super().error(message)  # argparse's usage and message, exit code 2
+        raise UserError(f"{bad[1]} {bad[2]}")
+
+
+def _number(rng: str = "", *, integer: bool = False):
+    """An argparse type: a number (an int with ``integer``), finite and in ``rng``
+    (srupp._ranges: ">= 1", "(0, 1]", ...)."""
+    from ._ranges import problem
+
+    def parse(text: str):
+        try:
+            value = int(text) if integer else float(text)
+        except ValueError:
+            value = text  # not a number: problem() says what it must be
+        bad = problem(value, rng, integer=integer)
+        if bad is not None:
+            raise argparse.ArgumentTypeError(bad)
+        return value
+
+    parse.__name__ = "int" if integer else "float"
+    return parse
+
+
+_AT_LEAST_1 = _number(">= 1", integer=True)
+_WINDOW = _number(">= 0", integer=True)  # --mem-len
+
+
 def _add_set(parser: argparse.ArgumentParser, help: Optional[str] = None) -> None:
     parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
                         help=help)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="srupp", description="SRU++ sequence models: language "
-                                                         "models, translation, classification")
+    p = _Parser(prog="srupp", description="SRU++ sequence models: language models, "
+                                          "translation, classification")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model (task lm, translate or classify)")
@@ -451,31 +476,41 @@ def build_parser() -> argparse.ArgumentParser:
 
     tr = sub.add_parser("translate", help="translate stdin line by line to stdout")
     tr.add_argument("--checkpoint", required=True, help="run directory or checkpoint folder")
-    tr.add_argument("--beam", type=int, default=5, help="beam size (1: greedy)")
-    tr.add_argument("--lenpen", type=float, default=1.0,
-                    help="length penalty: a hypothesis scores log p / length**lenpen")
-    tr.add_argument("--batch-size", type=int, default=32, help="sentences decoded together")
-    tr.add_argument("--max-len", type=int, help="source tokens at most (default: the run's)")
+    tr.add_argument("--beam", type=_AT_LEAST_1, default=5, help="beam size (1: greedy)")
+    tr.add_argument("--lenpen", type=_number(">= 0"), default=1.0,
+                    help="length penalty >= 0: a hypothesis scores log p / length**lenpen "
+                         "(0: the plain sum)")
+    tr.add_argument("--batch-size", type=_AT_LEAST_1, default=32,
+                    help="sentences decoded together")
+    tr.add_argument("--max-len", type=_AT_LEAST_1,
+                    help="source tokens at most (default: the run's)")
     tr.add_argument("--truncate", action="store_true", help="cut longer sources, not an error")
-    tr.add_argument("--threads", type=int, help="torch threads")
+    tr.add_argument("--threads", type=_AT_LEAST_1, help="torch threads")
     tr.set_defaults(func=cmd_translate)
 
     cl = sub.add_parser("classify", help="label each line of stdin; one JSON line each")
     cl.add_argument("--checkpoint", required=True, help="run directory or checkpoint folder")
-    cl.add_argument("--top-k", type=int, help="also list the k most likely labels")
-    cl.add_argument("--batch-size", type=int, default=64, help="texts classified together")
-    cl.add_argument("--threads", type=int, help="torch threads")
+    cl.add_argument("--top-k", type=_AT_LEAST_1, help="also list the k most likely labels")
+    cl.add_argument("--batch-size", type=_AT_LEAST_1, default=64,
+                    help="texts classified together")
+    cl.add_argument("--threads", type=_AT_LEAST_1, help="torch threads")
     cl.set_defaults(func=cmd_classify)
 
     g = sub.add_parser("generate", help="generate text from a checkpoint")
     g.add_argument("--checkpoint", required=True)
     g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=200)
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int)
-    g.add_argument("--top-p", type=float)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--mem-len", type=int, help="attention window (default: the model's)")
+    g.add_argument("--max-new-tokens", type=_number(">= 0", integer=True), default=200,
+                   help="tokens to generate at most (default 200)")
+    g.add_argument("--temperature", type=_number(">= 0"), default=0.8,
+                   help="divides the logits before sampling (default 0.8); 0 is greedy: "
+                        "the most likely token at each step, the same text every time")
+    g.add_argument("--top-k", type=_AT_LEAST_1, help="sample among the k most likely tokens")
+    g.add_argument("--top-p", type=_number("(0, 1]"),
+                   help="sample among the most likely tokens that hold this much of the "
+                        "probability, in (0, 1]")
+    g.add_argument("--seed", type=_number("[0, 2**63)", integer=True), default=0,
+                   help="the sampling's seed (default 0)")
+    g.add_argument("--mem-len", type=_WINDOW, help="attention window (default: the model's)")
     g.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                    help="weights while decoding: fp32, or bf16 (half the bytes; needs a CPU "
                         "with bf16 instructions)")
@@ -488,7 +523,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="onnx: forward.onnx and step.onnx (srupp and sru models); "
                          "hf: a Hugging Face transformers folder")
     ex.add_argument("--out", required=True, help="folder to write (created if missing)")
-    ex.add_argument("--mem-len", type=int,
+    ex.add_argument("--mem-len", type=_WINDOW,
                     help="onnx: the step graph's attention window (default: the model's)")
     ex.set_defaults(func=cmd_export)
 
@@ -509,8 +544,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--data", required=True, help="lm: corpus name, text file or split "
                                                  "directory; translate/classify: a TSV or a "
                                                  "split directory")
-    c.add_argument("--budget", type=float, required=True, help="training seconds per model")
-    c.add_argument("--params", type=int, required=True, help="target parameter count (±10%%)")
+    c.add_argument("--budget", type=_number("> 0"), required=True,
+                   help="training seconds per model")
+    c.add_argument("--params", type=_number("> 0", integer=True), required=True,
+                   help="target parameter count (±10%%)")
     c.add_argument("--models", help="comma-separated; lm: srupp, sru, lstm, gru, transformer, "
                                     "srupp-attn-every-2, srupp-attn-last-1 (default: "
                                     "srupp,sru,lstm,gru,transformer); translate and classify: "
@@ -531,7 +568,10 @@ def _one_line(text: str) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except UserError as e:  # a flag's value out of its range (_Parser.error)
+        return _error(_one_line(e))
     # This process is ours: keep freed activation buffers instead of re-faulting
     # them every step (srupp.allocator; SRUPP_TUNE_ALLOCATOR=0 opts out).
     from .allocator import tune_from_env

@@ -120,7 +120,7 @@ def test_max_length_forces_eos_and_eos_ends_hypotheses(search):
 
 def test_search_arguments_are_checked():
     model = TableModel(lambda prefix: [.5, .25, .24])
-    with pytest.raises(ValueError, match="beam must be an int >= 1"):
+    with pytest.raises(ValueError, match="beam must be >= 1, got 0"):
         beam_search(model, torch.tensor([[2]]), beam=0)
     with pytest.raises(ValueError, match=r"src must be a \(B, S\) long tensor"):
         greedy_decode(model, torch.tensor([[2.0]]))

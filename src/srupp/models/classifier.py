@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
+from .._ranges import check_fields
 from ..nn import SRU, SRUpp
 from ..nn.srupp import check_attention_layout
 from .base import SavedModel
@@ -57,18 +58,19 @@ class ClassifierConfig:
     dropout: float = 0.1                  # after the embedding, inside the encoder, before the head
     pooling: str = "mean"                 # mean|max|attention over real positions (see pool)
 
+    # each number's range (srupp._ranges; a subclass's table adds to its bases')
+    _ranges = {"vocab_size": ">= 1", "d_model": ">= 1", "num_layers": ">= 1",
+               "dropout": "[0, 1)"}  # num_labels: below, with its note
+
     def __post_init__(self):
         if not self.type:
             raise TypeError("ClassifierConfig holds the fields every classifier shares; build "
                             "the config of a model type, or use "
                             "config_from_dict({'task': 'classify', 'type': ...})")
-        for name in ("vocab_size", "d_model", "num_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_fields(self)  # every number of this type's config, subclasses' included
         if self.num_labels < 2:
             raise ValueError(f"num_labels must be >= 2 (a yes/no task has 2), "
                              f"got {self.num_labels}")
-        _probability(self, "dropout")
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be 'mean', 'max' or 'attention', "
                              f"got {self.pooling!r}")
@@ -79,13 +81,6 @@ class ClassifierConfig:
     def to_dict(self) -> dict:
         """The fields, ``task`` and ``type``: what config_from_dict reads back."""
         return {"task": self.task, "type": self.type, **asdict(self)}
-
-
-def _probability(config, *names: str) -> None:
-    for name in names:
-        p = getattr(config, name)
-        if not 0 <= p < 1:
-            raise ValueError(f"{name} must be in [0, 1), got {p}")
 
 
 @dataclass
@@ -102,12 +97,13 @@ class SRUppClassifierConfig(ClassifierConfig):
     attention_every_n_layers: int = 1     # attention in layers i with (i+1) % n == 0
     attention_last_n_layers: int = -1     # or only in the last n layers (-1: off)
 
+    _ranges = {"proj_size": ">= 1", "num_heads": ">= 1", "attn_dropout": "[0, 1)"}
+
     def __post_init__(self):
         super().__post_init__()
-        if self.proj_size < 1 or self.num_heads < 1 or self.proj_size % self.num_heads:
+        if self.proj_size % self.num_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be >= 1 and divide "
                              f"proj_size ({self.proj_size})")
-        _probability(self, "attn_dropout")
         check_attention_layout(self.num_layers, self.attention_every_n_layers,
                                self.attention_last_n_layers)
 
@@ -139,11 +135,11 @@ class TransformerClassifierConfig(ClassifierConfig):
     num_heads: int = 4                    # must divide d_model
     ffn_mult: int = 4                     # the MLP is ffn_mult·d_model wide
 
+    _ranges = {"num_heads": ">= 1", "ffn_mult": ">= 1"}
+
     def __post_init__(self):
         super().__post_init__()
-        if self.ffn_mult < 1:
-            raise ValueError(f"ffn_mult must be >= 1, got {self.ffn_mult}")
-        if self.num_heads < 1 or self.d_model % self.num_heads:
+        if self.d_model % self.num_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be >= 1 and divide "
                              f"d_model ({self.d_model})")
 

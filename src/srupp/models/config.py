@@ -3,7 +3,9 @@
 Each model class names its config class (:mod:`srupp.models.lm` keeps the
 registry ``type -> (config class, model class)``); a config holds only the
 fields its model reads. Defaults give a small byte-level model. Bad values
-raise ValueError in the terms of these fields.
+raise ValueError in the terms of these fields: each class's ``_ranges`` gives
+its numbers' ranges, and every float must be finite (``highway_bias`` too),
+checked by :func:`srupp._ranges.check_fields` before anything else.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import ClassVar, List, Optional
 
+from .._ranges import check_fields
 from ..nn.adaptive import check_cutoffs
 from ..nn.srupp import check_attention_layout
 from .base import REGISTRY
@@ -22,19 +25,6 @@ FLAT_FIELDS = frozenset(
     "highway_bias attention_every_n_layers attention_last_n_layers mem_len tie_embeddings "
     "layer_norm normalize_after adaptive_cutoffs div_val emb_dim tie_projections type "
     "projection_size positions max_positions ffn_mult".split())
-
-
-def _at_least(config, minimum: int, *names: str) -> None:
-    for name in names:
-        if getattr(config, name) < minimum:
-            raise ValueError(f"{name} must be >= {minimum}, got {getattr(config, name)}")
-
-
-def _probability(config, *names: str) -> None:
-    for name in names:
-        p = getattr(config, name)
-        if p is not None and not 0 <= p < 1:
-            raise ValueError(f"{name} must be in [0, 1), got {p}")
 
 
 @dataclass
@@ -59,15 +49,17 @@ class LMConfig:
     emb_dim: Optional[int] = None         # n_e, adaptive cluster 0's width; None: d_model
     tie_projections: bool = True          # with tie_embeddings, share the cluster projections too
 
+    # each number's range (srupp._ranges; a subclass's table adds to its bases')
+    _ranges = {"vocab_size": ">= 1", "d_model": ">= 1", "num_layers": ">= 1",
+               "dropout": "[0, 1)", "emb_dropout": "[0, 1)", "mem_len": ">= 0",
+               "div_val": ">= 1", "emb_dim": ">= 1"}
+
     def __post_init__(self):
         if not self.type:
             raise TypeError("LMConfig holds the fields every model shares; build the config "
                             "of a model type (SRUppConfig, SRUConfig, LSTMConfig, GRUConfig, "
                             "TransformerConfig) or use config_from_dict({'type': ...})")
-        _at_least(self, 1, "vocab_size", "d_model", "num_layers")
-        _probability(self, "dropout", "emb_dropout")
-        if self.mem_len is not None and self.mem_len < 0:
-            raise ValueError(f"mem_len must be >= 0 or None, got {self.mem_len}")
+        check_fields(self)  # every number of this type's config, subclasses' included
         if self.adaptive_cutoffs is None:
             if self.emb_dim is not None or self.div_val != 4:
                 raise ValueError("emb_dim and div_val only apply to adaptive embeddings: "
@@ -75,9 +67,6 @@ class LMConfig:
             return
         self.adaptive_cutoffs = check_cutoffs(self.adaptive_cutoffs, self.vocab_size,
                                               where="adaptive_cutoffs")
-        _at_least(self, 1, "div_val")
-        if self.emb_dim is not None:
-            _at_least(self, 1, "emb_dim")
         n_e, last = self.emb_dim or self.d_model, len(self.adaptive_cutoffs)
         if n_e // self.div_val ** last < 1:
             raise ValueError(f"emb_dim ({n_e}) // div_val**{last} is 0: the last cluster would "
@@ -126,13 +115,13 @@ class SRUppConfig(LMConfig):
     layer_norm: bool = False              # layer-wise LayerNorm (the paper: only inside attention)
     normalize_after: bool = False         # post-norm when layer_norm
 
+    _ranges = {"proj_size": ">= 1", "num_heads": ">= 1", "attn_dropout": "[0, 1)"}
+
     def __post_init__(self):
         super().__post_init__()
-        _at_least(self, 1, "proj_size", "num_heads")
         if self.proj_size % self.num_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must divide "
                              f"proj_size ({self.proj_size})")
-        _probability(self, "attn_dropout")
         check_attention_layout(self.num_layers, self.attention_every_n_layers,
                                self.attention_last_n_layers)
 
@@ -148,9 +137,7 @@ class SRUConfig(LMConfig):
     layer_norm: bool = False              # layer-wise LayerNorm
     normalize_after: bool = False         # post-norm when layer_norm
 
-    def __post_init__(self):
-        super().__post_init__()
-        _at_least(self, 0, "projection_size")
+    _ranges = {"projection_size": ">= 0"}
 
 
 @dataclass
@@ -179,13 +166,14 @@ class TransformerConfig(LMConfig):
     max_positions: int = 2048             # the learned table's length: the longest context
     ffn_mult: int = 4                     # the MLP is ffn_mult·d_model wide
 
+    _ranges = {"num_heads": ">= 1", "attn_dropout": "[0, 1)", "max_positions": ">= 1",
+               "ffn_mult": ">= 1"}
+
     def __post_init__(self):
         super().__post_init__()
-        _at_least(self, 1, "num_heads", "max_positions", "ffn_mult")
         if self.d_model % self.num_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must divide "
                              f"d_model ({self.d_model})")
-        _probability(self, "attn_dropout")
         if self.positions not in (None, "learned", "sinusoidal"):
             raise ValueError(f"positions must be 'learned', 'sinusoidal' or None, "
                              f"got {self.positions!r}")

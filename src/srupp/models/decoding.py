@@ -40,6 +40,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from .._ranges import check
+
 __all__ = ["Hypothesis", "max_target_length", "greedy_decode", "beam_search"]
 
 
@@ -78,8 +80,8 @@ def _prepare(model, src: Tensor, src_pad: Optional[Tensor], a: float, b: int
                else type(src_pad).__name__)
         raise ValueError(f"src_pad must be a bool tensor shaped like src "
                          f"{tuple(src.shape)}, True at padding; got {got}")
-    if a < 0:
-        raise ValueError(f"max_len_a must be >= 0, got {a}")
+    check("max_len_a", a, ">= 0")
+    check("max_len_b", b, "", integer=True)
     S = src.shape[1]
     lengths = [S] * src.shape[0] if src_pad is None else (~src_pad).sum(1).tolist()
     return [max_target_length(n, a, b) for n in lengths], model.config.bos_id, model.config.eos_id
@@ -153,14 +155,16 @@ def beam_search(model, src: Tensor, src_pad: Optional[Tensor] = None, *, beam: i
         model: a Seq2SeqModel (run in eval mode; its mode is restored after).
         src: (B, S) source ids.  src_pad: (B, S) bool, True at padding, or None.
         beam: live hypotheses per sentence, and finished ones it waits for.
-        lenpen: score = logprob / len ** lenpen, len = generated tokens including EOS.
+        lenpen: score = logprob / len ** lenpen, len = generated tokens including EOS;
+            a finite number >= 0 (0: the raw sum; a negative one would favour short
+            outputs even more than the raw sum does).
         max_len_a, max_len_b: at most floor(a·n + b) tokens before EOS, n the
             sentence's unpadded source length.
     Returns:
         B hypotheses, the best finished one of each sentence, in the order of ``src``.
     """
-    if not isinstance(beam, int) or beam < 1:
-        raise ValueError(f"beam must be an int >= 1, got {beam!r}")
+    check("beam", beam, ">= 1", integer=True)
+    check("lenpen", lenpen, ">= 0")
     max_len, bos, eos = _prepare(model, src, src_pad, max_len_a, max_len_b)
     K, B, device = beam, src.shape[0], src.device
     with _EvalMode(model):

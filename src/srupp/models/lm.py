@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._ranges import check
 from ..nn import SRUpp, SRUppState
 from ..nn.adaptive import AdaptiveInput, ProjectedAdaptiveLogSoftmax
 from ..nn.linear import Linear
@@ -174,21 +175,28 @@ class CausalLM(SavedModel):
 
         Args:
             prompts: B non-empty sequences of token ids, of any lengths.
-            max_new_tokens: tokens to generate per prompt at most.
-            temperature: 0 picks the most likely token (greedy).
-            top_k, top_p: keep only the k most likely tokens / the smallest set
-                with probability mass ≥ p.
+            max_new_tokens: tokens to generate per prompt at most (>= 0).
+            temperature: divides the logits before sampling; a finite number
+                >= 0, and 0 picks the most likely token (greedy: no sampling,
+                top_k and top_p change nothing).
+            top_k, top_p: keep only the k most likely tokens (k >= 1) / the
+                smallest set with probability mass ≥ p (p in (0, 1]).
             eos_id: a sequence ends after this token (it is kept in the output).
             stop_strings: a sequence ends once its decoded text contains one of
                 these (the text is cut before it); needs ``decode``.
             decode: ids -> str, for stop strings.
-            mem_len: attention window while decoding; defaults to the model's.
+            mem_len: attention window while decoding (>= 0); defaults to the model's.
             generator: a seeded torch.Generator makes sampling repeatable (on the
                 model's device, or on the CPU, which then draws the tokens).
             on_tokens: called with the (B,) tokens of each step, for streaming.
         Returns:
             B lists of new token ids (prompt excluded).
+
+        A number out of its range (or nan, inf) is a ValueError naming it.
         """
+        check("max_new_tokens", max_new_tokens, ">= 0", integer=True)
+        check("mem_len", mem_len, ">= 0", integer=True)
+        check_sampling(temperature, top_k, top_p)
         if len(prompts) == 0 or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt, and every prompt needs a token")
         if stop_strings and decode is None:
@@ -272,10 +280,23 @@ class LanguageModel(CausalLM):
         return self.output(h), state
 
 
+def check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[float]) -> None:
+    """ValueError (TypeError for a non-number) unless temperature is a finite number >= 0
+    (0: greedy), top_k None or an integer >= 1, and top_p None or in (0, 1]."""
+    check("temperature", temperature, ">= 0")
+    check("top_k", top_k, ">= 1", integer=True)
+    check("top_p", top_p, "(0, 1]")
+
+
 def sample(logits: Tensor, *, temperature: float = 1.0, top_k: Optional[int] = None,
            top_p: Optional[float] = None, generator: Optional[torch.Generator] = None) -> Tensor:
-    """Draw one token per row. logits (B, V) -> (B,) long."""
-    if temperature <= 0:
+    """Draw one token per row. logits (B, V) -> (B,) long.
+
+    temperature 0 is greedy: the most likely token (the argmax, whatever top_k
+    and top_p); the arguments are checked as :func:`check_sampling` says.
+    """
+    check_sampling(temperature, top_k, top_p)
+    if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.shape[-1]:

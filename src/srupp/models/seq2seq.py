@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._ranges import check_fields
 from ..nn import SRUpp, SRUppCell, SRUppState
 from ..nn.linear import Linear
 from ..nn.state import KVCache
@@ -72,16 +73,16 @@ class Seq2SeqConfig:
     bos_id: int = 1                       # the decoder's first input (the tokenizer's <eos>)
     eos_id: int = 1                       # ends a target
 
+    # each number's range (srupp._ranges; a subclass's table adds to its bases')
+    _ranges = {"vocab_size": ">= 1", "d_model": ">= 1", "encoder_layers": ">= 1",
+               "decoder_layers": ">= 1", "dropout": "[0, 1)"}
+
     def __post_init__(self):
         if not self.type:
             raise TypeError("Seq2SeqConfig holds the fields every translation model shares; "
                             "build the config of a model type, or use "
                             "config_from_dict({'task': 'translate', 'type': ...})")
-        for name in ("vocab_size", "d_model", "encoder_layers", "decoder_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        check_fields(self)  # every number of this type's config, subclasses' included
         for name in ("bos_id", "eos_id"):
             if not 0 <= getattr(self, name) < self.vocab_size:
                 raise ValueError(f"{name} must be a token id below vocab_size "
@@ -241,6 +242,8 @@ class SRUppSeq2SeqConfig(Seq2SeqConfig):
     #                                       against 8.3 in 600 s, docs/results.md); "memory":
     #                                       the source as attention memory (no new parameters)
 
+    _ranges = {"num_heads": ">= 1", "attn_dropout": "[0, 1)"}  # proj_size: below, with its note
+
     def __post_init__(self):
         super().__post_init__()
         if self.d_model % 2:
@@ -252,8 +255,6 @@ class SRUppSeq2SeqConfig(Seq2SeqConfig):
         if self.num_heads < 1 or self.resolved_proj_size % self.num_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be >= 1 and divide "
                              f"proj_size ({self.resolved_proj_size})")
-        if not 0 <= self.attn_dropout < 1:
-            raise ValueError(f"attn_dropout must be in [0, 1), got {self.attn_dropout}")
         if self.cross_attention not in CROSS_ATTENTION:
             raise ValueError(f"cross_attention must be 'memory' or 'sublayer', "
                              f"got {self.cross_attention!r}")

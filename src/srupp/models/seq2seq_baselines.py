@@ -100,16 +100,13 @@ class TransformerSeq2SeqConfig(Seq2SeqConfig):
     ffn_mult: int = 4                     # the feed-forward sub-layer is ffn_mult·d_model wide
     attn_dropout: float = 0.0             # on attention weights (`dropout` is on residuals)
 
+    _ranges = {"num_heads": ">= 1", "ffn_mult": ">= 1", "attn_dropout": "[0, 1)"}
+
     def __post_init__(self):
         super().__post_init__()
-        for name in ("num_heads", "ffn_mult"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.d_model % self.num_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must divide "
                              f"d_model ({self.d_model})")
-        if not 0 <= self.attn_dropout < 1:
-            raise ValueError(f"attn_dropout must be in [0, 1), got {self.attn_dropout}")
 
 
 # --------------------------------------------------------------------------- padding

@@ -8,17 +8,24 @@ of the task's ``model.type`` (:mod:`srupp.models`), and a key of another
 model type is an error. Some keys apply to some tasks only: the LM's stream
 layout (``train.batch_size``, ``train.unroll``), the sentence tasks' columns
 and token batches (``data.src``, ``train.max_tokens``, ...).
+
+Every number is checked when read: each section's ``_ranges`` gives its keys'
+ranges (the model's are its config's, :mod:`srupp.models.config`), and a float
+must be finite (nan, inf and -inf never pass); an error names the key, the
+value and the range (:mod:`srupp._ranges`).
 """
 
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union, get_args, get_origin, get_type_hints
 
+from .._ranges import check_fields
 from ..errors import UserError
 from ..models import REGISTRY, TASKS, config_from_dict, task_models
 
@@ -28,12 +35,10 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-def _check_minima(section: str, cfg: Any, minima: Dict[str, int]) -> None:
-    """UserError for the first of ``cfg``'s fields (None allowed) below its minimum."""
-    for name, low in minima.items():
-        value = getattr(cfg, name)
-        if value is not None and value < low:
-            raise UserError(f"{section}.{name} must be >= {low}, got {value}")
+def _check_numbers(section: str, cfg: Any) -> None:
+    """UserError for the first number of ``cfg`` (a section's dataclass) that is not
+    finite or not in its range (the class's ``_ranges``), named ``section.key``."""
+    check_fields(cfg, prefix=f"{section}.", error=UserError)
 
 
 # The tokenizer each task uses unless data.tokenizer says otherwise
@@ -60,6 +65,9 @@ class DataConfig:
     max_len: int = 256                # tokens per sentence (source, target or text) at most
     truncate: bool = False            # longer sentences: cut (with a count warned), not an error
 
+    _ranges = {"max_oov": "[0, 1]", "vocab_size": ">= 1", "min_freq": ">= 1",
+               "test_size": ">= 0", "valid_size": ">= 0", "max_len": ">= 1"}
+
     def tokenizer_options(self) -> dict:
         """Keyword options for ``build_tokenizer`` that apply to this tokenizer type."""
         opts = {} if self.vocab_size is None else {"vocab_size": self.vocab_size}
@@ -70,15 +78,12 @@ class DataConfig:
         return opts
 
     def __post_init__(self):
-        if not 0 <= self.max_oov <= 1:
-            raise UserError(f"data.max_oov must be in [0, 1], got {self.max_oov}")
-        _check_minima("data", self, {"min_freq": 1, "vocab_size": 1})
+        _check_numbers("data", self)
         if self.tokenizer is None:
             return  # the task's default: RunConfig resolves it and checks again
         if (self.min_freq != 1 or self.lowercase) and self.tokenizer != "word":
             raise UserError("data.min_freq and data.lowercase apply to the word tokenizer only; "
                             "unset them or use data.tokenizer=word")
-        _check_minima("data", self, {"test_size": 0, "valid_size": 0, "max_len": 1})
         if self.subword_type not in (None, "bpe", "unigram"):
             raise UserError(f"data.subword_type must be bpe or unigram, "
                             f"got {self.subword_type!r}")
@@ -120,34 +125,26 @@ class TrainConfig:
     shard: str = "ddp"                # torchrun: "ddp" (replicas) or "fsdp" (FSDP2: sharded weights)
     dist_timeout: float = 300.0       # torchrun: seconds a collective waits for a rank that died
 
+    _ranges = {**dict.fromkeys(("max_steps", "batch_size", "unroll", "max_tokens", "grad_accum",
+                                "log_every", "eval_every", "save_every", "eval_max_batches",
+                                "calibration_steps", "threads"), ">= 1"),
+               "max_seconds": "> 0", "label_smoothing": "[0, 1)", "lr": "> 0",
+               "weight_decay": ">= 0", "warmup_steps": ">= 0", "warmup_fraction": "[0, 1)",
+               "min_lr_ratio": "[0, 1]", "grad_clip": ">= 0", "seed": "[0, 2**63)",
+               "dist_timeout": "> 0"}
+
     def __post_init__(self):
-        positive = ("max_steps", "batch_size", "unroll", "grad_accum", "log_every",
-                    "eval_every", "save_every", "calibration_steps", "max_tokens")
-        _check_minima("train", self, {**dict.fromkeys(positive, 1), "warmup_steps": 0})
-        if self.max_seconds is not None and self.max_seconds <= 0:
-            raise UserError(f"train.max_seconds must be > 0, got {self.max_seconds}")
-        if self.lr <= 0:
-            raise UserError(f"train.lr must be > 0, got {self.lr}")
+        _check_numbers("train", self)
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise UserError(f"train.precision must be fp32, bf16 or fp16, got {self.precision!r}")
         if self.save_every % self.log_every:
             raise UserError(f"train.log_every ({self.log_every}) must divide "
                             f"train.save_every ({self.save_every})")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise UserError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if not 0 <= self.label_smoothing < 1:
-            raise UserError(f"train.label_smoothing must be in [0, 1), "
-                            f"got {self.label_smoothing}")
         if self.schedule not in ("cosine", "inverse_sqrt"):
             raise UserError(f"train.schedule must be cosine or inverse_sqrt, "
                             f"got {self.schedule!r}")
         if self.shard not in ("ddp", "fsdp"):
             raise UserError(f"train.shard must be ddp or fsdp, got {self.shard!r}")
-        if not self.dist_timeout > 0:
-            raise UserError(f"train.dist_timeout must be > 0 seconds, got {self.dist_timeout}")
-        if self.warmup_fraction is not None and not 0 <= self.warmup_fraction < 1:
-            raise UserError(f"train.warmup_fraction must be in [0, 1), "
-                            f"got {self.warmup_fraction}")
 
 
 @dataclass
@@ -161,11 +158,12 @@ class EvalConfig:
     max_len_b: int = 10
     bleu_sentences: int = 200         # translate: greedy BLEU on this many during training
 
+    _ranges = {"unroll": ">= 1", "mem_len": ">= 0", "batch_size": ">= 1", "beam": ">= 1",
+               "lenpen": ">= 0", "max_len_a": ">= 0", "max_len_b": ">= 0",
+               "bleu_sentences": ">= 1"}
+
     def __post_init__(self):
-        _check_minima("eval", self, {"batch_size": 1, "unroll": 1, "mem_len": 0, "beam": 1,
-                                     "max_len_b": 0, "bleu_sentences": 1})
-        if self.max_len_a < 0:
-            raise UserError(f"eval.max_len_a must be >= 0, got {self.max_len_a}")
+        _check_numbers("eval", self)
 
 
 @dataclass
@@ -271,6 +269,8 @@ def _coerce(key: str, value: Any, typ) -> Any:
         if typ is bool:
             return value if isinstance(value, bool) else _BOOLS[str(value).lower()]
         if typ is int:
+            if isinstance(value, (str, float)) and not math.isfinite(float(value)):
+                return float(value)  # nan, inf: the section's check names the key's range
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
             return int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
@@ -283,8 +283,9 @@ def _coerce(key: str, value: Any, typ) -> Any:
 
 def _probe_vocab(tree: Dict[str, Dict[str, Any]]) -> int:
     """A vocabulary size to validate the model fields with before any data is read."""
-    if tree["data"].get("vocab_size") is not None:
-        return tree["data"]["vocab_size"]
+    vocab = tree["data"].get("vocab_size")
+    if isinstance(vocab, int) and vocab >= 1:  # else data's own check names data.vocab_size
+        return vocab
     cutoffs = tree["model"].get("adaptive_cutoffs")
     if isinstance(cutoffs, list) and cutoffs and all(isinstance(c, int) for c in cutoffs):
         return max(256, max(cutoffs) + 1)

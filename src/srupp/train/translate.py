@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from .._extras import require
+from .._ranges import check
 from ..data import LengthBatcher, build_tokenizer, load_table, tokenizer_from_dict
 from ..errors import UserError
 from ..models.decoding import beam_search, greedy_decode
@@ -163,8 +164,9 @@ def translate_lines(model, tokenizer, lines: Sequence[str], *, beam: int = 5,
 def _translate_ids(model, tokenizer, lines, *, beam, lenpen, max_len_a, max_len_b, max_tokens,
                    max_len, truncate, precision, first_line) -> List[List[int]]:
     """The translations' token ids (EOS excluded); see :func:`translate_lines`."""
-    if beam < 1:
-        raise ValueError(f"beam must be >= 1, got {beam}")
+    check("beam", beam, ">= 1", integer=True)
+    check("lenpen", lenpen, ">= 0")  # beam_search's, checked for greedy (beam 1) too
+    check("max_len", max_len, ">= 1", integer=True)
     out: List[List[int]] = [[] for _ in lines]
     todo = [i for i, ln in enumerate(lines) if ln.strip()]
     if not todo:
