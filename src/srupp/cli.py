@@ -72,19 +72,17 @@ def cmd_train(args) -> int:
 def _load_for(args, command: str, task: str):
     """load_run, refusing a checkpoint of another task with one line."""
     from .train.checkpoint import load_run
+    from .train.config import TASK_NAMES
 
     run_cfg, tokenizer, model, ckpt = load_run(args.checkpoint)
     have = getattr(model.config, "task", "lm")
     if have != task:
         use = {"lm": "eval or generate", "translate": "eval or translate",
                "classify": "eval or classify"}[have]
-        raise UserError(f"srupp {command} needs a {TASK_NAMES[task]} checkpoint; "
-                        f"{args.checkpoint} holds a {TASK_NAMES[have]} ({have}) model: "
+        raise UserError(f"srupp {command} needs a {TASK_NAMES[task]} checkpoint (task={task}); "
+                        f"{args.checkpoint} holds a {TASK_NAMES[have]} model (task={have}): "
                         f"use srupp {use}")
     return run_cfg, tokenizer, model, ckpt
-
-
-TASK_NAMES = {"lm": "language-model", "translate": "translation", "classify": "classification"}
 
 
 def _run_config(run_cfg: dict, task: str, overrides: List[str]):

@@ -41,6 +41,8 @@ def _check_numbers(section: str, cfg: Any) -> None:
     check_fields(cfg, prefix=f"{section}.", error=UserError)
 
 
+# What each task's runs are called in messages
+TASK_NAMES = {"lm": "language-model", "translate": "translation", "classify": "classification"}
 # The tokenizer each task uses unless data.tokenizer says otherwise
 DEFAULT_TOKENIZER = {"lm": "byte", "translate": "sentencepiece", "classify": "word"}
 # The data each task reads unless data.corpus says otherwise
@@ -308,9 +310,23 @@ def _drop_other_types_keys(model: Dict[str, Any], task: str,
             del model[key]
 
 
+def _other_task(run: str, have: str, want: str, source: str, implicit: bool) -> UserError:
+    """The error for a saved run of task ``have`` given a recipe or --set of task ``want``."""
+    if source.startswith("recipe"):
+        asks = (f"{source} is a {TASK_NAMES.get(want, want)} recipe (task={want}"
+                f"{', as it names no task' if implicit else ''})")
+        fix = "resume with the run's own recipe"
+    else:
+        asks = f"{source} asks for a {TASK_NAMES.get(want, want)} run"
+        fix = f"drop {source} to resume"
+    return UserError(f"{run} is a {TASK_NAMES.get(have, have)} run (task={have}); {asks}: "
+                     f"{fix}, or train into a new --out")
+
+
 def build_config(recipe: Optional[Union[str, Path]] = None,
                  overrides: Optional[List[str]] = None,
-                 base: Optional[Dict[str, Any]] = None) -> RunConfig:
+                 base: Optional[Dict[str, Any]] = None,
+                 base_name: str = "the saved run") -> RunConfig:
     """Read a recipe, apply ``key=value`` overrides and validate everything.
 
     Args:
@@ -318,12 +334,19 @@ def build_config(recipe: Optional[Union[str, Path]] = None,
         overrides: strings ``"section.key=value"``, or ``"task=translate"``.
         base: a dict in the shape of :meth:`RunConfig.to_dict` to start from
             (a saved run's config) instead of the defaults.
+        base_name: what the messages call ``base`` (the run's directory).
+
+    With ``base``, a recipe (one without a ``task`` key is a language-model
+    recipe) or a ``--set task=...`` of another task than the run's is an error
+    that names both tasks, before any of their keys is read.
     """
     tree: Dict[str, Dict[str, Any]] = {s: {} for s in SECTIONS}
     task = "lm"
+    base_task = None
+    asked = None  # (task, where it was asked for, implicit): the recipe's or --set's
     if base:
         base = dict(base)
-        task = base.pop("task", "lm")
+        task = base_task = base.pop("task", "lm")
         for s, vals in base.items():
             if s not in SECTIONS:
                 raise _unknown(s)
@@ -337,11 +360,12 @@ def build_config(recipe: Optional[Union[str, Path]] = None,
             data = tomllib.loads(path.read_text())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise UserError(f"recipe {path} is not valid TOML: {e}") from None
-        if "task" in data:
-            task = data.pop("task")
-            if not isinstance(task, str):
-                raise UserError(f"recipe {path}: task must be a string "
-                                f"({', '.join(TASKS)}), got {task!r}")
+        implicit = "task" not in data
+        task = data.pop("task", "lm")  # a recipe that names no task is a language model's
+        if not isinstance(task, str):
+            raise UserError(f"recipe {path}: task must be a string "
+                            f"({', '.join(TASKS)}), got {task!r}")
+        asked = (task, f"recipe {path}", implicit)
         for s, vals in data.items():
             if s not in SECTIONS or not isinstance(vals, dict):
                 raise UserError(f"recipe {path}: unknown section [{s}]; "
@@ -355,6 +379,7 @@ def build_config(recipe: Optional[Union[str, Path]] = None,
         key = key.strip()
         if key == "task":
             task = value.strip()
+            asked = (task, f"--set task={task}", False)
             continue
         if key.count(".") != 1 or key.split(".")[0] not in SECTIONS:
             raise _unknown(key)
@@ -368,6 +393,8 @@ def build_config(recipe: Optional[Union[str, Path]] = None,
         _drop_other_types_keys(tree["model"], task, keep=frozenset(set_model_keys))
     if task not in TASKS:
         raise UserError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    if asked is not None and base_task is not None and asked[0] != base_task:
+        raise _other_task(base_name, base_task, *asked)
     for s in SECTIONS:
         for name, value in list(tree[s].items()):
             if name not in TYPES[s]:
