@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._extras import MissingExtra, install_hint, require
+from .._files import atomic_write_text, write_error
 # srupp.data sits beside srupp.models (it imports nothing from it): the tokenizers
 from ..data.tokenizers import (ByteTokenizer, CharTokenizer, SentencePieceTokenizer, Tokenizer,
                                WordTokenizer, tokenizer_from_dict)
@@ -58,6 +59,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer,  # no
                           GenerationMixin, PreTrainedConfig, PreTrainedModel,
                           PreTrainedTokenizer)
 from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
 
 __all__ = ["SRUppHFConfig", "SRUppForCausalLM", "SRUppCache", "SRUppTokenizer",
            "export_run_to_hf", "register"]
@@ -395,7 +397,7 @@ class SRUppTokenizer(PreTrainedTokenizer):
                         filename_prefix: Optional[str] = None) -> Tuple[str, ...]:
         path = Path(save_directory) / ((filename_prefix + "-" if filename_prefix else "")
                                        + TOKENIZER_FILE)
-        path.write_text(json.dumps(self.srupp_tokenizer.to_dict()) + "\n")
+        atomic_write_text(path, json.dumps(self.srupp_tokenizer.to_dict()) + "\n")
         return (str(path),)
 
 
@@ -455,14 +457,24 @@ def export_run_to_hf(run_dir: Path, out_dir: Path) -> None:
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # "Writing model shards" for one small file
     try:
         SRUppForCausalLM.from_srupp(model).save_pretrained(tmp)
         SRUppTokenizer(srupp_tokenizer=tokenizer).save_pretrained(tmp)
         if out_dir.exists():  # an earlier export (checked above)
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
+    except Exception as e:
+        # a full disk: transformers and safetensors say so in their own ways
+        err = write_error(e, out_dir)
+        if err is None or err is e:
+            raise
+        raise err from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def _checkpoint_folder(path: Path) -> Path:

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._extras import require
-from .._files import atomic_write_json
+from .._files import atomic_path, atomic_write_json
 from ..nn.srupp import SRUppAttention, SRUppCell
 
 # The model types whose step the graphs below rebuild, and why the others are refused.
@@ -417,4 +417,5 @@ def _export(graph: nn.Module, args: tuple, path: Path, *, inputs: List[str], out
                                         optimize=True, verbose=False)
     finally:
         log.setLevel(level)
-    program.save(str(path))  # weights inside the file, unless they pass ONNX's 2 GB limit
+    with atomic_path(path) as tmp:  # a failed write leaves no half graph
+        program.save(str(tmp))  # weights inside the file, unless they pass ONNX's 2 GB limit

@@ -28,7 +28,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from .._files import atomic_path, atomic_write_json
+from .._files import atomic_write_json, torch_save, write_error
 from ..errors import UserError
 
 
@@ -62,24 +62,37 @@ def save_checkpoint(run_dir: Path, step: int, model, carried_state, trainer_stat
     name = f"ckpt-{step:06d}"
     final = run_dir / name
     referenced = _referenced(run_dir)
-    if final.exists() and (referenced is None or name in referenced):
-        with atomic_path(final / "trainer.pt") as tmp:
-            torch.save(trainer_state, tmp)
-    else:
-        tmp = run_dir / f".{name}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        model.save_pretrained(tmp)
-        for file_name, content in (files or {}).items():
-            atomic_write_json(tmp / file_name, content)
-        if carried_state is not None:
-            save_state(carried_state, tmp / "state.safetensors")
-        with atomic_path(tmp / "trainer.pt") as f:
-            torch.save(trainer_state, f)
-        shutil.rmtree(final, ignore_errors=True)  # a stale folder no pointer names
-        os.replace(tmp, final)
-    for p in pointers:
-        atomic_write_json(run_dir / f"{p}.json", {"dir": name, "step": step, **(info or {})})
+    created, pointed = False, []
+    try:
+        if final.exists() and (referenced is None or name in referenced):
+            torch_save(trainer_state, final / "trainer.pt")
+        else:
+            tmp = run_dir / f".{name}.tmp"
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+                model.save_pretrained(tmp)
+                for file_name, content in (files or {}).items():
+                    atomic_write_json(tmp / file_name, content)
+                if carried_state is not None:
+                    save_state(carried_state, tmp / "state.safetensors")
+                torch_save(trainer_state, tmp / "trainer.pt")
+                shutil.rmtree(final, ignore_errors=True)  # a stale folder no pointer names
+                os.replace(tmp, final)
+                created = True
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)  # only left by a save that failed
+        for p in pointers:
+            atomic_write_json(run_dir / f"{p}.json", {"dir": name, "step": step, **(info or {})})
+            pointed.append(p)
+    except BaseException as e:
+        kept = _referenced(run_dir)
+        if created and kept is not None and name not in kept:  # no pointer names it yet
+            shutil.rmtree(final, ignore_errors=True)
+        err = write_error(e, run_dir)
+        if err is None:
+            raise
+        raise _not_saved(err, run_dir, step, pointed) from e
     keep = _referenced(run_dir)
     if keep is not None:  # never delete on doubt
         for d in run_dir.glob("ckpt-*"):
@@ -88,6 +101,20 @@ def save_checkpoint(run_dir: Path, step: int, model, carried_state, trainer_stat
         for d in run_dir.glob(".ckpt-*.tmp"):  # saves a kill cut short
             shutil.rmtree(d, ignore_errors=True)
     return final
+
+
+def _not_saved(err: OSError, run_dir: Path, step: int, pointed: list) -> OSError:
+    """``err``, saying what was not saved and where a resumed run continues."""
+    try:
+        last = json.loads((run_dir / "last.json").read_text())["step"]
+        kept = f"--resume continues from step {last}"
+    except (OSError, ValueError, KeyError, TypeError):
+        kept = "no checkpoint was saved before it"
+    what = f"checkpoint of step {step} not saved"
+    if pointed:  # the folder is complete and named; a later pointer failed
+        what = f"step {step} saved, {', '.join(pointed)}.json updated, the rest not"
+    return OSError(err.errno, f"{err.strerror or os.strerror(err.errno or 0)} ({what}; {kept})",
+                   err.filename, None, err.filename2)
 
 
 def _referenced(run_dir: Path) -> Optional[set]:
