@@ -2,6 +2,7 @@
 its own directories only, settings recorded with each result, packaged recipes."""
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -172,7 +173,37 @@ def test_compare_restarts_its_own_directory_that_never_reached_a_checkpoint(
     (out / "lstm" / "partial.txt").write_text("left by the interrupted start")
     assert run(corpus, out, models="lstm") == 130
     assert seen == [False, False]
-    assert sorted(p.name for p in (out / "lstm").iterdir()) == ["compare.json"]
+    # the partial file is gone; the lock file stays (srupp.train.lock)
+    assert sorted(p.name for p in (out / "lstm").iterdir()) == [".lock", "compare.json"]
+
+
+def test_compare_refuses_a_model_directory_another_process_writes(tmp_path, corpus,
+                                                                monkeypatch, capsys):
+    """One writer per run directory (srupp.train.lock): compare locks each one it trains."""
+    out = tmp_path / "cmp"
+
+    def interrupted(self, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("srupp.train.trainer.Trainer.__init__", interrupted)
+    assert run(corpus, out, models="lstm") == 130  # compare's own directory, no checkpoint
+    settings = (out / "lstm" / "compare.json").read_bytes()
+    monkeypatch.setattr("srupp.train.trainer.Trainer.__init__", no_training)
+    code = ("import sys, time; from srupp.train.lock import lock_run_dir; "
+            "lock = lock_run_dir(sys.argv[1]); print('locked', flush=True); time.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(out / "lstm")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        capsys.readouterr()
+        assert run(corpus, out, models="lstm") == 2
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"is in use by another process (PID {holder.pid};" in err, err
+    # not restarted under the holder's feet
+    assert (out / "lstm" / "compare.json").read_bytes() == settings
 
 
 def test_a_result_made_with_other_settings_is_not_reported_as_new(

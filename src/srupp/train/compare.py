@@ -49,11 +49,12 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from .._extras import require
-from .._files import atomic_write_json, atomic_write_text
+from .._files import atomic_path, atomic_write_json, atomic_write_text
 from ..errors import UserError
 from ..models import build_model
 from .config import RunConfig, build_config
 from .evaluate import metric_for
+from .lock import LOCK_FILE, locked_run_dir
 from .trainer import TASKS, Trainer, make_task
 
 if sys.version_info >= (3, 11):
@@ -454,18 +455,38 @@ def run_one(sized: Sized, run_dir: Path, settings: Dict[str, Any], state: str,
     """
 
     summary_path = run_dir / "summary.json"
-    if state == "done":
-        print(f"srupp: {sized.name}: finished before with the same settings, skipping "
-              f"({summary_path})", file=sys.stderr)
-        return json.loads(summary_path.read_text())
-    if state == "restart":
-        shutil.rmtree(run_dir)  # compare.json shows compare created it; no checkpoint in it
-    if state in ("new", "restart"):
+    if state == "new":
         try:
             run_dir.mkdir(parents=True)
         except FileExistsError:
             raise UserError(f"{run_dir} appeared while compare was running; choose another "
                             f"--out") from None
+    if state != "done":
+        # one writer: another compare or srupp train on this directory refuses, and so
+        # does this one while another holds it
+        with locked_run_dir(run_dir):
+            if state != "new":  # as it is now, not as when planned
+                state = plan_run_dir(run_dir, settings)
+            if state != "done":
+                return _train_one(sized, run_dir, settings, state, progress)
+    print(f"srupp: {sized.name}: finished before with the same settings, skipping "
+          f"({summary_path})", file=sys.stderr)
+    return json.loads(summary_path.read_text())
+
+
+def _train_one(sized: Sized, run_dir: Path, settings: Dict[str, Any], state: str,
+               progress: bool) -> Dict[str, Any]:
+    """run_one's training, with the directory locked."""
+    summary_path = run_dir / "summary.json"
+    if state == "restart":  # compare.json shows compare created it; no checkpoint in it
+        for child in run_dir.iterdir():
+            if child.name == LOCK_FILE:  # held: stays (see srupp.train.lock)
+                continue
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+    if state in ("new", "restart"):
         atomic_write_json(run_dir / SETTINGS_FILE, settings)
     resume = state == "resume"
     print(f"srupp: {sized.name}: {'resuming' if resume else 'training'} "
@@ -612,8 +633,11 @@ def plot_curves(path: Path, curves: Dict[str, List[tuple]], metric: str,
         ax.grid(alpha=0.3)
     by_time.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=100, format="png")
+    finally:
+        plt.close(fig)
 
 
 def _task_set(overrides: Sequence[str]) -> Optional[str]:
