@@ -45,6 +45,11 @@ def cmd_train(args) -> int:
     try:
         trainer = Trainer(cfg, out, resume=args.resume, progress=not args.no_progress,
                           dist=dist)
+        if trainer.finished_at is not None:  # its budget is spent: say so, write nothing
+            distributed.teardown(dist)
+            if dist.is_main:
+                print(f"srupp: {trainer.finished_message}", file=sys.stderr)
+            return 0
         if dist.is_main:
             ranks = f", {dist.world_size} processes" if dist.enabled else ""
             print(f"srupp: training {trainer.model.num_parameters():,} parameters into {out} "

@@ -103,6 +103,29 @@ def test_accumulation_syncing_once_equals_syncing_every_micro_batch(tmp_path, co
     every, r2 = _worker(tmp_path, "every", sets, env=_env(SRUPP_TEST_SYNC_EVERY_MICROBATCH="1"))
     assert r1["ranks_bitwise_equal"] and r2["ranks_bitwise_equal"]
     _close(_weights(once), _weights(every), 1e-6)
+    # rank 0 held the run's lock (srupp.train.lock): its PID is the lock file's
+    assert (once / ".lock").read_text().strip() == Path(f"{tmp_path / 'once.json'}.pid0"
+                                                        ).read_text()
+
+
+def test_rank_0_refuses_a_run_another_process_writes(tmp_path, corpus):
+    """Under torchrun too, one writer per run: rank 0 takes the lock, and names its holder."""
+    run = tmp_path / "run"
+    run.mkdir()
+    code = ("import sys, time; from srupp.train.lock import lock_run_dir; "
+            "lock = lock_run_dir(sys.argv[1]); print('locked', flush=True); time.sleep(120)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(run)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        res = _run(_torchrun("-m", "srupp", "train", "--no-progress", "--out", str(run),
+                             "--set", *TINY, f"data.corpus={corpus}", "train.batch_size=4"))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert res.returncode != 0
+    assert f"srupp: error: {run} is in use by another process (PID {holder.pid};" in res.stderr
+    assert sorted(p.name for p in run.iterdir()) == [".lock"]  # nothing written
 
 
 def test_classification_on_two_ranks_equals_one_process(tmp_path):

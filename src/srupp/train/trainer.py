@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import signal
 import sys
 import threading
@@ -31,7 +32,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .._files import atomic_write_json, atomic_write_text
+from .._files import atomic_path, atomic_write_json, atomic_write_text, write_error
 from ..errors import UserError
 from ..models import build_model
 from ..ops import cpu_has_native_bf16, warm_up
@@ -40,6 +41,7 @@ from .checkpoint import (load_carried_state, load_trainer_state, read_json, reso
                          save_checkpoint)
 from .classify import ClassificationTask
 from .config import RunConfig
+from .lock import LOCK_FILE, trainer_lock
 from .device import synchronize
 from .distributed import SINGLE, Dist
 from .tasks import LMTask, Task, check_tokenizer_fits  # noqa: F401  (re-exported)
@@ -90,6 +92,17 @@ class Trainer:
         progress: show a tqdm progress bar on stderr.
         dist: this process's rank in a torchrun job (:func:`srupp.train.distributed.setup`);
             rank 0 writes the run directory, every rank trains its share.
+
+    The trainer (rank 0) holds the run directory's lock (:mod:`srupp.train.lock`)
+    from its construction until :meth:`train` returns or :meth:`close` is
+    called: another trainer or process on the directory is refused
+    (``UserError`` naming the holder's PID). A resumed run that had already
+    finished its budget sets :attr:`finished_at` and writes nothing; a raised
+    ``train.max_steps`` or ``train.max_seconds`` continues it.
+
+    Raises:
+        OSError: a write failed (a full disk): it names the file; the last
+            complete checkpoint stays the one ``resume`` takes.
     """
 
     def __init__(self, cfg: RunConfig, run_dir, *, resume: bool = False, progress: bool = True,
@@ -116,30 +129,150 @@ class Trainer:
         if self.run_dir.exists() and not self.run_dir.is_dir():
             raise UserError(f"{self.run_dir} is a file, not a run directory; "
                             f"choose another --out")
-        ckpt = None
-        if resume:
-            ckpt = resolve_checkpoint(self.run_dir, prefer="last")
-        elif (self.run_dir / "last.json").exists():
-            raise UserError(f"{self.run_dir} already holds a run; pass --resume to continue it "
-                            f"or choose another --out")
-        # every rank has checked the directory before rank 0 creates it
-        dist.barrier()
-        created = dist.is_main and not resume and not self.run_dir.is_dir()
-        if created:  # before any slow work
-            try:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise UserError(f"cannot create the run directory {self.run_dir}: "
-                                f"{e.strerror or e}") from None
+        self._lock = None  # rank 0's lock on the run directory (srupp.train.lock)
+        self._locked = False  # held, by self._lock or by a block of this process around it
+        self.finished_at: Optional[int] = None
+        self.finished = False  # the final evaluation is saved
+        created = False
         try:
-            self._set_up(cfg, ckpt)
+            self._take_lock()  # before reading a checkpoint that another writer may replace
+            ckpt = saved_state = None
+            if resume:
+                ckpt = resolve_checkpoint(self.run_dir, prefer="last")
+                saved_state = load_trainer_state(ckpt)
+                try:
+                    self.finished_at = self._finished_at(saved_state)
+                except (KeyError, TypeError, ValueError, AttributeError) as e:
+                    raise UserError(f"{ckpt / 'trainer.pt'} does not fit this run "
+                                    f"({type(e).__name__}: {e})") from None
+                self.finished = self.finished_at is not None  # nothing to train or write
+            elif (self.run_dir / "last.json").exists():
+                raise UserError(f"{self.run_dir} already holds a run; pass --resume to "
+                                f"continue it or choose another --out")
+            # every rank has checked the directory before rank 0 creates it
+            dist.barrier()
+            created = dist.is_main and not resume and not self.run_dir.is_dir()
+            if created:  # before any slow work
+                try:
+                    self.run_dir.mkdir(parents=True, exist_ok=True)
+                except OSError as e:
+                    raise UserError(f"cannot create the run directory {self.run_dir}: "
+                                    f"{e.strerror or e}") from None
+                self._take_lock()
+            if self._lock is not None and not self.finished:
+                self._lock.write_pid()
+            self._set_up(cfg, ckpt, saved_state)
+            if self.finished:  # it writes nothing: another process may take the run now
+                self.close()
         except BaseException:
             if created:  # leave nothing behind for a run that never started
+                with contextlib.suppress(OSError):
+                    (self.run_dir / LOCK_FILE).unlink()
+            self.close()
+            if created:
                 with contextlib.suppress(OSError):
                     self.run_dir.rmdir()  # only if still empty
             raise
 
-    def _set_up(self, cfg: RunConfig, ckpt: Optional[Path]) -> None:
+    def _take_lock(self) -> None:
+        """Rank 0: lock the run directory (if it exists yet), unless already locked."""
+        if self.dist.is_main and not self._locked and self.run_dir.is_dir():
+            self._lock = trainer_lock(self.run_dir)
+            self._locked = True
+
+    def close(self) -> None:
+        """Release the run directory's lock; :meth:`train` does so when it ends.
+
+        Another trainer (or process) may then write the run. Calling
+        :meth:`train` again takes the lock again.
+        """
+        if self._lock is not None:
+            self._lock.release()
+        self._lock, self._locked = None, False
+
+    @property
+    def finished_message(self) -> Optional[str]:
+        """For a resumed run that had already used its budget: what to do to continue it."""
+        if self.finished_at is None:
+            return None
+        return (f"run {self.run_dir} finished at step {self.finished_at}; raise "
+                f"train.max_steps or train.max_seconds to continue")
+
+    # ---------------------------------------------------------------- budget
+    @property
+    def budget(self) -> Dict[str, Any]:
+        """The step and time budget this run trains to (saved with each checkpoint)."""
+        t = self.cfg.train
+        return {"max_steps": t.max_steps, "max_seconds": t.max_seconds}
+
+    def _saved_budget(self, state: Dict[str, Any]) -> Dict[str, Any]:
+        """The budget a checkpoint was trained to; before checkpoints held it, the run's
+        config.json's; else this run's."""
+        if isinstance(state.get("budget"), dict):
+            return state["budget"]
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            t = json.loads((self.run_dir / "config.json").read_text())["train"]
+            return {"max_steps": t["max_steps"], "max_seconds": t.get("max_seconds")}
+        return self.budget
+
+    def _budget_raised(self, saved: Dict[str, Any]) -> bool:
+        """Whether this run's budget is larger than ``saved``: more steps, or more time."""
+        t = self.cfg.train
+        more_time = saved.get("max_seconds") is not None and (
+            t.max_seconds is None or t.max_seconds > saved["max_seconds"])
+        return t.max_steps > saved.get("max_steps", t.max_steps) or more_time
+
+    def _finished_at(self, state: Dict[str, Any]) -> Optional[int]:
+        """The step at which a checkpoint's run finished, when this run's budget leaves it
+        nothing to train; else None."""
+        saved = self._saved_budget(state)
+        done = state.get("finished")
+        if done is None:  # saved before checkpoints said: had it used its budget?
+            done = state["step"] >= state["total_steps"] or (
+                saved.get("max_seconds") is not None
+                and state["train_seconds"] >= saved["max_seconds"])
+        if not done:
+            return None
+        if self._budget_raised(saved):
+            total = self._extended_schedule(state)[0]
+            t = self.cfg.train
+            if state["step"] < total and (t.max_seconds is None
+                                          or state["train_seconds"] < t.max_seconds):
+                return None  # a raised budget leaves steps to train
+        return int(state["step"])
+
+    def _extended_schedule(self, state: Dict[str, Any]) -> tuple:
+        """(total_steps, calibrated, refitted, calibrated_at) of a resumed run whose budget
+        was raised: the schedule fitted again to the new budget from the saved step."""
+        t = self.cfg.train
+        step, seconds = state["step"], state["train_seconds"]
+        if t.max_seconds is None:
+            return t.max_steps, True, len(REFIT_AT), (step, seconds)
+        if not state["calibrated"]:  # calibration goes on as in a new run
+            return t.max_steps, False, 0, tuple(state.get("calibrated_at", (0, 0.0)))
+        step0, seconds0 = state.get("calibrated_at", (0, 0.0))
+        per_step = ((seconds - seconds0) / (step - step0) if step > step0
+                    else seconds / max(step, 1))
+        fits = step + int(0.97 * (t.max_seconds - seconds) / max(per_step, 1e-9))
+        total = max(step + 1, min(t.max_steps, fits))
+        # the re-fits at fractions of the new budget that are still ahead
+        refitted = sum(seconds >= f * t.max_seconds for f in REFIT_AT)
+        return total, True, refitted, (step, seconds)
+
+    def _extend_budget(self, state: Dict[str, Any]) -> None:
+        """A resumed run with a raised budget: train on to it; its config.json says so, so
+        that a later --resume keeps it."""
+        (self.total_steps, self.calibrated, self.refitted,
+         self.calibrated_at) = self._extended_schedule(state)
+        if self.dist.is_main:
+            path = self.run_dir / "config.json"
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                saved = json.loads(path.read_text())
+                saved["train"].update(self.budget)
+                atomic_write_json(path, saved)
+
+    def _set_up(self, cfg: RunConfig, ckpt: Optional[Path],
+                saved_state: Optional[Dict[str, Any]] = None) -> None:
         t = cfg.train
         # ---- data, tokenizer (and labels)
         self.task = make_task(cfg, self.dist)
@@ -192,10 +325,11 @@ class Trainer:
         # translation and classification: the best validation BLEU or macro-F1
         self.best_metric = float("-inf")
         self.interval = _new_interval()
+        self._metrics_lines = 0  # lines in metrics.jsonl (rank 0), saved with each checkpoint
         self._mid_step = False  # inside an optimiser step: the state is not consistent
         self._signals = 0  # SIGINT/SIGTERM received during train()
         if ckpt is not None:
-            self._restore(ckpt)
+            self._restore(ckpt, saved_state)
         elif self.dist.is_main:
             atomic_write_json(self.run_dir / "config.json", cfg.to_dict())
             for name, content in self.task.files().items():
@@ -276,6 +410,11 @@ class Trainer:
             "data": self.batcher.state_dict(),
             "world_size": self.dist.world_size,
             "shard": self.cfg.train.shard if self.dist.enabled else None,
+            # a resumed run compares its budget with these: the same, it has nothing to do
+            "budget": self.budget,
+            "finished": self.finished,
+            # a resumed run keeps these lines of metrics.jsonl and drops the rest
+            "metrics_lines": self._metrics_lines,
         }
 
     def _rank_states(self) -> Optional[Dict[str, Any]]:
@@ -292,10 +431,11 @@ class Trainer:
             mine["shards"] = local_shards(self.model, self.optimizer)
         return {"ranks": self.dist.gather_objects(mine)}
 
-    def _restore(self, ckpt: Path) -> None:
+    def _restore(self, ckpt: Path, state: Optional[Dict[str, Any]] = None) -> None:
         from safetensors.torch import load_model
 
-        state = load_trainer_state(ckpt)
+        if state is None:
+            state = load_trainer_state(ckpt)
         saved_world = state.get("world_size", 1)
         if saved_world != self.dist.world_size:
             raise UserError(f"{self.run_dir} was trained on {saved_world} process(es), this run "
@@ -340,6 +480,8 @@ class Trainer:
         # checkpoints from before the metric was named by its unit stored bits per token
         self.best_loss = (state["best_loss"] if "best_loss" in state
                           else state["best_bpc"] * math.log(2))
+        if not self.finished and self._budget_raised(self._saved_budget(state)):
+            self._extend_budget(state)
         self.interval = {**_new_interval(), **state["interval"]}
         if "count" not in state["interval"]:  # saved when every count was a token count
             self.interval["count"] = self.interval["tokens"]
@@ -356,26 +498,43 @@ class Trainer:
                 torch.cuda.set_rng_state_all(state["cuda_rng"])
             carried = load_carried_state(ckpt) if self.task.carries_state else None
         self.carried = None if carried is None else carried.to(self.device)
-        if self.dist.is_main:
-            self._truncate_metrics(self.step)
+        if self.dist.is_main and not self.finished:
+            self._truncate_metrics(self.step, state.get("metrics_lines"))
 
     # --------------------------------------------------------------- logging
-    def _truncate_metrics(self, step: int) -> None:
-        """Drop lines an interrupted run wrote after its last checkpoint."""
+    def _truncate_metrics(self, step: int, lines: Optional[int] = None) -> None:
+        """Drop lines an interrupted run wrote after its last checkpoint: beyond its first
+        ``lines`` (the count the checkpoint saved), and any of a later step.
+
+        The count also drops a line of the checkpoint's own step that its save did not
+        include: a final evaluation whose save failed (a full disk) is evaluated again.
+        """
         if not self.metrics_path.exists():
             return
         kept = []
         for ln in self.metrics_path.read_text().splitlines():
+            if lines is not None and len(kept) >= lines:
+                break
             with contextlib.suppress(json.JSONDecodeError):  # a blank line, or one cut by the kill
                 if json.loads(ln).get("step", 0) <= step:
                     kept.append(ln)
         atomic_write_text(self.metrics_path, "".join(ln + "\n" for ln in kept))
+        self._metrics_lines = len(kept)
 
     def _log(self, record: Dict[str, Any]) -> None:
         if not self.dist.is_main:
             return
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        size = None
+        try:
+            size = self.metrics_path.stat().st_size if self.metrics_path.exists() else 0
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            self._metrics_lines += 1
+        except OSError as e:  # a full disk: no half line left behind
+            if size is not None:
+                with contextlib.suppress(OSError):
+                    os.truncate(self.metrics_path, size)
+            raise write_error(e, self.metrics_path) from None
 
     # ------------------------------------------------------------------ loop
     def _train_step(self, it) -> tuple:
@@ -552,25 +711,38 @@ class Trainer:
     def train(self) -> Dict[str, Any]:
         """Run to ``total_steps`` or the time budget; returns a summary.
 
+        A resumed run that had already finished its budget (its final
+        evaluation saved) returns at once, writing nothing, with
+        ``"finished": True`` and the final evaluation's results
+        (:attr:`finished_message` says how to continue it). The run directory
+        is locked against other writers until this returns.
+
         SIGINT (Ctrl-C) and SIGTERM stop the run at the next step boundary: it
         saves a checkpoint there and returns ``{"interrupted": True, ...}``; a
         second signal stops at once without saving (the last checkpoint stays).
         The handlers are installed only while this runs, and only from the
         main thread; the previous ones come back afterwards.
         """
+        if self.finished_at is not None:  # a resumed run with no budget left
+            return self._finished_summary()
         self._signals = 0
         previous = {}
-        # only the main thread may set handlers; signals are its anyway
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                old = signal.signal(signum, self._on_signal)
-                # None: a handler set outside Python
-                previous[signum] = signal.SIG_DFL if old is None else old
         try:
+            if not self._locked:  # released by close() or an earlier train()
+                self._take_lock()
+                if self._lock is not None:
+                    self._lock.write_pid()
+            # only the main thread may set handlers; signals are its anyway
+            if threading.current_thread() is threading.main_thread():
+                for signum in (signal.SIGINT, signal.SIGTERM):
+                    old = signal.signal(signum, self._on_signal)
+                    # None: a handler set outside Python
+                    previous[signum] = signal.SIG_DFL if old is None else old
             return self._train()
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+            self.close()
 
     def _on_signal(self, signum, frame) -> None:
         # Only ask for a stop: the loop looks between optimiser steps. Raising
@@ -658,6 +830,21 @@ class Trainer:
         summary.update(train_seconds=self.train_seconds, params=self.model.num_parameters())
         return summary
 
+    def _finished_summary(self) -> Dict[str, Any]:
+        """The summary of a run that had finished before: its final evaluation's results
+        (metrics.jsonl's last validation line)."""
+        summary = {"interrupted": False, "finished": True, "step": self.step}
+        rows = []
+        with contextlib.suppress(OSError):
+            for ln in self.metrics_path.read_text().splitlines():
+                with contextlib.suppress(json.JSONDecodeError):
+                    rows.append(json.loads(ln))
+        final = next((r for r in reversed(rows) if isinstance(r, dict) and "valid_loss" in r
+                      and r.get("step") == self.step), {})
+        summary.update({f"valid_{k}": final.get(f"valid_{k}") for k in self.task.summary_keys()})
+        summary.update(train_seconds=self.train_seconds, params=self.model.num_parameters())
+        return summary
+
     def _stop_and_save(self) -> Dict[str, Any]:
         self._save()
         if self.dist.is_main:
@@ -677,6 +864,8 @@ class Trainer:
 
     def _evaluate_and_save(self, max_batches, *, final: bool = False) -> Dict[str, float]:
         res = self.validate(max_batches, final=final)
+        # saved with the checkpoint: a --resume with the same budget has nothing to do
+        self.finished = final
         record = {"step": self.step}
         record.update({f"valid_{k}": v for k, v in res.items()})
         record["train_seconds"] = self.train_seconds
@@ -745,8 +934,11 @@ class Trainer:
             axes[0][1].grid(alpha=0.3)
         fig.tight_layout()
         out = self.run_dir / "curves.png"
-        fig.savefig(out, dpi=100)
-        plt.close(fig)
+        try:
+            with atomic_path(out) as tmp:
+                fig.savefig(tmp, dpi=100, format="png")
+        finally:
+            plt.close(fig)
         return out
 
 
