@@ -40,7 +40,7 @@ def cmd_train(args) -> int:
         if not (out / "config.json").exists():
             raise UserError(f"--resume: {out} holds no run to resume (no config.json)")
         base = read_json(out / "config.json", "run config")
-    cfg = build_config(args.recipe, overrides, base=base)
+    cfg = build_config(args.recipe, overrides, base=base, base_name=str(out))
     dist = distributed.setup(cfg.train.device, cfg.train.dist_backend, cfg.train.dist_timeout)
     try:
         trainer = Trainer(cfg, out, resume=args.resume, progress=not args.no_progress,
