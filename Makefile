@@ -56,8 +56,9 @@ demo: $(STAMP)
 	@$(VENV)/bin/srupp generate --checkpoint $(RUN) --prompt "KING HENRY." --max-new-tokens 300 --seed 0 \
 	    2> >(grep -v '"tokens_per_s"' >&2)
 
+# one pytest worker per core (pytest-xdist); tests/conftest.py gives each one torch thread
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(VENV)/bin/python -m pytest
+	TRITON_INTERPRET=1 $(VENV)/bin/python -m pytest -n auto
 
 bench: $(STAMP)
 	$(VENV)/bin/python benchmarks/recurrence.py

@@ -38,6 +38,10 @@ def pytest_configure(config):
     # the CLI in this process and in children, and shouldn't change the runner's malloc
     # or depend on it. tests/test_allocator.py tests the setting in child processes.
     os.environ.setdefault("SRUPP_TUNE_ALLOCATOR", "0")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # `make test` runs one worker per core (pytest -n auto): each worker's torch
+        # on one thread, so that workers do not oversubscribe the cores
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     config.addinivalue_line("markers", "cpu_only: meaningful on the CPU only (the C++ "
                             "kernel, CPU features); not collected with --device cuda")
 
