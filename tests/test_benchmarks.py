@@ -105,6 +105,22 @@ def test_recipe_step_benchmarks(script, corpus):
         assert r["trainer_s_per_step"] > 0 and r["bare_s_per_step"] > 0
 
 
+def test_step_profile():
+    r = run_benchmark("step_profile.py", "--tiny")
+    assert r["cpu"]["name"] and r["torch"] and {"avx512_bf16", "amx_bf16"} <= set(r["cpu"])
+    assert set(r["shapes"]) == {"recipe", "layer"}
+    for shape in r["shapes"].values():
+        for precision in ("fp32", "bf16"):
+            split = shape[precision]
+            assert split["step_ms"] > 0
+            cats = split["categories"]
+            assert set(cats) == {"gemm", "attention", "recurrence", "other"}
+            # every category is present, and together they are the whole split
+            assert all(c["ms"] > 0 for c in cats.values())
+            assert abs(sum(c["share"] for c in cats.values()) - 1) < 1e-3
+            assert split["top_other_ops"]
+    assert r["shapes"]["recipe"]["fp32"]["optimizer_ms"] > 0
+
 def test_training_scale(corpus):
     r = run_benchmark("training_scale.py", RECIPE, "--steps", "2", "--rounds", "1",
                       "--set", *TINY, f"data.corpus={corpus}", "train.batch_size=4")

@@ -1,0 +1,230 @@
+"""Where does an SRU++ training step's time go on this CPU?
+
+Splits a training step into GEMMs, attention, the recurrence and everything else
+(layer norm, element-wise ops, copies and casts, embedding, loss, autograd's own
+bookkeeping), with ``torch.profiler`` on the CPU, in fp32 and under bf16 autocast,
+at two shapes:
+
+* ``recipe``: a recipe's model and batch (default ``recipes/shakespeare-cpu.toml``)
+  on random tokens of its vocabulary, state carried from step to step as in
+  training; its step is forward, backward, gradient clipping and RAdam, and the
+  last three (the optimiser) are reported apart from the split;
+* ``layer``: the layer benchmark's 2-layer SRU++ (``benchmarks/layer.py``: L=256,
+  B=16, d=512, proj 128), forward and backward of the output's sum.
+
+Each profiler event's *self* CPU time is counted once, in one category: an event
+inside the recurrence (``srupp::sru_fwd``, ``srupp::sru_bwd`` and the custom op's
+backward node) or inside an attention op (SDPA, srupp's ``_CausalMatmulAttention``
+/ ``_MatmulAttention`` and their backward nodes, the one-query kernel) counts for
+that op, children included (the attention's own ``bmm``s are attention, not
+GEMM); anything else is classed by its own name: GEMM for ``mm``, ``addmm``,
+``bmm``, ``matmul``, ``linear``, oneDNN's ``_linear_pointwise``, srupp's
+``_OneDNNLinear`` and few-rows kernel; other for the rest. So autocast's casts of
+a projection's inputs (``aten::to`` / ``copy_`` under ``aten::linear``) are
+"other", and show in its top ops.
+
+The step's wall time is the median of unprofiled steps, timed apart from the
+profiled ones (the profiler slows small ops most). The profiled milliseconds are
+per step, with the profiler's overhead in them; the shares are what to read.
+``outside_ops_ms`` is the profiled wall time not inside any op (Python).
+Prints one JSON object. Run with nothing else on the machine:
+
+    .venv/bin/python benchmarks/step_profile.py [--recipe recipes/shakespeare-cpu.toml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+from _common import add_layer_shape_args, layer_model_and_input, layer_training_step
+from torch.profiler import ProfilerActivity, profile, record_function
+
+CATEGORIES = ("gemm", "attention", "recurrence", "other")
+OPTIMIZER_RANGE = "step_profile::optimizer"
+
+# An event whose name contains one of these, and everything it calls, is that category.
+RECURRENCE_MARKS = ("srupp::sru_", "GeneratedBackwardFor_srupp_sru")
+ATTENTION_MARKS = ("scaled_dot_product", "ScaledDotProduct", "flash_attention",
+                   "MatmulAttention", "attend_one_query", "_efficient_attention")
+# An event with one of these names (after the namespace) is a GEMM by itself.
+GEMM_NAMES = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_linear_pointwise",
+              "mkldnn_linear", "_mkldnn_linear", "linear_rows", "_OneDNNLinear",
+              "_OneDNNLinearBackward", "mv", "addmv", "dot"}
+
+
+def cpu_info() -> dict:
+    name, flags = platform.processor() or "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and name in ("unknown", "", "x86_64"):
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return {"name": name, "avx512_bf16": "avx512_bf16" in flags,
+            "amx_bf16": "amx_bf16" in flags, "amx_tile": "amx_tile" in flags}
+
+
+def _own_category(name: str) -> str:
+    short = name.rsplit("::", 1)[-1]
+    return "gemm" if short in GEMM_NAMES else "other"
+
+
+def category(evt) -> str:
+    """The category of ``evt``'s self time: that of an enclosing recurrence, attention
+    or optimiser range if any, else the event's own name's."""
+    node = evt
+    while node is not None:
+        if node.name == OPTIMIZER_RANGE:
+            return "optimizer"
+        if any(m in node.name for m in RECURRENCE_MARKS):
+            return "recurrence"
+        if any(m in node.name for m in ATTENTION_MARKS):
+            return "attention"
+        node = node.cpu_parent
+    return _own_category(evt.name)
+
+
+def split(step, steps: int) -> dict:
+    """Profile ``steps`` calls of ``step`` and split their self CPU time by category."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    per_cat = collections.Counter()
+    other_ops = collections.Counter()
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        us = evt.self_cpu_time_total
+        cat = category(evt)
+        per_cat[cat] += us
+        if cat == "other":
+            other_ops[evt.name] += us
+    split_us = sum(per_cat[c] for c in CATEGORIES)
+    ops_us = split_us + per_cat["optimizer"]
+    out = {"categories": {c: {"ms": round(per_cat[c] / steps / 1e3, 3),
+                              "share": round(per_cat[c] / split_us, 4) if split_us else 0.0}
+                          for c in CATEGORIES},
+           "profiled_ms_per_step": round(wall_us / steps / 1e3, 3),
+           "outside_ops_ms": round(max(wall_us - ops_us, 0.0) / steps / 1e3, 3),
+           "top_other_ops": [{"op": name, "ms": round(us / steps / 1e3, 3),
+                              "share": round(us / split_us, 4) if split_us else 0.0}
+                             for name, us in other_ops.most_common(10)]}
+    if per_cat["optimizer"]:
+        out["optimizer_ms"] = round(per_cat["optimizer"] / steps / 1e3, 3)
+    return out
+
+
+def median_ms(step, repeats: int, warmup: int) -> float:
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def recipe_step(args, bf16: bool):
+    """(step, description): the recipe's model on random tokens, forward under the
+    precision, backward, clip, RAdam step, state carried."""
+    from srupp.models import build_model
+    from srupp.train import build_config
+
+    cfg = build_config(args.recipe, list(args.set))
+    vocab = args.vocab
+    if vocab is None:
+        if cfg.data.tokenizer not in (None, "byte"):
+            raise SystemExit(f"data.tokenizer={cfg.data.tokenizer}: give --vocab")
+        vocab = 256
+    torch.manual_seed(0)
+    model = build_model(cfg.model_config(vocab))
+    model.train()
+    t = cfg.train
+    opt = torch.optim.RAdam(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
+                            decoupled_weight_decay=True)
+    B, L = t.batch_size, t.unroll
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, vocab, (B, L + 1), generator=g) for _ in range(4)]
+    state, i = None, 0
+
+    def step():
+        nonlocal state, i
+        b = batches[i % len(batches)]
+        i += 1
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = model(b[:, :-1], state, targets=b[:, 1:])
+        out.loss.backward()
+        state = out.state.detach()
+        with record_function(OPTIMIZER_RANGE):
+            if t.grad_clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    desc = {"recipe": args.recipe, "sets": list(args.set), "batch_size": B, "unroll": L,
+            "vocab": vocab, "parameters": sum(p.numel() for p in model.parameters()),
+            "model": {k: cfg.model.get(k) for k in ("d_model", "proj_size", "num_layers")},
+            "step": "forward, backward, clip, RAdam (optimizer apart from the split)"}
+    return step, desc
+
+
+def layer_step(args, bf16: bool):
+    model, x = layer_model_and_input(args)
+    desc = {"L": args.L, "B": args.B, "d": args.d, "proj": args.proj, "num_layers": 2,
+            "step": "forward, backward of the output's sum (no optimizer)"}
+    return layer_training_step(model, x, bf16), desc
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--recipe", default="recipes/shakespeare-cpu.toml")
+    ap.add_argument("--set", nargs="*", default=[], help="recipe overrides key=value")
+    ap.add_argument("--vocab", type=int, default=None,
+                    help="vocabulary size (default: 256 for the byte tokenizer)")
+    add_layer_shape_args(ap)
+    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--shapes", default="recipe,layer")
+    ap.add_argument("--repeats", type=int, default=15, help="timed unprofiled steps")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--profiled-steps", type=int, default=5)
+    ap.add_argument("--tiny", action="store_true",
+                    help="tiny shapes and few steps (a smoke test; times nothing useful)")
+    args = ap.parse_args()
+    if args.tiny:
+        args.set = list(args.set) + ["model.d_model=32", "model.proj_size=8",
+                                     "model.num_layers=2", "train.batch_size=2",
+                                     "train.unroll=8"]
+        args.L, args.B, args.d, args.proj = 8, 2, 16, 8
+        args.repeats, args.warmup, args.profiled_steps = 2, 1, 1
+
+    cpu = cpu_info()
+    result = {"cpu": cpu, "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "loadavg_1m": os.getloadavg()[0], "repeats": args.repeats,
+              "profiled_steps": args.profiled_steps, "shapes": {}}
+    builders = {"recipe": recipe_step, "layer": layer_step}
+    for shape in args.shapes.split(","):
+        entry = {}
+        for precision in args.precisions.split(","):
+            step, desc = builders[shape](args, precision == "bf16")
+            entry["config"] = desc
+            ms = median_ms(step, args.repeats, args.warmup)
+            entry[precision] = {"step_ms": round(ms, 3), **split(step, args.profiled_steps)}
+        result["shapes"][shape] = entry
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
