@@ -37,6 +37,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -195,13 +196,20 @@ def _cpu_name() -> str:
     return platform.machine()
 
 
+_WORDS = "PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS"
+# a verbose line, from xdist ("[gw0] [ 4%] PASSED id") or plain pytest ("id PASSED [ 4%]")
+_OUTCOME = re.compile(rf"^(?:\[gw\d+\] \[\s*\d+%\] (?P<a>{_WORDS}) (?P<id1>\S+::.+?)\s*$"
+                      rf"|(?P<id2>\S+::.+?) (?P<b>{_WORDS})\b)")
+
+
 def step_pytest(args, done):
     """The agreement tests on the device. Stops after --maxfail failures, not the
-    first: a short GPU window should report every failure it can."""
+    first: a short GPU window should report every failure it can. Verbose, so that
+    a run cut short by its time limit still says which tests passed and failed."""
     device = "cpu" if args.dry_run else "cuda"
     targets = args.pytest_targets or (["tests/ops/test_reference.py"] if args.dry_run
                                       else ["tests"])
-    cmd = [sys.executable, "-m", "pytest", "--device", device, "-q", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", "--device", device, "-v", "-p", "no:cacheprovider",
            f"--maxfail={args.maxfail}", "--durations=5", *targets]
     if not args.dry_run and args.workers > 1 and _version("pytest-xdist"):
         cmd += ["-n", str(args.workers)]
@@ -211,25 +219,37 @@ def step_pytest(args, done):
     else:
         env.pop("TRITON_INTERPRET", None)  # real kernels on the GPU
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
-    t0 = time.perf_counter()
+    t0, limit = time.perf_counter(), args.step_timeout - 10
+    # its own process group: on time-out, its xdist workers go with it
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=args.step_timeout - 10)
-        out, code = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) \
-            else (e.stdout or "")
-        out, code = out + f"\n[gpu_check: pytest stopped after {args.step_timeout - 10} s]", None
+        out, _ = proc.communicate(timeout=limit)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        out, code = out + f"\n[gpu_check: pytest stopped after {limit} s]", None
+    outcomes = {}
+    for ln in out.splitlines():
+        m = _OUTCOME.match(ln)
+        if m:
+            outcomes[m["id1"] or m["id2"]] = m["a"] or m["b"]
     counts = {}
     summary = [ln for ln in out.splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
     for n, what in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed)",
                               summary[-1] if summary else ""):
         counts[what.rstrip("s") if what.startswith("error") else what] = int(n)
-    failed = [ln for ln in out.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+    if not counts:  # cut short: count what it printed
+        for outcome in outcomes.values():
+            key = outcome.lower()
+            counts[key] = counts.get(key, 0) + 1
+    failed = sorted(t for t, o in outcomes.items() if o in ("FAILED", "ERROR"))
+    failed += [ln for ln in out.splitlines() if ln.startswith("ERROR ")]  # collection errors
     print(out[-20000:])
     return {"command": " ".join(cmd[1:]), "returncode": code, "counts": counts,
-            "failures": failed[:50], "seconds": round(time.perf_counter() - t0, 1),
-            "passed": code == 0}
+            "complete": code is not None, "failures": failed[:50],
+            "seconds": round(time.perf_counter() - t0, 1), "passed": code == 0}
 
 
 def step_bounds(args, done):
@@ -527,7 +547,8 @@ def run_one(args) -> None:
         record = {"ok": True, "result": STEP_FUNCS[args.step](args, done)}
         if args.step == "pytest" and not record["result"]["passed"]:
             record["ok"] = False
-            record["error"] = "pytest failed: " + ", ".join(
+            record["error"] = ("pytest failed: " if record["result"]["complete"] else
+                               "pytest stopped at its time limit: ") + ", ".join(
                 f"{v} {k}" for k, v in record["result"]["counts"].items())
     except Exception:  # noqa: BLE001 - each step is isolated; its error is the result
         record = {"ok": False, "error": traceback.format_exc()[-4000:]}

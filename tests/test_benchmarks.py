@@ -214,6 +214,29 @@ def test_gpu_check_isolates_a_failing_step(tmp_path):
     assert steps["bounds"]["ok"] and steps["bounds"]["result"]["copy_GBps"] > 0
 
 
+def test_gpu_check_pytest_cut_short_keeps_what_ran(tmp_path):
+    """pytest stopped at its time limit (its process group killed) still reports the
+    tests it finished, and says it was cut short."""
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "conftest.py").write_text(
+        "def pytest_addoption(parser):\n    parser.addoption('--device', default='cpu')\n")
+    (suite / "test_some.py").write_text(
+        "import time\n\n"
+        + "".join(f"def test_quick_{i}():\n    pass\n\n" for i in range(3))
+        + "def test_zz_never_ends():\n    time.sleep(600)\n")
+    result = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--step",
+                           "pytest", "--result", str(result), "--step-timeout", "25",
+                           "--dry-run", "--pytest-targets", str(suite)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(result.read_text())
+    assert not r["ok"] and "time limit" in r["error"] and not r["result"]["complete"]
+    assert r["result"]["counts"] == {"passed": 3}  # from the streamed lines: no summary
+    assert r["seconds"] < 60  # the sleeping test was killed, with its process group
+
+
 def test_every_script_is_smoke_tested_and_listed():
     """A script added to benchmarks/ gets a smoke test above and a row in its README."""
     scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_")}
