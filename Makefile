@@ -34,7 +34,8 @@ $(STAMP): pyproject.toml
 
 # The main job: train the CPU recipe (resuming the run if one is there; the
 # progress bar is on stderr), say what it reached, then show a sample.
-# `srupp train` prints its summary as JSON on stdout; SAY_RESULT reads it.
+# `srupp train` prints its summary as JSON on stdout; SAY_RESULT reads it. A run
+# that had already finished prints none (srupp says so on stderr): the sample follows.
 # generate's timing line (JSON on stderr) is left out; its errors are not.
 # RUN and ARGS can be given: make demo ARGS='--set train.max_seconds=60' for a
 # one-minute run (ARGS go to srupp train).
@@ -43,7 +44,7 @@ ARGS ?=
 SAY_RESULT = import json, signal, sys; \
     signal.signal(signal.SIGINT, signal.SIG_IGN); \
     r = ([json.loads(x) for x in sys.stdin if x.startswith("{")] or [None])[-1]; \
-    sys.exit(1) if r is None else None; \
+    sys.exit(0) if r is None else None; \
     print("interrupted at step %d; make demo continues this run" % r["step"] if r["interrupted"] \
           else "validation: %.2f bits per character after %.1f minutes of training (srupp, %.1fM parameters)" \
           % (r["valid_bpc"], r["train_seconds"] / 60, r["params"] / 1e6))

@@ -47,6 +47,8 @@ import traceback
 import warnings
 from pathlib import Path
 
+from _common import median_seconds
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # (name, the most seconds it may take on a GPU, the seconds kept for it while
@@ -82,23 +84,19 @@ def median_ms(fn, device, reps: int, warmup: int = 2) -> float:
     asynchronous), the host clock on the CPU."""
     import torch
 
+    if device.type != "cuda":
+        return median_seconds(fn, reps, warmup) * 1e3
     for _ in range(warmup):
         fn()
+    torch.cuda.synchronize(device)
     times = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    else:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
     return statistics.median(times)
 
 

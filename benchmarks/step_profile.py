@@ -39,11 +39,11 @@ import collections
 import json
 import os
 import platform
-import statistics
 import time
 
 import torch
-from _common import add_layer_shape_args, layer_model_and_input, layer_training_step
+from _common import (add_layer_shape_args, layer_model_and_input, layer_training_step,
+                     median_seconds)
 from torch.profiler import ProfilerActivity, profile, record_function
 
 CATEGORIES = ("gemm", "attention", "recurrence", "other")
@@ -124,17 +124,6 @@ def split(step, steps: int) -> dict:
     if per_cat["optimizer"]:
         out["optimizer_ms"] = round(per_cat["optimizer"] / steps / 1e3, 3)
     return out
-
-
-def median_ms(step, repeats: int, warmup: int) -> float:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def recipe_step(args, bf16: bool):
@@ -220,7 +209,7 @@ def main():
         for precision in args.precisions.split(","):
             step, desc = builders[shape](args, precision == "bf16")
             entry["config"] = desc
-            ms = median_ms(step, args.repeats, args.warmup)
+            ms = median_seconds(step, args.repeats, args.warmup) * 1e3
             entry[precision] = {"step_ms": round(ms, 3), **split(step, args.profiled_steps)}
         result["shapes"][shape] = entry
     print(json.dumps(result, indent=2))
