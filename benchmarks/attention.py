@@ -4,7 +4,7 @@ SRU++ attends in a small dimension (d′ = d/4, often one head) over short
 windows, a shape the fused (flash) CPU kernel was not tuned for. This prints
 one JSON object comparing, on causal attention, SDPA's default choice, its MATH
 backend and srupp's explicit-matmul causal path
-(``srupp.ops.attention_causal_matmul``, which ``srupp.ops.attention`` picks for
+(``srupp.ops.attention_causal_matmul``, which ``srupp.ops.attend`` picks for
 fp32, and for bf16 where the CPU multiplies bf16 natively): with its default
 rows per block ("srupp_matmul"), as one block covering the whole square
 ("srupp_one_block", no skipping), and with ``--blocks`` sizes of your choice.
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from srupp.ops.sdpa import attention_causal_matmul
+from srupp.ops.attention import attention_causal_matmul
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

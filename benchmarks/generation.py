@@ -36,7 +36,7 @@ def main():
         torch.set_num_threads(args.threads)
 
     from srupp.models import load_model
-    from srupp.train.checkpoint import resolve_checkpoint
+    from srupp.runs import resolve_checkpoint
 
     models = {}
     for r in args.runs:

@@ -7,7 +7,7 @@ round by round so that this machine's drift hits both alike. Prints one JSON
 object with median times and the per-round speedup of the current build. Run it
 with nothing else on the machine:
 
-    git show HEAD~1:src/srupp/ops/csrc/sru_cpu.cpp > /tmp/other.cpp
+    git show HEAD~1:src/srupp/ops/csrc/cpu_kernels.cpp > /tmp/other.cpp
     .venv/bin/python benchmarks/kernel_ab.py /tmp/other.cpp [--L 256 --B 16 --d 512]
 """
 
@@ -23,24 +23,24 @@ import time
 import torch
 from torch.utils.cpp_extension import load
 
-import srupp.ops.cpu as cpu
+import srupp.ops.cpu_kernels as cpu_kernels
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("other", help="another version of src/srupp/ops/csrc/sru_cpu.cpp")
+    ap.add_argument("other", help="another version of src/srupp/ops/csrc/cpu_kernels.cpp")
     ap.add_argument("--L", type=int, default=256)
     ap.add_argument("--B", type=int, default=16)
     ap.add_argument("--d", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    current = cpu.load()
+    current = cpu_kernels.load()
     if current is None:
-        raise SystemExit(f"the C++ kernel is unavailable: {cpu.build_error()}")
+        raise SystemExit(f"the C++ kernel is unavailable: {cpu_kernels.build_error()}")
     tag = hashlib.sha1(open(args.other, "rb").read()).hexdigest()[:10]
     other = load(name=f"srupp_kernel_ab_{tag}", sources=[args.other],
-                 extra_cflags=cpu._flags(cpu.capability()),
+                 extra_cflags=cpu_kernels._flags(cpu_kernels.capability()),
                  extra_ldflags=[] if os.name == "nt" else ["-fopenmp"])
     builds = {"current": current, "other": other}
 

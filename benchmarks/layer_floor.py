@@ -7,7 +7,7 @@ exact shapes, dtypes and strides the step gives it:
 - ``projections``: every bias-free linear (W1, W2, W3 of each layer), forward
   and backward, through the layers' own modules (so srupp's GEMM dispatch and
   autocast's weight casts are included);
-- ``attention``: ``srupp.ops.attention`` forward and backward, as each layer calls it;
+- ``attention``: ``srupp.ops.attend`` forward and backward, as each layer calls it;
 - ``recurrence``: ``srupp.ops.sru_recurrence`` forward and backward, as each layer calls it.
 
 The inputs are captured from one real step (hooks on the modules, wrappers on
@@ -92,11 +92,11 @@ def capture_pieces(model, x: torch.Tensor, autocast: bool) -> Dict[str, List[Cal
                  lambda mod, inp: calls["projections"].append((mod, inp, {})))
              for mod in model.modules() if isinstance(mod, torch.nn.Linear)]
 
-    # The layers call srupp.ops.attention and srupp.ops.sru_recurrence through
+    # The layers call srupp.ops.attend and srupp.ops.sru_recurrence through
     # names bound in srupp.nn's modules: wrap every such binding, whichever
     # module of the package it is in.
     sites = []
-    for piece, fn in (("attention", ops.attention), ("recurrence", ops.sru_recurrence)):
+    for piece, fn in (("attention", ops.attend), ("recurrence", ops.sru_recurrence)):
         def spy(*a, _piece=piece, _fn=fn, **k):
             calls[_piece].append((_fn, a, k))
             return _fn(*a, **k)

@@ -30,7 +30,7 @@ import torch
 
 import srupp
 from _common import median_seconds
-from srupp.ops import cpu, sru_recurrence_reference
+from srupp.ops import cpu_kernels, sru_recurrence_reference
 
 
 def nbytes(*tensors):
@@ -88,10 +88,10 @@ def main():
         return {"s": round(t, 6), "MB_moved": round(moved / 1e6, 1), "GBps": round(bw / 1e9, 2),
                 "frac_of_copy": round(bw / copy_bw, 3), "tokens_per_s": round(B * L / t)}
 
-    if not cpu.is_available():
-        result["cpu_kernel"] = f"unavailable: {cpu.build_error()}"
+    if not cpu_kernels.is_available():
+        result["cpu_kernel"] = f"unavailable: {cpu_kernels.build_error()}"
     else:
-        result["cpu_isa"] = cpu.load().capability()
+        result["cpu_isa"] = cpu_kernels.load().capability()
         fwd = torch.ops.srupp.sru_fwd
         bwd = torch.ops.srupp.sru_bwd
         with torch.no_grad():
@@ -113,8 +113,8 @@ def main():
         }
         # The same with the output-block cache off: every call writes fresh (huge)
         # pages, which the OS must fault in and zero -- the cost of a first call.
-        limit = cpu.cache_limit()
-        cpu.set_cache_limit(0)
+        limit = cpu_kernels.cache_limit()
+        cpu_kernels.set_cache_limit(0)
         try:
             with torch.no_grad():
                 t_f0 = median_seconds(
@@ -122,7 +122,7 @@ def main():
                 t_b0 = median_seconds(lambda: bwd(U, x, wc, bias, c0, None, None, c_all, grad_h,
                                                   None, 1.0, False, True), a.repeats)
         finally:
-            cpu.set_cache_limit(limit)
+            cpu_kernels.set_cache_limit(limit)
         result["cpu_kernel"]["forward_fresh_pages"] = report("forward", t_f0, fwd_bytes)
         result["cpu_kernel"]["backward_fresh_pages"] = report("backward", t_b0, bwd_bytes)
         del h, c_last, c_all, gU, gx

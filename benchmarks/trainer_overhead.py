@@ -31,7 +31,7 @@ def trainer_seconds_per_step(recipe, sets, steps) -> tuple:
         it = t.batcher.iter_from(0)
         for _ in range(5):  # warm-up steps, not timed
             t._train_step(it)
-        t.total_steps = t.step + steps
+        t.schedule.total_steps = t.step + steps
         t.train_seconds = 0.0
         start = time.perf_counter()
         # the real loop (progress bar, logging, schedule) minus the final evaluation

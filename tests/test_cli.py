@@ -1,11 +1,14 @@
-"""The srupp command's errors: one line on stderr, exit code 2, never a traceback."""
+"""The srupp command's errors: bad input is one line on stderr and exit code 2; a bug keeps
+its traceback; --debug (or SRUPP_DEBUG=1) shows the traceback of bad input too."""
 
 from pathlib import Path
 
 import pytest
 
 from srupp import cli
+from srupp._extras import MissingExtra
 from srupp.cli import main
+from srupp.errors import UserError
 
 from lm_helpers import TINY, one_line_error
 
@@ -55,21 +58,47 @@ def test_resume_refuses_a_new_model_shape_naming_the_key(tmp_path, corpus, capsy
 
 
 @pytest.mark.parametrize("exc,expected", [
-    (ValueError("mask_pad must be (B, L)\nsecond line"), "mask_pad must be (B, L); second line"),
-    (TypeError("x must be a Tensor"), "x must be a Tensor"),
+    (UserError("mask_pad must be (B, L)\nsecond line"), "mask_pad must be (B, L); second line"),
     (PermissionError(13, "Permission denied", "/some/file"), "/some/file: Permission denied"),
     (ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib"),
      "pip install 'srupp[plots]'"),
     (ModuleNotFoundError("No module named 'sentencepiece'", name="sentencepiece"),
      "pip install 'srupp[subword]'"),
+    (MissingExtra("srupp compare's curves.png needs matplotlib: pip install 'srupp[plots]'",
+                  name="matplotlib"), "needs matplotlib: pip install 'srupp[plots]'"),
 ])
-def test_library_errors_become_one_line(monkeypatch, capsys, exc, expected):
+def test_user_errors_become_one_line(monkeypatch, capsys, exc, expected):
     def fail(args):
         raise exc
 
     monkeypatch.setattr(cli, "cmd_params", fail)
     err = one_line_error(capsys, ["params"])
-    assert expected in err
+    assert expected in err and err.rstrip().endswith("(--debug shows the traceback)")
+
+
+@pytest.mark.parametrize("exc", [ValueError("bug"), TypeError("bug")])
+def test_a_library_bug_keeps_its_traceback(monkeypatch, exc):
+    """A ValueError or TypeError the user's input did not cause is a bug, not exit code 2."""
+    def fail(*args, **kwargs):
+        raise exc
+
+    monkeypatch.setattr("srupp.train.build_config", fail)  # what srupp params calls first
+    with pytest.raises(type(exc), match="^bug$"):
+        main(["params"])
+
+
+def test_bad_input_is_one_line_and_debug_shows_its_traceback(monkeypatch, capsys):
+    err = one_line_error(capsys, ["params", "--set", "model.d_modle=16"])
+    assert "unknown config key 'model.d_modle'" in err and "(--debug shows" in err
+    for argv, env in ((["--debug", "params"], None), (["params", "--debug"], None),
+                      (["params"], "1")):
+        if env:
+            monkeypatch.setenv("SRUPP_DEBUG", env)
+        assert main([*argv, "--set", "model.d_modle=16"]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" in err and "UserError" in err, argv
+        assert err.strip().splitlines()[-1] == ("srupp: error: unknown config key "
+                                                "'model.d_modle'; did you mean 'model.d_model'?")
 
 
 def test_a_missing_required_module_is_a_bug_with_its_traceback(monkeypatch):

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 AREAS = ("tests/ops/", "tests/nn/", "tests/models/test_state.py",
          "tests/models/test_decoding.py", "tests/models/test_lm.py",
          "tests/models/test_seq2seq.py", "tests/models/test_classifier.py",
-         "tests/models/test_hf.py", "tests/models/test_onnx.py", "tests/train/")
+         "tests/test_hf.py", "tests/test_onnx.py", "tests/train/")
 
 
 def collect(*args: str, env_extra=None) -> subprocess.CompletedProcess:

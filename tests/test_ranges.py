@@ -205,7 +205,7 @@ def test_temperature_zero_is_greedy(tiny_lm):
 ])
 def test_translation_decoding_raises_value_error(kwargs, match):
     from srupp.models.decoding import beam_search, greedy_decode
-    from srupp.train.translate import translate_lines
+    from srupp.inference import translate_lines
 
     model = build_model(config_from_dict({"task": "translate", "type": "lstm", "vocab_size": 16,
                                           "d_model": 8, "encoder_layers": 1,
@@ -302,7 +302,7 @@ def lm_run(tmp_path_factory):
 
 
 def test_cli_temperature_zero_is_greedy_whatever_the_seed(lm_run, capsys):
-    from srupp.train.checkpoint import load_run
+    from srupp.inference import load_run
 
     _, tokenizer, model, _ = load_run(lm_run)
     prompt = "When in"

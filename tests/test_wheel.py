@@ -103,7 +103,7 @@ def test_the_wheel_carries_the_package_data(installed):
         assert f"srupp/recipes/{recipe.name}" in names
         # a file, not a link back into a checkout
         assert (site / "srupp" / "recipes" / recipe.name).read_bytes() == recipe.read_bytes()
-    assert "srupp/ops/csrc/sru_cpu.cpp" in names
+    assert "srupp/ops/csrc/cpu_kernels.cpp" in names
 
 
 def test_compare_and_params_work_from_the_installed_wheel(installed, tmp_path):

@@ -2,7 +2,7 @@
 
 The core package needs only torch, numpy, safetensors and tqdm. Everything
 else belongs to an extra of ``pyproject.toml`` (plots, subword, translation,
-triton, onnx, hf; ``all`` is every one of them), imported where it is used::
+triton, onnx, hf, tensorboard; ``all`` is every one of them), imported where it is used::
 
     plt = require("matplotlib.pyplot", "plots", "srupp compare's curves.png")
 """
@@ -25,6 +25,7 @@ EXTRA_OF = {
     "onnxscript": "onnx",
     "onnxruntime": "onnx",
     "transformers": "hf",
+    "tensorboard": "tensorboard",
 }
 
 

@@ -2,10 +2,12 @@
 demo.
 
 Problems with the user's input print one line on stderr and exit with code 2:
-a ``UserError``, any ``ValueError`` or ``TypeError`` the library raises for bad
-arguments, an ``OSError`` (with the file it concerns) and a missing optional
-package (with the ``pip install`` line that adds it). Ctrl-C and SIGTERM exit
-with code 130.
+a ``UserError`` (the library's ``ValueError``/``TypeError`` about a recipe,
+``--set`` values, data or stdin become one where the input is read), an
+argparse error, an ``OSError`` (with the file it concerns) and a missing
+optional package (with the ``pip install`` line that adds it). ``--debug`` (or
+``SRUPP_DEBUG=1``) prints their traceback too. Any other exception is a bug and
+keeps its traceback. Ctrl-C and SIGTERM exit with code 130.
 """
 
 from __future__ import annotations
@@ -17,16 +19,17 @@ import re
 import select
 import sys
 import time
+import traceback
 import warnings
 from pathlib import Path
 from typing import Iterator, List, Optional
 
-from .errors import UserError
+from .errors import UserError, user_input
 
 
 def cmd_train(args) -> int:
     from .train import Trainer, build_config, distributed
-    from .train.checkpoint import read_json
+    from .runs import read_run_config
 
     distributed.die_with_launcher()  # under torchrun: never outlive the launcher
 
@@ -39,7 +42,7 @@ def cmd_train(args) -> int:
     if args.resume:
         if not (out / "config.json").exists():
             raise UserError(f"--resume: {out} holds no run to resume (no config.json)")
-        base = read_json(out / "config.json", "run config")
+        base = read_run_config(out)
     cfg = build_config(args.recipe, overrides, base=base, base_name=str(out))
     dist = distributed.setup(cfg.train.device, cfg.train.dist_backend, cfg.train.dist_timeout)
     try:
@@ -74,20 +77,19 @@ def cmd_train(args) -> int:
     return 130 if summary["interrupted"] else 0
 
 
-def _load_for(args, command: str, task: str):
-    """load_run, refusing a checkpoint of another task with one line."""
-    from .train.checkpoint import load_run
-    from .train.config import TASK_NAMES
+def _load_for(args, command: str):
+    """load_run, refusing with one line a checkpoint of another task than ``command``'s."""
+    from .inference import load_run
+    from .train.config import TASKS
 
-    run_cfg, tokenizer, model, ckpt = load_run(args.checkpoint)
-    have = getattr(model.config, "task", "lm")
-    if have != task:
-        use = {"lm": "eval or generate", "translate": "eval or translate",
-               "classify": "eval or classify"}[have]
-        raise UserError(f"srupp {command} needs a {TASK_NAMES[task]} checkpoint (task={task}); "
-                        f"{args.checkpoint} holds a {TASK_NAMES[have]} model (task={have}): "
-                        f"use srupp {use}")
-    return run_cfg, tokenizer, model, ckpt
+    need = next(task for task in TASKS.values() if task.command == command)
+    run = load_run(args.checkpoint)
+    have = TASKS[run.model.config.task]
+    if have is not need:
+        raise UserError(f"srupp {command} needs a {need.title} checkpoint (task={need.name}); "
+                        f"{args.checkpoint} holds a {have.title} model (task={have.name}): "
+                        f"use srupp eval or {have.command}")
+    return run
 
 
 def _run_config(run_cfg: dict, task: str, overrides: List[str]):
@@ -95,33 +97,18 @@ def _run_config(run_cfg: dict, task: str, overrides: List[str]):
     checkpoint folder."""
     from .train import build_config
 
-    base = dict(run_cfg or {})
-    if base and task != "lm":
-        base["task"] = task
-    cfg = build_config(None, overrides, base=base or None)
-    if cfg.task != task:  # no run config (a checkpoint folder given on its own)
-        cfg = build_config(None, [f"task={task}", *overrides])
-    return cfg
-
-
-def _checked_labels(ckpt, model) -> list:
-    from .train.checkpoint import load_labels
-
-    labels = load_labels(ckpt)
-    if len(labels) != model.config.num_labels:
-        raise UserError(f"{ckpt}: labels.json lists {len(labels)} labels, the model has "
-                        f"{model.config.num_labels} outputs; the run is damaged")
-    return labels
+    if run_cfg:
+        return build_config(None, overrides, base={**run_cfg, "task": task})
+    return build_config(None, [f"task={task}", *overrides])
 
 
 def cmd_eval(args) -> int:
     import torch
 
-    from .train.checkpoint import load_run
+    from .inference import load_run
 
     run_cfg, tokenizer, model, ckpt = load_run(args.checkpoint)
-    task = getattr(model.config, "task", "lm")
-    cfg = _run_config(run_cfg, task, args.set)
+    cfg = _run_config(run_cfg, model.config.task, args.set)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     if args.data:
@@ -132,91 +119,15 @@ def cmd_eval(args) -> int:
             cfg.data.test_size = cfg.data.valid_size = None
     if cfg.data.corpus is None:
         raise UserError(f"{args.checkpoint} names no data to evaluate on; give --data")
-    result = {"lm": _eval_lm, "translate": _eval_translate,
-              "classify": _eval_classify}[task](cfg, tokenizer, model, ckpt, args.split)
+    result = cfg.task_class(cfg).evaluate_checkpoint(model, tokenizer, ckpt, args.split)
     print(json.dumps({**result, "split": args.split, "checkpoint": str(ckpt)}))
     return 0
 
 
-def _eval_lm(cfg, tokenizer, model, ckpt, split: str) -> dict:
-    from .data import load_corpus
-    from .train import evaluate
-    from .train.evaluate import metric_for
-    from .train.trainer import check_tokenizer_fits
-
-    text = load_corpus(cfg.data.corpus).split(split)
-    oov = check_tokenizer_fits(tokenizer, text, cfg.data.max_oov, f"the {split} split")
-    res = evaluate(model, tokenizer.encode(text), batch_size=cfg.eval.batch_size,
-                   unroll=cfg.eval.unroll or cfg.train.unroll, mem_len=cfg.eval.mem_len,
-                   precision="fp32")
-    metric = metric_for(tokenizer)  # bits per character, or perplexity per token
-    return {metric: res[metric], "loss": res["loss"], "tokens": res["tokens"],
-            "seconds": res["seconds"], "oov_rate": oov}
-
-
-def _eval_translate(cfg, tokenizer, model, ckpt, split: str) -> dict:
-    from .data import load_table
-    from .train.translate import translation_scores
-
-    d, e = cfg.data, cfg.eval
-    rows = load_table(d.corpus, (d.src, d.tgt), test_size=d.test_size,
-                      valid_size=d.valid_size).split(split)
-    res = translation_scores(model, tokenizer, [r[0] for r in rows], [r[1] for r in rows],
-                             beam=e.beam, lenpen=e.lenpen, max_len_a=e.max_len_a,
-                             max_len_b=e.max_len_b, max_tokens=cfg.train.max_tokens,
-                             max_len=d.max_len, truncate=d.truncate)
-    res.pop("hypotheses")
-    return {**res, "beam": e.beam, "lenpen": e.lenpen}
-
-
-def _eval_classify(cfg, tokenizer, model, ckpt, split: str) -> dict:
-    from .data import load_table
-    from .train.classify import classification_scores, label_indices
-    from .train.tasks import encode_lines, fit_length
-
-    d = cfg.data
-    labels = _checked_labels(ckpt, model)
-    # a split directory's labels are checked against the model's below, not its train.tsv
-    stratify = None if Path(d.corpus).is_dir() else d.label  # a file: split as in training
-    rows = load_table(d.corpus, (d.text, d.label), stratify=stratify, test_size=d.test_size,
-                      valid_size=d.valid_size).split(split)
-    gold = label_indices(labels, [r[1] for r in rows], f"the {split} split of {d.corpus}")
-    ids = fit_length(encode_lines(tokenizer, [r[0] for r in rows]), d.max_len,
-                     truncate=d.truncate, where=f"the {split} split", keep_last=False)
-    start = time.perf_counter()
-    res = classification_scores(model, list(zip(ids, gold)), len(labels),
-                                max_tokens=cfg.train.max_tokens)
-    seconds = time.perf_counter() - start
-    return {**res, "seconds": seconds, "texts_per_s": len(rows) / max(seconds, 1e-9)}
-
-
-class _Streamer:
-    """Prints the decoded text of growing id lists, holding back incomplete characters."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.printed = tokenizer, [], ""
-
-    def __call__(self, tokens) -> None:
-        t = int(tokens[0])
-        if t < 0:
-            return
-        self.ids.append(t)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return  # maybe half of a multi-byte character
-        sys.stdout.write(text[len(self.printed):])
-        sys.stdout.flush()
-        self.printed = text
-
-    def finish(self, ids) -> None:
-        text = self.tokenizer.decode(ids)
-        sys.stdout.write(text[len(self.printed):] if text.startswith(self.printed) else "")
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-
-
 def cmd_generate(args) -> int:
     import torch
+
+    from .inference import generate_text
 
     if args.dtype == "bf16":
         from .ops.settings import cpu_has_native_bf16
@@ -224,26 +135,29 @@ def cmd_generate(args) -> int:
         if not cpu_has_native_bf16():
             raise UserError("--dtype bf16: this CPU has no bf16 instructions (AVX-512 BF16 or "
                             "AMX), so bf16 would be emulated and slower; use --dtype fp32")
-    _, tokenizer, model, _ = _load_for(args, "generate", "lm")
+    _, tokenizer, model, _ = _load_for(args, "generate")
     if args.dtype == "bf16":
         model = model.to(torch.bfloat16)  # weights in bf16; the recurrent state c stays fp32
-    prompt_ids = tokenizer.encode(args.prompt).tolist()
-    if not prompt_ids:
+    if not tokenizer.encode(args.prompt).numel():
         raise UserError("--prompt is empty: give at least one character")
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
-    stream = _Streamer(tokenizer)
-    gen = torch.Generator().manual_seed(args.seed)
     start = time.perf_counter()
-    new = model.generate([prompt_ids], args.max_new_tokens, temperature=args.temperature,
-                         top_k=args.top_k, top_p=args.top_p, mem_len=args.mem_len,
-                         generator=gen, on_tokens=stream)[0]
+    out = generate_text(model, tokenizer, args.prompt, args.max_new_tokens,
+                        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                        mem_len=args.mem_len, seed=args.seed, on_text=_write)
     seconds = time.perf_counter() - start
-    stream.finish(new)
-    print(json.dumps({"prompt_tokens": len(prompt_ids), "new_tokens": len(new),
+    _write("\n")
+    print(json.dumps({"prompt_tokens": out.prompt_tokens, "new_tokens": out.new_tokens,
                       "dtype": args.dtype, "seconds": round(seconds, 3),
-                      "tokens_per_s": round(len(new) / max(seconds, 1e-9), 1)}), file=sys.stderr)
+                      "tokens_per_s": round(out.new_tokens / max(seconds, 1e-9), 1)}),
+          file=sys.stderr)
     return 0
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def cmd_export(args) -> int:
@@ -254,15 +168,19 @@ def cmd_export(args) -> int:
         if args.mem_len is not None:
             raise UserError("--mem-len applies to --format onnx only")
         require("transformers", "hf", "srupp export --format hf")
-        from .models.hf import export_run_to_hf
+        from .hf import export_run_to_hf
 
         export_run_to_hf(Path(args.checkpoint), out)
         print(json.dumps({"format": "hf", "out": str(out)}))
         return 0
-    from .models.onnx import export_onnx
-    from .train.checkpoint import load_run
+    from .inference import load_run
+    from .onnx import check_exportable, check_torch_exports, export_onnx, resolve_window
 
     _, tokenizer, model, ckpt = load_run(args.checkpoint)
+    with user_input():  # the model, window or torch the user has is one ONNX cannot take
+        check_exportable(model)
+        resolve_window(model, args.mem_len)
+        check_torch_exports()
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; give a folder for the ONNX graphs")
     start = time.perf_counter()
@@ -307,20 +225,22 @@ def _input_batches(stream, max_lines: int) -> Iterator[List[str]]:
 def cmd_translate(args) -> int:
     import torch
 
-    from .train.translate import translate_lines
+    from .inference import encode_sources, translate_ids
 
-    run_cfg, tokenizer, model, _ = _load_for(args, "translate", "translate")
-    cfg = _run_config(run_cfg, "translate", [])
+    run_cfg, tokenizer, model, _ = _load_for(args, "translate")
+    cfg = _run_config(run_cfg, model.config.task, [])
     if args.threads:
         torch.set_num_threads(args.threads)
     lines = 0
     start = time.perf_counter()
     for batch in _input_batches(sys.stdin, args.batch_size):
-        out = translate_lines(model, tokenizer, batch, beam=args.beam, lenpen=args.lenpen,
-                              max_len_a=cfg.eval.max_len_a, max_len_b=cfg.eval.max_len_b,
-                              max_len=args.max_len or cfg.data.max_len,
-                              truncate=args.truncate or cfg.data.truncate, first_line=lines + 1)
-        sys.stdout.write("".join(o + "\n" for o in out))
+        with user_input():  # a line longer than the model takes
+            sources = encode_sources(tokenizer, batch, max_len=args.max_len or cfg.data.max_len,
+                                     truncate=args.truncate or cfg.data.truncate,
+                                     first_line=lines + 1)
+        out = translate_ids(model, sources, beam=args.beam, lenpen=args.lenpen,
+                            max_len_a=cfg.eval.max_len_a, max_len_b=cfg.eval.max_len_b)
+        sys.stdout.write("".join(tokenizer.decode(o) + "\n" for o in out))
         sys.stdout.flush()
         lines += len(batch)
     seconds = time.perf_counter() - start
@@ -333,26 +253,23 @@ def cmd_translate(args) -> int:
 def cmd_classify(args) -> int:
     import torch
 
-    from .train.classify import predict
-    from .train.tasks import encode_lines, fit_length
+    from .inference import checked_labels, encode_texts, predict
 
-    run_cfg, tokenizer, model, ckpt = _load_for(args, "classify", "classify")
-    cfg = _run_config(run_cfg, "classify", [])
-    labels = _checked_labels(ckpt, model)
+    run_cfg, tokenizer, model, ckpt = _load_for(args, "classify")
+    cfg = _run_config(run_cfg, model.config.task, [])
+    labels = checked_labels(ckpt, model)
     if args.top_k is not None and not 1 <= args.top_k <= len(labels):
         raise UserError(f"--top-k must be between 1 and the number of labels ({len(labels)})")
     if args.threads:
         torch.set_num_threads(args.threads)
     lines = 0
     for batch in _input_batches(sys.stdin, args.batch_size):
-        # an empty line is classified as an empty text (its <eos> alone, for word tokenizers)
-        ids = [x or [0] for x in encode_lines(tokenizer, batch)]
-        ids = fit_length(ids, cfg.data.max_len, truncate=cfg.data.truncate,
-                         where=f"lines {lines + 1}-{lines + len(batch)} of the input",
-                         keep_last=False)
+        with user_input():  # a line longer than the model takes
+            ids = encode_texts(tokenizer, batch, max_len=cfg.data.max_len,
+                               truncate=cfg.data.truncate,
+                               where=f"lines {lines + 1}-{lines + len(batch)} of the input")
         lines += len(batch)
-        probs = predict(model, ids)
-        for p in probs:
+        for p in predict(model, ids):
             best = int(p.argmax())
             record = {"label": labels[best], "prob": round(float(p[best]), 6)}
             if args.top_k:
@@ -379,18 +296,13 @@ def cmd_params(args) -> int:
                             f"tokenizer; set it in the recipe or with --set data.vocab_size=N")
         vocab = cfg.data.vocab_size
     else:
-        vocab = build_tokenizer(cfg.data.tokenizer, load_corpus(cfg.data.corpus).train).vocab_size
-    num_labels = None
-    if cfg.task == "classify" and cfg.data.corpus:  # the output layer's width: the labels
-        from .data import load_table
-
-        d = cfg.data
-        splits = load_table(d.corpus, (d.text, d.label), stratify=d.label,
-                            test_size=d.test_size, valid_size=d.valid_size)
-        num_labels = len({label for _, label in splits.train})
+        with user_input():
+            vocab = build_tokenizer(cfg.data.tokenizer,
+                                    load_corpus(cfg.data.corpus).train).vocab_size
+    num_labels = cfg.task_class.output_labels(cfg)  # the output layer's width, if labels
     config = cfg.model_config(vocab, num_labels)
     out = {"type": config.type, **parameter_counts(config), "vocab_size": vocab}
-    if cfg.task == "classify":
+    if num_labels is not None:
         out["num_labels"] = config.num_labels
     print(json.dumps(out))
     return 0
@@ -563,6 +475,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="a small SRU++ forward/backward timing demo")
     d.set_defaults(func=cmd_demo)
+
+    debug = "print the traceback of an error too (also SRUPP_DEBUG=1)"
+    p.add_argument("--debug", action="store_true", help=debug)
+    for command in sub.choices.values():  # also after the command; SUPPRESS keeps the global
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help=debug)
     return p
 
 
@@ -575,6 +493,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = build_parser().parse_args(argv)
     except UserError as e:  # a flag's value out of its range (_Parser.error)
         return _error(_one_line(e))
+    debug = args.debug or os.environ.get("SRUPP_DEBUG", "").strip().lower() not in (
+        "", "0", "false", "no", "off")
     # This process is ours: keep freed activation buffers instead of re-faulting
     # them every step (srupp.allocator; SRUPP_TUNE_ALLOCATOR=0 opts out).
     from .allocator import tune_from_env
@@ -583,25 +503,42 @@ def main(argv: Optional[List[str]] = None) -> int:
     warnings.showwarning = _warn_one_line
     try:
         return args.func(args)
-    except (UserError, ValueError, TypeError) as e:
-        return _error(_one_line(e) or type(e).__name__)
-    except ImportError as e:  # MissingExtra is a ValueError, handled above
-        from ._extras import EXTRA_OF, install_hint
-
-        top = (e.name or "").split(".")[0]
-        if top not in EXTRA_OF:
-            raise  # a required package or srupp itself is broken: a bug, keep the traceback
-        return _error(f"srupp {args.command} needs {top}, which is not installed: "
-                      f"{install_hint(top)}")
-    except OSError as e:
-        what = e.strerror or _one_line(e) or type(e).__name__
-        paths = [str(f) for f in (e.filename, e.filename2) if f is not None]
-        return _error(f"{' -> '.join(paths)}: {what}" if paths else what)
     except KeyboardInterrupt:
         print("srupp: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        message = _user_message(e, args.command)
+        if message is None:
+            raise  # a bug: its traceback
+        if debug:
+            traceback.print_exc()
+            return _error(message)
+        return _error(f"{message} {DEBUG_HINT}")
     finally:
         warnings.showwarning = previous
+
+
+DEBUG_HINT = "(--debug shows the traceback)"
+
+
+def _user_message(e: Exception, command: str) -> Optional[str]:
+    """The one line for an error the user can fix, or None for a bug."""
+    if isinstance(e, ImportError):  # MissingExtra, or an optional package import
+        from ._extras import EXTRA_OF, MissingExtra, install_hint
+
+        if isinstance(e, MissingExtra):
+            return _one_line(e)
+        top = (e.name or "").split(".")[0]
+        if top not in EXTRA_OF:
+            return None  # a required package or srupp itself is broken
+        return f"srupp {command} needs {top}, which is not installed: {install_hint(top)}"
+    if isinstance(e, UserError):
+        return _one_line(e) or type(e).__name__
+    if isinstance(e, OSError):
+        what = e.strerror or _one_line(e) or type(e).__name__
+        paths = [str(f) for f in (e.filename, e.filename2) if f is not None]
+        return f"{' -> '.join(paths)}: {what}" if paths else what
+    return None
 
 
 def _warn_one_line(message, category, filename, lineno, file=None, line=None) -> None:

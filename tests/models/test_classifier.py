@@ -6,17 +6,16 @@ import torch
 from torch.func import functional_call
 
 import srupp.models as models
-from srupp.models import (Classifier, ClassifierBase, ClassifierConfig, LSTMClassifier,
-                          SRUClassifier, SRUppClassifierConfig, TransformerClassifier,
+from srupp.models import (CausalLM, ClassifierConfig, SequenceClassifier, SRUppClassifierConfig,
                           build_model, config_from_dict, load_model)
 from srupp.models.classifier import POOLINGS, attention_pool, max_pool, mean_pool
+from srupp.models.config import SRUppConfig
 
 from models_on_device import across_shapes
 
-TYPES = {"srupp": Classifier, "sru": SRUClassifier, "lstm": LSTMClassifier,
-         "transformer": TransformerClassifier}
+TYPES = ["srupp", "sru", "lstm", "gru", "transformer"]
 # what each type needs beyond the shared fields, at d = 16
-EXTRA = {"srupp": {"proj_size": 8, "num_heads": 2}, "sru": {}, "lstm": {},
+EXTRA = {"srupp": {"proj_size": 8, "num_heads": 2}, "sru": {}, "lstm": {}, "gru": {},
          "transformer": {"num_heads": 2, "ffn_mult": 2}}
 V = 30
 
@@ -55,10 +54,12 @@ def ragged_batch(device=None):
 # --------------------------------------------------------------------------- registry, saving
 
 def test_each_type_is_registered_under_classify():
-    assert {t: c for t, (_, c) in models.task_models("classify").items()} == TYPES
-    assert models.Classifier.config_class is SRUppClassifierConfig
+    registered = models.task_models("classify")
+    assert list(registered) == TYPES
+    assert all(head is SequenceClassifier for _, head in registered.values())
+    assert registered["srupp"][0] is SRUppClassifierConfig
     model = tiny("srupp")
-    assert type(model) is Classifier
+    assert type(model) is SequenceClassifier and type(model.config) is SRUppClassifierConfig
     d = model.config.to_dict()
     assert d["task"] == "classify" and d["type"] == "srupp" and d["pooling"] == "mean"
     assert config_from_dict(d) == model.config
@@ -72,17 +73,17 @@ def test_save_and_load_give_identical_logits(kind, tmp_path, device):
     tokens, pad = ragged_batch(device)
     model.save_pretrained(tmp_path)
     loaded = load_model(tmp_path, device=device)
-    assert type(loaded) is TYPES[kind] and loaded.config == model.config
+    assert type(loaded) is SequenceClassifier and loaded.config == model.config
     assert not loaded.training
     torch.testing.assert_close(loaded(tokens, mask_pad=pad).logits,
                                model(tokens, mask_pad=pad).logits, rtol=0, atol=0)
-    assert type(ClassifierBase.from_pretrained(tmp_path)) is TYPES[kind]
+    assert SequenceClassifier.from_pretrained(tmp_path).config == model.config
 
 
-def test_from_pretrained_of_another_type_names_the_saved_type(tmp_path):
+def test_from_pretrained_of_another_task_names_the_saved_task(tmp_path):
     tiny("lstm").save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="holds a lstm model, which Classifier cannot load"):
-        Classifier.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="holds a classify model, which CausalLM cannot load"):
+        CausalLM.from_pretrained(tmp_path)
 
 
 # --------------------------------------------------------------------------- padding
@@ -117,7 +118,7 @@ def test_a_padded_row_gets_the_logits_it_gets_alone(kind, pooling, device):
 def test_srupp_attends_in_the_layers_the_config_names_and_stays_exact_under_padding(
         layout, attends, device):
     model = tiny("srupp", device, **layout)
-    assert [layer.use_attention for layer in model.encoder.layers] == attends
+    assert [layer.use_attention for layer in model.encoder.rnn.layers] == attends
     assert config_from_dict(model.config.to_dict()) == model.config
     assert_padded_rows_match_alone(model, device)
 
@@ -160,10 +161,10 @@ def test_gradcheck_of_the_srupp_classifier_in_float64(device):
     torch.manual_seed(0)
     cfg = SRUppClassifierConfig(vocab_size=6, num_labels=2, d_model=4, num_layers=2,
                                 dropout=0.0, proj_size=2, pooling="attention")
-    model = Classifier(cfg, dtype=torch.float64).eval()
+    model = SequenceClassifier(cfg, dtype=torch.float64).eval()
     with torch.no_grad():
         model.pooling.query.normal_()
-        for layer in model.encoder.layers:  # α starts at 0, which would hide the attention
+        for layer in model.encoder.rnn.layers:  # α starts at 0, which would hide the attention
             layer.transform.alpha.fill_(0.5)
     model.to(device)
     tokens = torch.tensor([[1, 2, 3, 4], [5, 0, 2, 0]], device=device)
@@ -250,17 +251,17 @@ def test_bad_inputs_are_value_errors(call, message, device):
     ({"type": "srupp", "pooling": "sum"},
      "pooling must be 'mean', 'max' or 'attention', got 'sum'"),
     ({"type": "lstm", "num_labels": 1}, "num_labels must be >= 2"),
-    ({"type": "sru", "d_model": 15}, "d_model must be even for the bidirectional sru encoder"),
-    ({"type": "transformer", "d_model": 15, "num_heads": 4}, r"num_heads \(4\) must .* divide"),
-    ({"type": "srupp", "proj_size": 6, "num_heads": 4}, r"num_heads \(4\) must .* divide"),
+    ({"type": "sru", "d_model": 15}, "d_model must be even: the bidirectional encoder"),
+    ({"type": "transformer", "d_model": 15, "num_heads": 4}, r"num_heads \(4\) must divide"),
+    ({"type": "srupp", "proj_size": 6, "num_heads": 4}, r"num_heads \(4\) must divide"),
     ({"type": "srupp", "dropout": 1.0}, r"dropout must be in \[0, 1\)"),
     ({"type": "srupp", "attention_every_n_layers": 0}, "attention_every_n_layers must be >= 1"),
     ({"type": "srupp", "attention_every_n_layers": 2, "attention_last_n_layers": 1},
      "attention_last_n_layers, not both"),
     ({"type": "srupp", "attention_last_n_layers": 3},
      r"attention_last_n_layers must be -1 \(off\) or 0..num_layers \(2\), got 3"),
-    ({"type": "lstm", "proj_size": 8}, "unknown config key 'proj_size'"),
-    ({"type": "gru"}, "type must be one of srupp, sru, lstm, transformer for task classify"),
+    ({"type": "lstm", "proj_size": 8}, "^proj_size applies to type=srupp, not lstm$"),
+    ({"type": "rnn"}, "type must be one of srupp, sru, lstm, gru, transformer for task classify"),
 ])
 def test_bad_configs_are_value_errors(fields, message):
     with pytest.raises(ValueError, match=message):
@@ -270,5 +271,5 @@ def test_bad_configs_are_value_errors(fields, message):
 def test_the_shared_config_and_a_wrong_config_are_type_errors():
     with pytest.raises(TypeError, match="build the config of a model type"):
         ClassifierConfig(vocab_size=V, num_labels=3)
-    with pytest.raises(TypeError, match="SRUClassifier takes a SRUClassifierConfig"):
-        SRUClassifier(SRUppClassifierConfig(vocab_size=V, num_labels=3))
+    with pytest.raises(TypeError, match="SequenceClassifier takes a classify model config"):
+        SequenceClassifier(SRUppConfig())

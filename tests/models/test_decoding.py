@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from srupp.models.decoding import Hypothesis, beam_search, greedy_decode, max_target_length
-from srupp.models.seq2seq import EncoderOutput, Seq2Seq, Seq2SeqModel, SRUppSeq2SeqConfig
+from srupp.models import EncoderDecoder, EncoderOutput, SRUppSeq2SeqConfig
 
 PAD, EOS, A, B = 0, 1, 2, 3
 
@@ -22,11 +22,11 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-class TableModel(Seq2SeqModel):
-    """A Seq2SeqModel whose next-token probabilities are ``table(prefix)``: those of
+class TableModel(EncoderDecoder):
+    """An EncoderDecoder whose next-token probabilities are ``table(prefix)``: those of
     [EOS, A, B], PAD taking the rest; prefix is the tuple of tokens generated so far.
 
-    No ``config_class``, so it enters no registry; it records the rows of each step.
+    It records the rows of each step.
     """
 
     def __init__(self, table):
@@ -136,7 +136,7 @@ def test_search_arguments_are_checked():
 def make(design, device):
     """Built on the CPU (the same weights whatever the device), moved to device."""
     torch.manual_seed(0)
-    m = Seq2Seq(SRUppSeq2SeqConfig(vocab_size=20, d_model=16, encoder_layers=2,
+    m = EncoderDecoder(SRUppSeq2SeqConfig(vocab_size=20, d_model=16, encoder_layers=2,
                                    decoder_layers=2, dropout=0.3, cross_attention=design,
                                    tie_embeddings=False))
     with torch.no_grad():  # give attention a say (α starts at 0)

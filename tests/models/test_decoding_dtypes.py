@@ -52,7 +52,7 @@ def make(kind, dtype, device=None):
     m = build_model(cfg).eval()
     if kind == "srupp":
         with torch.no_grad():  # give attention a say (α starts at 0)
-            for layer in m.rnn.layers:
+            for layer in m.backbone.rnn.layers:
                 layer.transform.alpha.fill_(0.7)
     return m.to(device, dtype)
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from srupp.errors import UserError
-from srupp.models import LanguageModel, SRUppConfig, config_from_dict, sample
+from srupp.models import CausalLM, SRUppConfig, config_from_dict, sample
 
 from lm_helpers import greedy_by_recomputing
 from models_on_device import across_shapes, generators
@@ -18,9 +18,9 @@ def make(device=None, **kw):
     torch.manual_seed(0)
     cfg = dict(vocab_size=11, d_model=8, proj_size=4, num_layers=2, dropout=0.0, mem_len=64)
     cfg.update(kw)
-    m = LanguageModel(SRUppConfig(**cfg)).eval()
+    m = CausalLM(SRUppConfig(**cfg)).eval()
     with torch.no_grad():  # give attention a say (α starts at 0)
-        for layer in m.rnn.layers:
+        for layer in m.backbone.rnn.layers:
             layer.transform.alpha.fill_(0.7)
     return m.to(device)
 
@@ -103,7 +103,7 @@ def test_sampling_filters(device):
 def test_save_and_load(tmp_path, device):
     m = make(device, tie_embeddings=True)
     m.save_pretrained(tmp_path / "m")
-    back = LanguageModel.from_pretrained(tmp_path / "m", device=device)
+    back = CausalLM.from_pretrained(tmp_path / "m", device=device)
     assert not back.training and back.config == m.config
     assert back.output.weight is back.embedding.weight
     assert back.device == m.device
@@ -117,12 +117,12 @@ def test_corrupt_or_missing_checkpoint_is_a_user_error(tmp_path):
     blob = (tmp_path / "model.safetensors").read_bytes()
     (tmp_path / "model.safetensors").write_bytes(blob[: len(blob) // 2])
     with pytest.raises(UserError, match="truncated or corrupt"):
-        LanguageModel.from_pretrained(tmp_path)
+        CausalLM.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(UserError, match="corrupt"):
-        LanguageModel.from_pretrained(tmp_path)
+        CausalLM.from_pretrained(tmp_path)
     with pytest.raises(UserError, match="no config.json"):
-        LanguageModel.from_pretrained(tmp_path / "nowhere")
+        CausalLM.from_pretrained(tmp_path / "nowhere")
 
 
 def test_bad_arguments_are_plain_errors_in_the_python_api_s_names():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from srupp.models import LanguageModel, SRUppConfig
+from srupp.models import CausalLM, SRUppConfig
 from srupp.train import evaluate
 
 from lm_helpers import greedy_by_recomputing
@@ -19,9 +19,9 @@ def make(device=None, **kw):
     cfg = dict(vocab_size=V, d_model=8, proj_size=4, num_layers=2, dropout=0.0, mem_len=64,
                adaptive_cutoffs=[10, 20], div_val=2, emb_dim=8, tie_embeddings=True)
     cfg.update(kw)
-    m = LanguageModel(SRUppConfig(**cfg)).eval()
+    m = CausalLM(SRUppConfig(**cfg)).eval()
     with torch.no_grad():
-        for layer in m.rnn.layers:
+        for layer in m.backbone.rnn.layers:
             layer.transform.alpha.fill_(0.7)
         for b in m.output.out_biases:
             b.normal_()
@@ -103,7 +103,7 @@ def test_evaluate_uses_the_targets_path_and_agrees(device):
 def test_save_and_load_keeps_ties(tmp_path, device):
     m = make(device)
     m.save_pretrained(tmp_path / "m")
-    back = LanguageModel.from_pretrained(tmp_path / "m", device=device)
+    back = CausalLM.from_pretrained(tmp_path / "m", device=device)
     assert back.config.adaptive_cutoffs == [10, 20]
     assert back.output.out_embs[1] is back.embedding.emb_layers[1].weight
     t = torch.randint(0, V, (2, 7)).to(device)

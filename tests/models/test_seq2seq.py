@@ -4,10 +4,10 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from srupp.models import build_model, config_from_dict, load_model
+from srupp.models import (EncoderDecoder, EncoderOutput, Seq2SeqConfig, SRUppSeq2SeqConfig,
+                          build_model, config_from_dict, load_model)
+from srupp.models.backbones import CrossAttentionState
 from srupp.models.decoding import beam_search
-from srupp.models.seq2seq import (CrossAttentionState, EncoderOutput, Seq2Seq, Seq2SeqConfig,
-                                  SRUppSeq2SeqConfig)
 from srupp.nn import SRUpp, SRUppState
 
 from models_on_device import across_shapes
@@ -32,7 +32,7 @@ def make(design="memory", dtype=None, device=None, **kw):
     cfg = dict(vocab_size=V, d_model=D, encoder_layers=2, decoder_layers=2, dropout=0.0,
                cross_attention=design)
     cfg.update(kw)
-    m = Seq2Seq(SRUppSeq2SeqConfig(**cfg), dtype=dtype).eval()
+    m = EncoderDecoder(SRUppSeq2SeqConfig(**cfg), dtype=dtype).eval()
     with torch.no_grad():  # give attention a say (α starts at 0) and the recurrence some memory
         for module in m.modules():
             if hasattr(module, "alpha"):
@@ -57,7 +57,7 @@ def batch(B=3, S=6, T=5, seed=1, device=None):
 @pytest.mark.parametrize("kw,message", [
     (dict(d_model=15), "d_model must be even"),
     (dict(cross_attention="both"), "cross_attention must be 'memory' or 'sublayer'"),
-    (dict(proj_size=6, num_heads=4), r"num_heads \(4\) must be >= 1 and divide proj_size \(6\)"),
+    (dict(proj_size=6, num_heads=4), r"num_heads \(4\) must divide proj_size \(6\)"),
     (dict(proj_size=0), "proj_size must be >= 1 or None"),
     (dict(attn_dropout=1.0), r"attn_dropout must be in \[0, 1\)"),
     (dict(eos_id=20, vocab_size=20), "eos_id must be a token id below vocab_size"),
@@ -79,12 +79,12 @@ def test_config_defaults_and_base_config():
 def test_registry_builds_seq2seq():
     m = build_model({"task": "translate", "type": "srupp", "vocab_size": V, "d_model": D,
                      "cross_attention": "sublayer"})
-    assert type(m) is Seq2Seq and m.config.cross_attention == "sublayer"
+    assert type(m) is EncoderDecoder and m.config.cross_attention == "sublayer"
     assert m.config.to_dict()["task"] == "translate"
     with pytest.raises(ValueError, match="unknown config key 'num_layers'"):
         config_from_dict({"task": "translate", "type": "srupp", "num_layers": 2})
-    with pytest.raises(TypeError, match="Seq2Seq takes a SRUppSeq2SeqConfig"):
-        Seq2Seq(object())
+    with pytest.raises(TypeError, match="EncoderDecoder takes a translate model config"):
+        EncoderDecoder(object())
 
 
 @pytest.mark.parametrize("design", DESIGNS)
@@ -93,7 +93,7 @@ def test_save_and_load_give_identical_outputs(design, tmp_path, device):
     src, pad, tgt = batch(device=device)
     m.save_pretrained(tmp_path)
     loaded = load_model(tmp_path, device=device)
-    assert type(loaded) is Seq2Seq and loaded.config == m.config and not loaded.training
+    assert type(loaded) is EncoderDecoder and loaded.config == m.config and not loaded.training
     with torch.no_grad():
         torch.testing.assert_close(loaded(src, tgt, src_pad=pad).logits,
                                    m(src, tgt, src_pad=pad).logits, rtol=0, atol=0)
@@ -108,9 +108,9 @@ def test_gradcheck_float64(design, device):
     src = torch.tensor([[2, 3, 4], [5, 6, 0]], device=device)
     tgt = torch.tensor([[1, 4, 2], [1, 3, 3]], device=device)
     pad = torch.tensor([[False, False, False], [False, False, True]], device=device)
-    names = ["embedding.weight", "encoder.layers.0.transform.alpha",
-             "decoder.layers.1.transform.alpha" if design == "memory"
-             else "cross.1.key_value.weight"]
+    names = ["embedding.weight", "encoder.rnn.layers.0.transform.alpha",
+             "decoder.rnn.layers.1.transform.alpha" if design == "memory"
+             else "decoder.cross.1.key_value.weight"]
     params = dict(m.named_parameters())
     inputs = tuple(params[n].detach().clone().requires_grad_() for n in names)
 
@@ -226,9 +226,9 @@ def test_source_keys_and_values_are_computed_once_per_sentence(design, device):
     src, pad, _ = batch(B=2, S=6, device=device)
     calls = []
     if design == "memory":
-        watched = [layer.transform.linear1 for layer in m.decoder.layers]
+        watched = [layer.transform.linear1 for layer in m.decoder.rnn.layers]
     else:
-        watched = [cross.key_value for cross in m.cross]
+        watched = [cross.key_value for cross in m.decoder.cross]
     hooks = [lin.register_forward_hook(lambda mod, args, out: calls.append(tuple(args[0].shape)))
              for lin in watched]
     try:

@@ -35,7 +35,7 @@ def make(kind, device=None):
                          type=kind, **OWN.get(kind, {}))).eval()
     if kind == "srupp":
         with torch.no_grad():  # give attention a say (α starts at 0)
-            for layer in m.rnn.layers:
+            for layer in m.backbone.rnn.layers:
                 layer.transform.alpha.fill_(0.7)
     return m.to(device)
 
@@ -127,7 +127,7 @@ def test_metadata_and_replacing_a_file(tmp_path):
 # ------------------------------------------------- resuming in a fresh process
 # Loads the model and the state from their files only, onto the device the parent decodes
 # on, then decodes greedily. On CUDA it computes fp32 in IEEE fp32, as the parent does under
-# tests/models/conftest.py (cuDNN's LSTM would otherwise take TF32).
+# tests/conftest.py (cuDNN's LSTM would otherwise take TF32).
 CHILD = r"""
 import json, sys
 import torch

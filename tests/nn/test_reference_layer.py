@@ -2,8 +2,10 @@
 
 Outputs, final state, carried memory, and the gradients of every parameter, of
 the inputs and of c0 must agree, independently of sru==3.0.0.dev6. The recurrence
-runs on the "reference" backend (fp64 and fp32) and on "auto" (fp32: the C++
-kernel where it builds), so both are checked against the reference's own loop.
+runs on the "reference" backend (fp64 and fp32: the loop the reference layer steps
+with too, srupp.ops.reference, whose equations tests/ops/test_reference.py checks;
+here that checks everything around the recurrence) and on "auto" (fp32: the C++
+kernel where it builds, checked against that loop).
 
 The test takes the ``device`` fixture: ``pytest --device cuda`` runs it on the GPU
 (fp32 "auto" is then the Triton recurrence, with cuBLAS and SDPA around it), and

@@ -106,8 +106,8 @@ def test_k4_takes_no_x_and_bidirectional_takes_even_units(backend, monkeypatch, 
 def test_good_arguments_pass_and_integer_masks_count_nonzero_as_padding(backend, device):
     """Integer masks are accepted (nonzero = padding), like bool ones; the optional
     arguments may be None."""
-    if backend == "cpu" and not ops.cpu.is_available():
-        pytest.skip(f"CPU kernel unavailable: {ops.cpu.build_error()}")
+    if backend == "cpu" and not ops.cpu_kernels.is_available():
+        pytest.skip(f"CPU kernel unavailable: {ops.cpu_kernels.build_error()}")
     if backend == "triton":
         pytest.importorskip("triton", reason="triton not installed")
     args = good(device)

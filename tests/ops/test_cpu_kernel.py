@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import srupp.ops as ops
-from srupp.ops import cpu, recurrence, settings, sru_recurrence, sru_recurrence_reference
+from srupp.ops import cpu_kernels, recurrence, settings, sru_recurrence, sru_recurrence_reference
 
 # Not collected with --device cuda: the C++ kernel runs CPU tensors only.
 pytestmark = pytest.mark.cpu_only
@@ -29,8 +29,8 @@ def _nan_fill(monkeypatch):
 
 @pytest.fixture
 def kernel():
-    if not cpu.is_available():
-        pytest.skip(f"CPU kernel unavailable: {cpu.build_error()}")
+    if not cpu_kernels.is_available():
+        pytest.skip(f"CPU kernel unavailable: {cpu_kernels.build_error()}")
     with ops.use_backend("cpu"):
         yield
 
@@ -181,7 +181,7 @@ def test_grad_layout_follows_input(kernel):
 def test_large_outputs(kernel, D, bidirectional, dtype):
     """Outputs of >= 4 MiB take the huge-page / recycled-block path, and >= 16 MiB of
     them the streaming stores (D = 4100 leaves half the rows unaligned for those)."""
-    cpu.set_cache_limit(512 << 20)
+    cpu_kernels.set_cache_limit(512 << 20)
     inputs = make_inputs(4, 128, D, bidirectional=bidirectional, mask="mixed", dropout=True,
                          dtype=dtype)
     want = run(sru_recurrence_reference, *inputs, scale_x=1.1, bidirectional=bidirectional)
@@ -200,8 +200,8 @@ def test_large_outputs(kernel, D, bidirectional, dtype):
         got = run(sru_recurrence, *inputs, scale_x=1.1, bidirectional=bidirectional)
         compare(got, want, **tols)
         del got
-    assert cpu.cached_bytes() > 0
-    assert cpu.empty_cache() > 0 and cpu.cached_bytes() == 0
+    assert cpu_kernels.cached_bytes() > 0
+    assert cpu_kernels.empty_cache() > 0 and cpu_kernels.cached_bytes() == 0
 
 
 # ----------------------------------------------------------------- bf16
@@ -334,9 +334,9 @@ def test_build_failure_warns_once_and_falls_back(monkeypatch):
     def broken():
         raise RuntimeError("simulated: no C++ compiler")
 
-    monkeypatch.setattr(cpu, "build", broken)
-    monkeypatch.setattr(cpu, "_module", None)
-    monkeypatch.setattr(cpu, "_error", None)
+    monkeypatch.setattr(cpu_kernels, "build", broken)
+    monkeypatch.setattr(cpu_kernels, "_module", None)
+    monkeypatch.setattr(cpu_kernels, "_error", None)
     inputs = make_inputs(2, 4, 7)
     with ops.use_backend("auto"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -346,7 +346,7 @@ def test_build_failure_warns_once_and_falls_back(monkeypatch):
     assert len(ours) == 1
     assert "simulated: no C++ compiler" in str(ours[0].message)
     assert "reference" in str(ours[0].message)
-    assert not cpu.is_available() and "simulated" in cpu.build_error()
+    assert not cpu_kernels.is_available() and "simulated" in cpu_kernels.build_error()
     h_ref, c_ref = sru_recurrence_reference(*inputs[:5])
     assert torch.equal(h1, h_ref) and torch.equal(c2, c_ref)
     with ops.use_backend("cpu"), pytest.raises(RuntimeError, match="unavailable"):

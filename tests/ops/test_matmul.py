@@ -203,7 +203,7 @@ def test_onednn_double_backward_matches_reference():
 
 # ------------------------------------------------------------- few-rows kernel (decoding)
 
-needs_extension = pytest.mark.skipif(not ops.cpu.is_available(),
+needs_extension = pytest.mark.skipif(not ops.cpu_kernels.is_available(),
                                      reason="the C++ CPU extension could not be built")
 # bf16 operands, fp32 sums: the result is rounded to bf16 once (8 bits of mantissa),
 # as F.linear's bf16 result is; both are compared with the fp64 product
@@ -258,8 +258,8 @@ def test_few_rows_kernel_reads_strided_bf16_rows_in_place():
 def test_few_rows_bf16_uses_dot_product_instructions_where_the_cpu_has_them():
     # the extension is built with -march=native: on a CPU with AVX512-BF16 its bf16
     # products must come out of vdpbf16ps, not widen every weight to fp32
-    mod = ops.cpu.load()
-    native = settings.cpu_has_native_bf16() and ops.cpu.capability() == "avx512" \
+    mod = ops.cpu_kernels.load()
+    native = settings.cpu_has_native_bf16() and ops.cpu_kernels.capability() == "avx512" \
         and torch.cpu._is_avx512_bf16_supported()
     print(f"AVX512-BF16: {native}; bf16 few-rows path native: {mod.linear_rows_bf16_native()}")
     assert mod.linear_rows_bf16_native() == native

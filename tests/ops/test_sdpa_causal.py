@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from srupp.nn import SRUpp
-from srupp.ops import sdpa as attn_mod
+from srupp.ops import attention as attn_mod
 from srupp.ops import use_attention_backend
-from srupp.ops.sdpa import _offset_form, _sdpa_lower_right, attention_sdpa_causal, causal_mask
+from srupp.ops.attention import _offset_form, _sdpa_lower_right, attention_sdpa_causal, causal_mask
 
 from tolerances import half_dtypes, tol
 

@@ -70,8 +70,8 @@ def _args(dtype=torch.float32, device="cpu"):
 ])
 def test_route(monkeypatch, backend, interpreting, dtype, device, want):
     monkeypatch.setenv("TRITON_INTERPRET", "1" if interpreting else "0")
-    if want == "cpu" and not ops.cpu.is_available():
-        pytest.skip(f"CPU kernel unavailable: {ops.cpu.build_error()}")
+    if want == "cpu" and not ops.cpu_kernels.is_available():
+        pytest.skip(f"CPU kernel unavailable: {ops.cpu_kernels.build_error()}")
     if want == "triton":
         pytest.importorskip("triton", reason="triton not installed")
     with ops.use_backend(backend):

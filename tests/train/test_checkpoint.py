@@ -1,8 +1,7 @@
-"""A checkpoint's carried state: a state file (srupp.models.save_state), older files still read."""
+"""A checkpoint's carried state: a state file (srupp.models.save_state)."""
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from srupp.errors import UserError
 from srupp.models import TensorState, build_model, load_state
@@ -33,17 +32,6 @@ def test_the_carried_state_is_a_state_file(tmp_path, kind, cls):
     for back in (load_carried_state(ckpt), load_state(ckpt / "state.safetensors")):
         assert type(back) is cls
         assert_same_tensors(back, state)
-
-
-@pytest.mark.parametrize("kind, cls", [("srupp", SRUppState), ("lstm", TensorState)])
-def test_states_saved_before_files_named_their_class_still_load(tmp_path, kind, cls):
-    _, state = model_and_state(kind)
-    # what checkpoints held before: the tensors of to_dict, no metadata
-    save_file({k: v.contiguous() for k, v in state.to_dict().items()},
-              str(tmp_path / "state.safetensors"))
-    back = load_carried_state(tmp_path)
-    assert type(back) is cls
-    assert_same_tensors(back, state)
 
 
 def test_a_damaged_carried_state_is_a_user_error(tmp_path):

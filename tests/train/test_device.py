@@ -15,7 +15,7 @@ import torch
 
 from srupp.train import device as device_mod
 from srupp.train.device import synchronize, to_device
-from srupp.train.tasks import pad_batch
+from srupp.inference import pad_batch
 
 
 @pytest.fixture
@@ -147,7 +147,7 @@ def test_cuda_steps_wait_for_the_device_only_where_their_time_or_loss_is_read(
     """The trainer's waiting rule, run on the CPU as if the host ran ahead of a GPU."""
     from srupp.train import Trainer
     from srupp.train import trainer as trainer_mod
-    from srupp.train.trainer import CALIBRATION_SKIP
+    from srupp.train.schedule import CALIBRATION_SKIP, StepSchedule
 
     from lm_helpers import config
 
@@ -158,9 +158,9 @@ def test_cuda_steps_wait_for_the_device_only_where_their_time_or_loss_is_read(
     monkeypatch.setattr(Trainer, "_runs_ahead", True)
     waited, refits = [], []
     monkeypatch.setattr(trainer_mod, "synchronize", lambda device: waited.append(t.step))
-    real_refit = Trainer._refit
-    monkeypatch.setattr(Trainer, "_refit", lambda self: (refits.append(self.step),
-                                                         real_refit(self)))
+    real_refit = StepSchedule.refit
+    monkeypatch.setattr(StepSchedule, "refit", lambda self, step, seconds: (
+        refits.append(step), real_refit(self, step, seconds)))
     t.train()
     calibration = set(range(1, CALIBRATION_SKIP + 4 + 1))   # each step's own time
     logs = set(range(8, t.step + 1, 8))
@@ -175,7 +175,7 @@ def _stop_after(trainer, step, monkeypatch):
     def step_then_stop(self, it):
         out = real_step(self, it)
         if self.step == step:
-            self._signals = 1
+            self._stop.count = 1  # as SIGINT would
         return out
 
     monkeypatch.setattr(trainer, "_train_step", step_then_stop.__get__(trainer))
@@ -192,7 +192,8 @@ def test_training_on_the_device_resumes_as_if_never_stopped(tmp_path, corpus, de
                                                             precision, monkeypatch):
     """train.device and precision end to end: 6 steps straight, or 3, a save, and 3 more."""
     from srupp.train import Trainer
-    from srupp.train.checkpoint import load_trainer_state, resolve_checkpoint
+    from srupp.runs import resolve_checkpoint
+    from srupp.train.checkpoint import load_trainer_state
 
     from lm_helpers import config
 
@@ -229,7 +230,8 @@ def test_fp16s_grad_scaler_is_saved_and_restored_exactly(tmp_path, corpus, monke
     scale every step that has no inf, so that a scale not restored would show.
     """
     from srupp.train import Trainer
-    from srupp.train.checkpoint import load_trainer_state, resolve_checkpoint
+    from srupp.runs import resolve_checkpoint
+    from srupp.train.checkpoint import load_trainer_state
 
     from lm_helpers import config
 

@@ -160,7 +160,7 @@ POINTS = {
     # the pointer last.json
     "pointer": ("files", lambda n: n == ".last.json.tmp", (2, 3, 4), 60),
     # a line of metrics.jsonl, after the first checkpoint
-    "metrics": ("trainer", lambda n: n == "metrics.jsonl", tuple(range(4, 11)), 40),
+    "metrics": ("metrics", lambda n: n == "metrics.jsonl", tuple(range(4, 11)), 40),
 }
 
 
@@ -169,7 +169,7 @@ def test_a_full_disk_is_one_line_and_resume_continues(tmp_path, corpus, referenc
                                                       monkeypatch, capsys, point):
     import srupp._files
     import srupp.models.base
-    import srupp.train.trainer
+    import srupp.train.metrics
 
     rng = random.Random()
     patch, matches, nths, most = POINTS[point]
@@ -180,7 +180,7 @@ def test_a_full_disk_is_one_line_and_resume_continues(tmp_path, corpus, referenc
         monkeypatch.setattr(srupp.models.base, "save_model",
                             fault.save_model(srupp.models.base.save_model))
     else:
-        module = srupp._files if patch == "files" else srupp.train.trainer
+        module = srupp._files if patch == "files" else srupp.train.metrics
         monkeypatch.setattr(module, "open", fault.open, raising=False)
     capsys.readouterr()
 
@@ -232,7 +232,7 @@ def test_a_full_disk_while_exporting_leaves_no_half_export(tmp_path, monkeypatch
     an earlier export kept."""
     pytest.importorskip("transformers", reason="transformers is not installed")
     import srupp.models.base
-    import srupp.models.hf
+    import srupp.hf
     from srupp.models import build_model, load_model
 
     folder = tmp_path / "ckpt"
@@ -259,7 +259,7 @@ def test_a_full_disk_while_exporting_leaves_no_half_export(tmp_path, monkeypatch
         Path(path).with_name(f".{Path(path).name}.tmp").write_text(text[:5])
         raise OSError(errno.ENOSPC, ENOSPC)  # no file name, as a write reports it
 
-    monkeypatch.setattr(srupp.models.hf, "atomic_write_text", full)
+    monkeypatch.setattr(srupp.hf, "atomic_write_text", full)
     err = one_line_error(capsys, ["export", "--checkpoint", str(folder), "--format", "hf",
                                   "--out", str(hf)])
     assert ENOSPC in err and str(hf) in err
@@ -273,7 +273,7 @@ def test_a_full_disk_while_exporting_onnx(tmp_path, monkeypatch, capsys):
     import torch
 
     from srupp.models import build_model
-    from srupp.models.onnx import MIN_EXPORT_TORCH
+    from srupp.onnx import MIN_EXPORT_TORCH
 
     if torch.torch_version.TorchVersion(torch.__version__) < MIN_EXPORT_TORCH:
         pytest.skip(f"ONNX export needs torch >= {MIN_EXPORT_TORCH}")

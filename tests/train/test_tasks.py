@@ -1,6 +1,7 @@
 """Translation and classification through the one trainer and the CLI.
 
-Tiny end-to-end runs of each task (train, then translate / classify / eval),
+Tiny end-to-end runs of each task (train, then translate / classify / eval, and
+the same from Python with srupp.inference),
 exact resume after SIGKILL at a random moment, and the one-line errors for
 bad input.
 """
@@ -15,6 +16,7 @@ import time
 import pytest
 
 from srupp.cli import main
+from srupp.inference import checked_labels, classify_lines, load_run, translate_lines
 from srupp.train import Trainer, build_config
 
 from lm_helpers import metrics
@@ -102,6 +104,10 @@ def test_translation_end_to_end(tmp_path, pairs, capsys, monkeypatch):
     lines = out.split("\n")
     assert len(lines) == 4 and lines[1] == "" and lines[3] == ""  # one line out per line in
     assert json.loads(err.strip().splitlines()[-1])["sentences"] == 3
+    # the command is srupp.inference's translate_lines, which Python calls the same way
+    loaded = load_run(run)
+    assert translate_lines(loaded.model, loaded.tokenizer, ["haus katze", "", "buch tisch auto"],
+                           beam=2, max_len_b=4) == lines[:3]
 
     rc, out, err = _run(capsys, "eval", "--checkpoint", str(run), "--split", "test")
     assert rc == 0, err
@@ -129,6 +135,12 @@ def test_classification_end_to_end(tmp_path, texts, capsys, monkeypatch):
     assert all(set(g) == {"label", "prob", "top_k"} and len(g["top_k"]) == 2 for g in got)
     assert got[0]["top_k"][0][0] == got[0]["label"]
     assert abs(sum(p for _, p in got[0]["top_k"]) - 1) < 1e-4
+    # from Python: srupp.inference's classify_lines, the same probabilities
+    loaded = load_run(run)
+    labels = checked_labels(loaded.checkpoint, loaded.model)
+    probs = classify_lines(loaded.model, loaded.tokenizer, ["dog house", "table chair", ""])
+    assert [labels[int(p.argmax())] for p in probs] == [g["label"] for g in got]
+    assert [round(float(p.max()), 6) for p in probs] == [g["prob"] for g in got]
 
     rc, out, err = _run(capsys, "eval", "--checkpoint", str(run), "--split", "test")
     assert rc == 0, err

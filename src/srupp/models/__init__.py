@@ -1,39 +1,34 @@
-"""Language models built on the SRU++ layers, and baselines that share their trainer.
+"""srupp's models: backbones (SRU++, SRU, LSTM, GRU, transformer) under three task heads.
 
-One registry (:mod:`srupp.models.base`: task -> type -> (config class, model
-class)) covers them all; ``MODELS`` is its language models. Each model type has
-its own config dataclass (:mod:`srupp.models.config` for language models).
+    CausalLM            language modelling and generation (task "lm")
+    EncoderDecoder      translation, with greedy and beam search (task "translate")
+    SequenceClassifier  one label per sequence (task "classify")
+
+A config's ``task`` picks the head and its ``type`` the backbone
+(:mod:`srupp.models.backbones`); :func:`build_model` builds any config,
+:func:`load_model` loads any saved model.
 """
 
-from . import baselines  # noqa: F401  (its models enter the registry)
-from .config import (GRUConfig, LMConfig, LSTMConfig, SRUConfig, SRUppConfig,
-                     TransformerConfig)
-from .classifier import (Classifier, ClassifierBase, ClassifierConfig, ClassifierOutput,
-                         LSTMClassifier, LSTMClassifierConfig, SRUClassifier,
-                         SRUClassifierConfig, SRUppClassifierConfig, TransformerClassifier,
-                         TransformerClassifierConfig)
-from .base import (REGISTRY, TASKS, SavedModel, build_model, config_from_dict, load_config,
-                   load_model, model_class, parameter_counts, task_models)
-from .lm import MODELS, CausalLM, LanguageModel, LMOutput, sample
-from .state import TensorState, load_state, load_state_metadata, save_state, state_from_dict
-from .seq2seq_baselines import (LSTMSeq2Seq, LSTMSeq2SeqConfig, SRUSeq2Seq, SRUSeq2SeqConfig,
-                                TransformerSeq2Seq, TransformerSeq2SeqConfig)
-
-MODEL_TYPES = tuple(MODELS)
-
-__all__ = ["Classifier", "ClassifierBase", "ClassifierConfig", "ClassifierOutput",
-           "LSTMClassifier", "LSTMClassifierConfig", "SRUClassifier", "SRUClassifierConfig",
-           "SRUppClassifierConfig", "TransformerClassifier", "TransformerClassifierConfig",
-           "REGISTRY", "SavedModel", "TASKS", "task_models", "CausalLM", "GRUConfig", "LanguageModel", "LMConfig", "LMOutput", "LSTMConfig",
-           "MODELS", "MODEL_TYPES", "SRUConfig", "SRUppConfig", "TensorState",
-           "TransformerConfig", "build_model", "config_from_dict", "load_config", "load_model",
-           "model_class", "parameter_counts", "sample", "state_from_dict"]
-__all__ += ["load_state", "load_state_metadata", "save_state"]
-__all__ += ["LSTMSeq2Seq", "LSTMSeq2SeqConfig", "SRUSeq2Seq", "SRUSeq2SeqConfig",
-            "TransformerSeq2Seq", "TransformerSeq2SeqConfig"]
-from .seq2seq import (EncoderOutput, Seq2Seq, Seq2SeqConfig, Seq2SeqModel, Seq2SeqOutput,
-                      SRUppSeq2SeqConfig)
+from .backbones import BACKBONES, Backbone, EncoderOutput, register_backbone
+from .base import SavedModel
+from .classifier import ClassifierOutput, SequenceClassifier
+from .config import (TASKS, ClassifierConfig, LMConfig, Seq2SeqConfig, SRUppClassifierConfig,
+                     SRUppConfig, SRUppSeq2SeqConfig, config_class, config_from_dict)
 from .decoding import Hypothesis, beam_search, greedy_decode, max_target_length
-__all__ += ["EncoderOutput", "Seq2Seq", "Seq2SeqConfig", "Seq2SeqModel", "Seq2SeqOutput",
-            "SRUppSeq2SeqConfig", "Hypothesis", "beam_search", "greedy_decode",
-            "max_target_length"]
+from .lm import CausalLM, LMOutput, sample
+from .registry import (REGISTRY, build_model, load_config, load_model, model_class,
+                       parameter_counts, task_models)
+from .seq2seq import EncoderDecoder, Seq2SeqOutput
+from .state import TensorState, load_state, load_state_metadata, save_state, state_from_dict
+
+__all__ = [
+    "CausalLM", "EncoderDecoder", "SequenceClassifier", "SavedModel",
+    "LMOutput", "Seq2SeqOutput", "ClassifierOutput", "EncoderOutput",
+    "LMConfig", "Seq2SeqConfig", "ClassifierConfig",
+    "SRUppConfig", "SRUppSeq2SeqConfig", "SRUppClassifierConfig",
+    "TASKS", "REGISTRY", "config_class", "config_from_dict", "task_models", "model_class",
+    "build_model", "load_model", "load_config", "parameter_counts",
+    "BACKBONES", "Backbone", "register_backbone",
+    "TensorState", "state_from_dict", "save_state", "load_state", "load_state_metadata",
+    "sample", "Hypothesis", "beam_search", "greedy_decode", "max_target_length",
+]

@@ -1,41 +1,63 @@
-"""The model configs: the fields every language model shares, then one dataclass per model type.
+"""Model configs: one base, the fields of each task, and a task × backbone config per type.
 
-Each model class names its config class (:mod:`srupp.models.lm` keeps the
-registry ``type -> (config class, model class)``); a config holds only the
-fields its model reads. Defaults give a small byte-level model. Bad values
-raise ValueError in the terms of these fields: each class's ``_ranges`` gives
-its numbers' ranges, and every float must be finite (``highway_bias`` too),
-checked by :func:`srupp._ranges.check_fields` before anything else.
+The config of (task, type) is composed here from the task's base
+(:class:`LMConfig`, :class:`Seq2SeqConfig`, :class:`ClassifierConfig`) and the
+backbone's fields (:mod:`srupp.models.backbones`): ``SRUppConfig`` is the
+language-model config of type "srupp", ``SRUppClassifierConfig`` and
+``SRUppSeq2SeqConfig`` its classifier and translation configs. Defaults give a
+small model. Bad values raise ValueError naming the field: each class's
+``_ranges`` gives its numbers' ranges (:func:`srupp._ranges.check_fields`
+checks them, and that every float is finite, before anything else); then each
+class of the config that defines ``check`` runs it, bases first.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import ClassVar, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional
 
 from .._ranges import check_fields
 from ..nn.adaptive import check_cutoffs
-from ..nn.srupp import check_attention_layout
-from .base import REGISTRY
+from .backbones import BACKBONES, TASK_ROLES
 
-# Every field LMConfig had when it was one flat union of all model types. A
-# config.json saved then holds all of them (see LMConfig.from_dict).
-FLAT_FIELDS = frozenset(
-    "vocab_size d_model proj_size num_layers num_heads dropout emb_dropout attn_dropout "
-    "highway_bias attention_every_n_layers attention_last_n_layers mem_len tie_embeddings "
-    "layer_norm normalize_after adaptive_cutoffs div_val emb_dim tie_projections type "
-    "projection_size positions max_positions ffn_mult".split())
+TASKS = tuple(TASK_ROLES)  # "lm", "translate", "classify"
 
 
 @dataclass
-class LMConfig:
-    """What every model shares: vocabulary, width, depth, dropout, memory and embeddings.
+class ModelConfig:
+    """What every config does: validation and (de)serialisation. Not built directly."""
 
-    Not built directly: use the config of a model type (SRUppConfig, ...).
-    """
+    task: ClassVar[str] = ""              # what the model does (TASKS)
+    type: ClassVar[str] = ""              # the backbone (srupp.models.backbones.BACKBONES)
+    suffix: ClassVar[str] = ""            # of the config class names: SRUpp + suffix + Config
 
-    task: ClassVar[str] = "lm"                    # what the model does (srupp.models.base.TASKS)
-    type: ClassVar[str] = ""                      # the model type; set by each subclass
+    def __post_init__(self):
+        if not self.type:
+            raise TypeError(f"{type(self).__name__} holds the fields every {self.task} model "
+                            f"shares; build the config of a model type, or use "
+                            f"config_from_dict({{'task': {self.task!r}, 'type': ...}})")
+        check_fields(self)  # every number of every class of the config
+        for klass in reversed(type(self).__mro__):
+            if "check" in vars(klass):
+                vars(klass)["check"](self)
+
+    def to_dict(self) -> dict:
+        """The fields, ``task`` and ``type``: what :func:`config_from_dict` reads back."""
+        return {"task": self.task, "type": self.type, **asdict(self)}
+
+
+def check_even_width(config) -> None:
+    """A bidirectional encoder gives each direction d_model/2 units."""
+    if getattr(config, "bidirectional", False) and config.d_model % 2:
+        raise ValueError(f"d_model must be even: the bidirectional encoder gives each "
+                         f"direction d_model/2 units; got {config.d_model}")
+
+
+@dataclass
+class LMConfig(ModelConfig):
+    """What every language model shares: vocabulary, width, depth, dropout, memory, embeddings."""
+
+    task: ClassVar[str] = "lm"
 
     vocab_size: int = 256                 # V; 256 for byte-level text
     d_model: int = 256                    # d: embedding, hidden and output width
@@ -49,17 +71,11 @@ class LMConfig:
     emb_dim: Optional[int] = None         # n_e, adaptive cluster 0's width; None: d_model
     tie_projections: bool = True          # with tie_embeddings, share the cluster projections too
 
-    # each number's range (srupp._ranges; a subclass's table adds to its bases')
     _ranges = {"vocab_size": ">= 1", "d_model": ">= 1", "num_layers": ">= 1",
                "dropout": "[0, 1)", "emb_dropout": "[0, 1)", "mem_len": ">= 0",
                "div_val": ">= 1", "emb_dim": ">= 1"}
 
-    def __post_init__(self):
-        if not self.type:
-            raise TypeError("LMConfig holds the fields every model shares; build the config "
-                            "of a model type (SRUppConfig, SRUConfig, LSTMConfig, GRUConfig, "
-                            "TransformerConfig) or use config_from_dict({'type': ...})")
-        check_fields(self)  # every number of this type's config, subclasses' included
+    def check(self):
         if self.adaptive_cutoffs is None:
             if self.emb_dim is not None or self.div_val != 4:
                 raise ValueError("emb_dim and div_val only apply to adaptive embeddings: "
@@ -72,116 +88,136 @@ class LMConfig:
             raise ValueError(f"emb_dim ({n_e}) // div_val**{last} is 0: the last cluster would "
                              f"have no width; raise emb_dim or lower div_val")
 
-    def to_dict(self) -> dict:
-        """The fields, and ``type``: what config_from_dict reads back."""
-        return {"type": self.type, **asdict(self)}
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "LMConfig":
-        """This config from its fields (``type`` and ``task`` already taken out).
+@dataclass
+class Seq2SeqConfig(ModelConfig):
+    """What every translation model shares: one joint vocabulary, encoder and decoder depth."""
 
-        A key that belongs to another model type is an error, except in a config
-        saved before the per-type configs (it holds every field of every type):
-        there the model of its type never read the other types' fields, so they
-        are dropped, whatever their values.
-        """
-        d = dict(d)
-        own = {f.name for f in fields(cls)}
-        flat = FLAT_FIELDS <= set(d) | {"type"}
-        for key in sorted(set(d) - own):
-            users = [t for t, (c, _) in REGISTRY["lm"].items()
-                     if key in {f.name for f in fields(c)}]
-            if not users:
-                raise ValueError(f"unknown config key {key!r}; a {cls.type} config has "
-                                 f"{', '.join(sorted(own))}")
-            if not flat:
-                raise ValueError(f"{key} applies to type={' or '.join(users)}, not {cls.type}")
-            del d[key]
-        return cls(**d)
+    task: ClassVar[str] = "translate"
+    suffix: ClassVar[str] = "Seq2Seq"
+
+    vocab_size: int = 8000                # V: one joint source/target vocabulary
+    d_model: int = 256                    # d: embedding, hidden and output width
+    encoder_layers: int = 4               # depth of the encoder
+    decoder_layers: int = 4               # depth of the decoder
+    dropout: float = 0.1                  # inside the layers and after the embedding
+    tie_embeddings: bool = True           # one matrix for source, target and output (joint BPE)
+    bos_id: int = 1                       # the decoder's first input (the tokenizer's <eos>)
+    eos_id: int = 1                       # ends a target
+
+    _ranges = {"vocab_size": ">= 1", "d_model": ">= 1", "encoder_layers": ">= 1",
+               "decoder_layers": ">= 1", "dropout": "[0, 1)"}
+
+    def check(self):
+        for name in ("bos_id", "eos_id"):
+            if not 0 <= getattr(self, name) < self.vocab_size:
+                raise ValueError(f"{name} must be a token id below vocab_size "
+                                 f"({self.vocab_size}), got {getattr(self, name)}")
+        check_even_width(self)
+
+
+POOLINGS = ("mean", "max", "attention")
 
 
 @dataclass
-class SRUppConfig(LMConfig):
-    """The SRU++ model: SRU layers whose input projection attends to the past."""
+class ClassifierConfig(ModelConfig):
+    """What every classifier shares: vocabulary, labels, width, depth, pooling."""
 
-    type: ClassVar[str] = "srupp"
+    task: ClassVar[str] = "classify"
+    suffix: ClassVar[str] = "Classifier"
 
-    proj_size: int = 64                   # d′: attention width; the paper uses d/4
-    num_heads: int = 1                    # the paper uses single-head attention
-    attn_dropout: float = 0.0             # on attention weights
-    highway_bias: float = -2.0            # initial b_r: start close to the skip path
-    attention_every_n_layers: int = 1     # attention in layers i with (i+1) % n == 0
-    attention_last_n_layers: int = -1     # or only in the last n layers (-1: off)
-    layer_norm: bool = False              # layer-wise LayerNorm (the paper: only inside attention)
-    normalize_after: bool = False         # post-norm when layer_norm
+    vocab_size: int                       # V: the tokenizer's vocabulary (no sensible default)
+    num_labels: int                       # C: the classes; >= 2 (a binary task has 2)
+    d_model: int = 256                    # d: embedding and encoder output width
+    num_layers: int = 2                   # encoder depth; classification needs little
+    dropout: float = 0.1                  # after the embedding, inside the encoder, before the head
+    pooling: str = "mean"                 # mean|max|attention over real positions
 
-    _ranges = {"proj_size": ">= 1", "num_heads": ">= 1", "attn_dropout": "[0, 1)"}
+    _ranges = {"vocab_size": ">= 1", "d_model": ">= 1", "num_layers": ">= 1",
+               "dropout": "[0, 1)"}  # num_labels: below, with its note
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.proj_size % self.num_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must divide "
-                             f"proj_size ({self.proj_size})")
-        check_attention_layout(self.num_layers, self.attention_every_n_layers,
-                               self.attention_last_n_layers)
-
-
-@dataclass
-class SRUConfig(LMConfig):
-    """A stack of plain SRU layers, without attention."""
-
-    type: ClassVar[str] = "sru"
-
-    projection_size: int = 0              # factorise each layer's W through this width (0: off)
-    highway_bias: float = -2.0            # initial b_r: start close to the skip path
-    layer_norm: bool = False              # layer-wise LayerNorm
-    normalize_after: bool = False         # post-norm when layer_norm
-
-    _ranges = {"projection_size": ">= 0"}
+    def check(self):
+        if self.num_labels < 2:
+            raise ValueError(f"num_labels must be >= 2 (a yes/no task has 2), "
+                             f"got {self.num_labels}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be 'mean', 'max' or 'attention', "
+                             f"got {self.pooling!r}")
+        check_even_width(self)
 
 
-@dataclass
-class LSTMConfig(LMConfig):
-    """torch.nn.LSTM: the shared fields say everything."""
-
-    type: ClassVar[str] = "lstm"
+TASK_CONFIGS = {"lm": LMConfig, "translate": Seq2SeqConfig, "classify": ClassifierConfig}
+_COMPOSED: Dict[tuple, type] = {}
 
 
-@dataclass
-class GRUConfig(LMConfig):
-    """torch.nn.GRU: the shared fields say everything."""
+def task_types(task: str) -> List[str]:
+    """The backbones that serve ``task`` (every role it needs), in registry order."""
+    if task not in TASK_ROLES:
+        raise ValueError(f"task must be one of {', '.join(TASKS)}; got {task!r}")
+    return [t for t, b in BACKBONES.items() if set(TASK_ROLES[task]) <= set(b.roles)]
 
-    type: ClassVar[str] = "gru"
+
+def config_class(task: str, model_type: str) -> type:
+    """The config class of ``model_type`` for ``task``: the task's base and the backbone's fields.
+
+    Composed once per (task, type) and kept, so that two configs of one type compare equal.
+    """
+    types = task_types(task)
+    if model_type not in types:
+        why = ""
+        if model_type in BACKBONES:
+            why = f" ({BACKBONES[model_type].__name__} has no {' or '.join(TASK_ROLES[task])} role)"
+        raise ValueError(f"type must be one of {', '.join(types)} for task {task}; "
+                         f"got {model_type!r}{why}")
+    backbone = BACKBONES[model_type]
+    key = (task, model_type, backbone)
+    if key not in _COMPOSED:
+        own = backbone.task_fields.get(task, backbone.fields)
+        name = f"{backbone.label}{TASK_CONFIGS[task].suffix}Config"
+        cls = type(name, (own, TASK_CONFIGS[task]),
+                   {"type": model_type, "__module__": __name__, "__qualname__": name,
+                    "__doc__": f"The {task} config of type {model_type!r}: "
+                               f"{TASK_CONFIGS[task].__name__} and {own.__name__}."})
+        _COMPOSED[key] = dataclass(cls)
+    return _COMPOSED[key]
 
 
-@dataclass
-class TransformerConfig(LMConfig):
-    """A decoder-only pre-LN transformer, with optional segment memory (mem_len)."""
+def _field_names(cls) -> set:
+    return {f.name for f in fields(cls)}
 
-    type: ClassVar[str] = "transformer"
 
-    num_heads: int = 1                    # must divide d_model
-    attn_dropout: float = 0.0             # on attention weights
-    positions: Optional[str] = None       # learned|sinusoidal; None: learned without memory
-    max_positions: int = 2048             # the learned table's length: the longest context
-    ffn_mult: int = 4                     # the MLP is ffn_mult·d_model wide
+def config_from_dict(d: Dict[str, Any]):
+    """The config of ``d["task"]`` (default lm) and ``d["type"]`` (default srupp).
 
-    _ranges = {"num_heads": ">= 1", "attn_dropout": "[0, 1)", "max_positions": ">= 1",
-               "ffn_mult": ">= 1"}
+    The other entries are the config's fields. A key that another type of the
+    same task reads is named as such; any other unknown key is an error too.
+    """
+    d = dict(d)
+    task = d.pop("task", "lm")
+    cls = config_class(task, d.pop("type", "srupp"))
+    own = _field_names(cls)
+    for key in sorted(set(d) - own):
+        users = [t for t in task_types(task) if key in _field_names(config_class(task, t))]
+        if users:
+            raise ValueError(f"{key} applies to type={' or '.join(users)}, not {cls.type}")
+        raise ValueError(f"unknown config key {key!r}; a {task} {cls.type} config has "
+                         f"{', '.join(sorted(own))}")
+    return cls(**d)
 
-    def __post_init__(self):
-        super().__post_init__()
-        if self.d_model % self.num_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must divide "
-                             f"d_model ({self.d_model})")
-        if self.positions not in (None, "learned", "sinusoidal"):
-            raise ValueError(f"positions must be 'learned', 'sinusoidal' or None, "
-                             f"got {self.positions!r}")
-        if self.positions == "learned" and self.mem_len != 0:
-            raise ValueError("positions='learned' needs mem_len=0: with memory, the position "
-                             "count runs on across segments past any table; use sinusoidal")
 
-    @property
-    def resolved_positions(self) -> str:
-        """positions, with None resolved: learned without memory, else sinusoidal."""
-        return self.positions or ("learned" if self.mem_len == 0 else "sinusoidal")
+# The config classes by name, for users who build one directly (config_from_dict reads any).
+SRUppConfig = config_class("lm", "srupp")
+SRUConfig = config_class("lm", "sru")
+LSTMConfig = config_class("lm", "lstm")
+GRUConfig = config_class("lm", "gru")
+TransformerConfig = config_class("lm", "transformer")
+SRUppClassifierConfig = config_class("classify", "srupp")
+SRUClassifierConfig = config_class("classify", "sru")
+LSTMClassifierConfig = config_class("classify", "lstm")
+GRUClassifierConfig = config_class("classify", "gru")
+TransformerClassifierConfig = config_class("classify", "transformer")
+SRUppSeq2SeqConfig = config_class("translate", "srupp")
+SRUSeq2SeqConfig = config_class("translate", "sru")
+LSTMSeq2SeqConfig = config_class("translate", "lstm")
+GRUSeq2SeqConfig = config_class("translate", "gru")
+TransformerSeq2SeqConfig = config_class("translate", "transformer")

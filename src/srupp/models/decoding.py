@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from .._ranges import check
+from .base import describe
 
 __all__ = ["Hypothesis", "max_target_length", "greedy_decode", "beam_search"]
 
@@ -70,16 +71,13 @@ def _prepare(model, src: Tensor, src_pad: Optional[Tensor], a: float, b: int
              ) -> Tuple[List[int], int, int]:
     """Check the arguments; the maximum length of each sentence, bos and eos ids."""
     if not isinstance(src, Tensor) or src.dim() != 2 or src.dtype != torch.long:
-        got = f"{src.dtype} {tuple(src.shape)}" if isinstance(src, Tensor) else type(src).__name__
-        raise ValueError(f"src must be a (B, S) long tensor of token ids, got {got}")
+        raise ValueError(f"src must be a (B, S) long tensor of token ids, got {describe(src)}")
     if src.shape[0] == 0:
         raise ValueError("src has batch size 0; give at least one sentence")
     if src_pad is not None and (not isinstance(src_pad, Tensor) or src_pad.dtype != torch.bool
                                 or src_pad.shape != src.shape):
-        got = (f"{src_pad.dtype} {tuple(src_pad.shape)}" if isinstance(src_pad, Tensor)
-               else type(src_pad).__name__)
         raise ValueError(f"src_pad must be a bool tensor shaped like src "
-                         f"{tuple(src.shape)}, True at padding; got {got}")
+                         f"{tuple(src.shape)}, True at padding; got {describe(src_pad)}")
     check("max_len_a", a, ">= 0")
     check("max_len_b", b, "", integer=True)
     S = src.shape[1]

@@ -1,36 +1,26 @@
-"""The language models' registry and shared base, and the SRU++ language model.
-
-SRU++: embedding → dropout → causal SRU++ stack → dropout → output.
+"""The causal language model: embedding → dropout → causal backbone → dropout → output.
 
 With ``adaptive_cutoffs`` the embedding is an adaptive input and the output a
 projected adaptive softmax (:mod:`srupp.nn.adaptive`), as in the paper's
-WikiText-103 and Billion Word models; otherwise a plain embedding and linear output.
-
-Read it top to bottom: the registry, what every model shares (:class:`CausalLM`:
-generation and saving), the SRU++ model, then building and loading any model.
+WikiText-103 and Billion Word models; otherwise a plain embedding and linear
+output. The backbone (:mod:`srupp.models.backbones`) is the config's ``type``.
 Shapes: B batch, L time, d model width, V vocabulary.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._ranges import check
-from ..nn import SRUpp, SRUppState
 from ..nn.adaptive import AdaptiveInput, ProjectedAdaptiveLogSoftmax
 from ..nn.linear import Linear
-from .base import REGISTRY, SavedModel
-from .config import LMConfig, SRUppConfig
-
-# The language models' registry: model.type -> (config class, model class). Each CausalLM
-# subclass that names a ``config_class`` enters itself here when it is defined.
-MODELS = REGISTRY["lm"]
+from .base import SavedModel, init_embedding
+from .config import LMConfig
 
 
 @dataclass
@@ -45,27 +35,20 @@ class LMOutput:
 
     logits: Optional[Tensor]
     loss: Optional[Tensor]
-    state: Any  # SRUppState, or TensorState for the baselines
+    state: Any  # SRUppState, or TensorState for the other backbones
 
 
 class CausalLM(SavedModel):
-    """What every language model here shares: embedding, output head, generation, saving.
+    """A language model over any backbone, carrying its state across segments.
 
-    embedding → dropout → body → dropout → output. A subclass builds its body
-    in :meth:`build_body` (as ``self.rnn``, unless it overrides :meth:`reset_body` and
-    :meth:`body_modules`), initialises it in :meth:`reset_body`, runs it in
-    :meth:`body` and makes its empty state in :meth:`initial_state`. A subclass
-    that sets ``config_class`` is the model of that config's ``type``.
     Build one with :func:`srupp.models.build_model`, which reads ``config.type``.
     """
 
-    config_class: Type[LMConfig]
+    task = "lm"
 
     def __init__(self, config: LMConfig, *, device=None, dtype=None):
-        super().__init__()
-        self.check_config(config)
-        self.config = c = config
-        factory = {"device": device, "dtype": dtype}
+        super().__init__(config, device=device, dtype=dtype)
+        c, factory = config, self.factory
         self.adaptive = c.adaptive_cutoffs is not None
         if self.adaptive:
             shape = dict(cutoffs=c.adaptive_cutoffs, div_val=c.div_val,
@@ -75,7 +58,7 @@ class CausalLM(SavedModel):
             self.embedding = nn.Embedding(c.vocab_size, c.d_model, **factory)
         p_emb = c.dropout if c.emb_dropout is None else c.emb_dropout
         self.emb_dropout = nn.Dropout(p_emb)
-        self.build_body(factory)
+        self.backbone = self.make_backbone("causal")
         self.out_dropout = nn.Dropout(p_emb)
         if self.adaptive:
             tied = self.embedding if c.tie_embeddings else None
@@ -89,7 +72,7 @@ class CausalLM(SavedModel):
         self.reset_parameters()
 
     def reset_parameters(self):
-        """The reference's enwik8 init: U(±√(3/d)) for the embedding and output, zero output bias.
+        """U(±√(3/d)) embedding and output, zero output bias; then the backbone.
 
         Adaptive embeddings and softmax use their own init, which gives the
         same input scale (variance 1/d per element): see :mod:`srupp.nn.adaptive`.
@@ -98,38 +81,20 @@ class CausalLM(SavedModel):
             self.embedding.reset_parameters()
             self.output.reset_parameters()
         else:
-            bound = math.sqrt(3.0 / self.config.d_model)
-            nn.init.uniform_(self.embedding.weight, -bound, bound)
-            if not self.config.tie_embeddings:
-                nn.init.uniform_(self.output.weight, -bound, bound)
-            nn.init.zeros_(self.output.bias)
-        self.reset_body()
-
-    # ------------------------------------------------- what subclasses supply
-    def build_body(self, factory: dict) -> None:
-        raise NotImplementedError
-
-    def reset_body(self) -> None:
-        """Initialise the body; by default it is one module, ``self.rnn``."""
-        self.rnn.reset_parameters()
-
-    def body(self, x: Tensor, state, mask_pad: Optional[Tensor]) -> Tuple[Tensor, Any]:
-        """x (B, L, d) embedded tokens -> (h (B, L, d), new state)."""
-        raise NotImplementedError
-
-    def body_modules(self) -> List[nn.Module]:
-        """The modules between embedding and output, for parameter counts (``self.rnn``)."""
-        return [self.rnn]
+            init_embedding(self.embedding, self.output)
+        self.backbone.reset_parameters()
 
     def initial_state(self, batch_size: int, *, mem_len: Optional[int] = None):
-        raise NotImplementedError
+        """The state before the first segment (memory of ``mem_len``; None: the config's)."""
+        return self.backbone.initial_state(batch_size, mem_len)
 
     def generation_state(self, batch_size: int, mem_len: Optional[int] = None):
-        """The state :meth:`generate` starts from (a transformer's KV cache grows unbounded)."""
-        return self.initial_state(batch_size, mem_len=mem_len)
+        """The state :meth:`generate` starts from (a transformer's KV cache keeps every position
+        unless given ``mem_len``)."""
+        return self.backbone.generation_state(batch_size, mem_len)
 
-    def forward(self, tokens: Tensor, state: Optional[SRUppState] = None, *,
-                targets: Optional[Tensor] = None, mask_pad: Optional[Tensor] = None) -> LMOutput:
+    def forward(self, tokens: Tensor, state=None, *, targets: Optional[Tensor] = None,
+                mask_pad: Optional[Tensor] = None) -> LMOutput:
         """Score a segment.
 
         Args:
@@ -144,15 +109,13 @@ class CausalLM(SavedModel):
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (B, L), got shape {tuple(tokens.shape)}")
         x = self.emb_dropout(self.embedding(tokens))              # (B, L, d)
-        h, state = self.body(x, state, mask_pad)                  # (B, L, d)
-        if self.adaptive:
-            h = self.out_dropout(h)
-            if targets is None:
-                return LMOutput(logits=self.output.log_prob(h), loss=None, state=state)
+        h, state = self.backbone(x, state, mask_pad)              # (B, L, d)
+        h = self.out_dropout(h)
+        if self.adaptive and targets is not None:
             nll = self.output.loss(h, targets)                    # (B, L), 0 where ignored
             loss = nll.sum() / (targets != -100).sum()            # NaN when all are ignored,
             return LMOutput(logits=None, loss=loss, state=state)  # as F.cross_entropy
-        logits = self.output(self.out_dropout(h))                 # (B, L, V)
+        logits = self.output.log_prob(h) if self.adaptive else self.output(h)  # (B, L, V)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
@@ -237,44 +200,14 @@ class CausalLM(SavedModel):
     def step(self, tokens: Tensor, state) -> Tuple[Tensor, Any]:
         """One token per sequence, for decoding: tokens (B,) -> (logits (B, V), new state).
 
-        The same as ``forward`` on (B, 1) tokens; models with a leaner
-        single-token path override it.
-        """
-        out = self(tokens.unsqueeze(1), state)
-        return out.logits[:, -1], out.state
-
-
-class LanguageModel(CausalLM):
-    """A causal SRU++ language model that carries its state across segments."""
-
-    config_class = SRUppConfig
-
-    def build_body(self, factory: dict) -> None:
-        c = self.config
-        self.rnn = SRUpp(
-            c.d_model, c.d_model, c.proj_size, c.num_layers, dropout=c.dropout,
-            attn_dropout=c.attn_dropout, num_heads=c.num_heads, highway_bias=c.highway_bias,
-            attention_every_n_layers=c.attention_every_n_layers,
-            attention_last_n_layers=c.attention_last_n_layers, layer_norm=c.layer_norm,
-            normalize_after=c.normalize_after, causal=True, mem_len=c.mem_len,
-            batch_first=True, **factory)
-
-    def body(self, x: Tensor, state: Optional[SRUppState], mask_pad: Optional[Tensor]):
-        return self.rnn(x, state, mask_pad=mask_pad)
-
-    def initial_state(self, batch_size: int, *, mem_len: Optional[int] = None) -> SRUppState:
-        return self.rnn.initial_state(batch_size, device=self.device, mem_len=mem_len)
-
-    def step(self, tokens: Tensor, state: Optional[SRUppState]) -> Tuple[Tensor, SRUppState]:
-        """One token per sequence through :meth:`SRUpp.step` (decoding in eval mode).
-
-        tokens (B,) -> (logits (B, V) (log-probabilities with an adaptive
-        softmax), new state). In training mode it is ``forward`` on (B, 1).
+        The same as ``forward`` on (B, 1) tokens; in eval mode through the
+        backbone's ``step`` (SRU++: its one-token path).
         """
         if self.training:
-            return super().step(tokens, state)
+            out = self(tokens.unsqueeze(1), state)
+            return out.logits[:, -1], out.state
         x = self.embedding(tokens.unsqueeze(1)).squeeze(1)        # (B, d)
-        h, state = self.rnn.step(x, state)                        # (B, d)
+        h, state = self.backbone.step(x, state)                   # (B, d)
         if self.adaptive:
             return self.output.log_prob(h.unsqueeze(1)).squeeze(1), state
         return self.output(h), state

@@ -1,17 +1,11 @@
-"""The state the baseline language models carry between calls.
+"""The state the backbones other than SRU++ carry between calls, and state files.
 
 :class:`TensorState` is a named set of tensors, each with the index of its
 batch dimension (None for tensors shared by the whole batch), so that the
 trainer (``detach()``), beam search (``index_select``) and checkpoints
-(``to_dict``/``from_dict``) handle every baseline the same way:
-
-    sru          c (num_layers, B, d)                      batch dim 1
-    lstm         h, c (num_layers, B, d)                   batch dim 1
-    gru          h (num_layers, B, d)                      batch dim 1
-    transformer  k.i, v.i (B, H, M, hd) per layer i        batch dim 0 (absent: empty cache)
-                 key_pad (B, M) bool, True at padding      batch dim 0 (with the cache)
-                 pos (B,) long, next token's position      batch dim 0
-                 window () long, keys kept after a call    shared (-1: unbounded)
+(``to_dict``/``from_dict``) handle every backbone the same way; each backbone
+lists its tensors (:mod:`srupp.models.backbones`). SRU++ carries an
+:class:`~srupp.nn.SRUppState`.
 
 :func:`state_from_dict` reads either this or an :class:`~srupp.nn.SRUppState`
 dict: a TensorState dict carries the marker key :data:`KIND_KEY`.

@@ -33,7 +33,7 @@ Design choices:
 * **No √d scaling, variance-matched init.** Transformer-XL multiplies its
   adaptive embeddings by √d_proj; srupp does not. SRU++ has no positional
   encoding for an embedding scale to be balanced against, and the plain
-  embedding of :class:`~srupp.models.LanguageModel` is initialised
+  embedding of :class:`~srupp.models.CausalLM` is initialised
   U(±√(3/d)), i.e. variance 1/d per element. Here embeddings are
   N(0, 1/n_i) and projections N(0, 1/d_model), so every cluster's input
   vector also has variance 1/d_model per element (and a cluster without a

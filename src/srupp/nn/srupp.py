@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
-from ..ops import attention as _attention
+from ..ops import attend
 from .append import append_steps
 from .linear import Linear
 from .state import KVCache, SRUppState
@@ -193,9 +193,9 @@ class SRUppAttention(nn.Module):
         attn = mask.mask
         if attn is not None and attn.dtype != torch.bool:
             attn = attn.to(qh.dtype)
-        o = _attention(qh, kh, vh, attn_mask=attn, is_causal=mask.is_causal,
-                       dropout_p=self.attn_dropout if self.training else 0.0,
-                       causal_offset=mask.causal_offset)                 # (B, H, L, hd)
+        o = attend(qh, kh, vh, attn_mask=attn, is_causal=mask.is_causal,
+                   dropout_p=self.attn_dropout if self.training else 0.0,
+                   causal_offset=mask.causal_offset)                     # (B, H, L, hd)
         if mask.dead_rows is not None:
             o = o.masked_fill(mask.dead_rows, 0.0)
         o = o.transpose(1, 2).reshape(B, L, H * hd)                      # (B, L, d′)

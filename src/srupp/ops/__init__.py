@@ -8,7 +8,7 @@ ValueError / TypeError), then runs a backend:
     :func:`sru_recurrence_reference`, the plain PyTorch loop over time (the
     oracle the fast kernels are tested against; autograd does its backward).
 ``"cpu"``
-    the fused, multithreaded, vectorised C++ kernel (:mod:`srupp.ops.cpu`),
+    the fused, multithreaded, vectorised C++ kernel (:mod:`srupp.ops.cpu_kernels`),
     compiled on first use, for CPU tensors in float32 / bfloat16.
 ``"triton"``
     Triton kernels (``srupp.ops.triton_kernel``, imported lazily) for CUDA tensors,
@@ -31,22 +31,22 @@ unavailable), except that float64 inputs still go to the reference.
 
 Around the recurrence, the layers' projections and attention have their own
 fast paths with plain references beside them: :mod:`srupp.ops.matmul`
-(``linear``: oneDNN for large fp32 CPU products) and :mod:`srupp.ops.sdpa`
-(``attention``: explicit bf16 matrix products on CPU for short windows). One
+(``linear``: oneDNN for large fp32 CPU products) and :mod:`srupp.ops.attention`
+(``attend``: explicit bf16 matrix products on CPU for short windows). One
 settings object, :func:`backends`, holds the three choices
 (:mod:`srupp.ops.settings`).
 """
 
 from __future__ import annotations
 
-from . import cpu
+from . import cpu_kernels
 from .matmul import (get_matmul_backend, linear, linear_onednn, linear_reference,
                      set_matmul_backend, use_matmul_backend)
 from .recurrence import (BACKENDS, get_backend, set_backend, sru_bwd, sru_fwd, sru_recurrence,
                          use_backend, warm_up)
 from .reference import compute_dtype, sru_recurrence_reference
-from .sdpa import (attention, attention_causal_matmul, attention_matmul, attention_reference,
-                   get_attention_backend, set_attention_backend, use_attention_backend)
+from .attention import (attend, attention_causal_matmul, attention_matmul, attention_reference,
+                        get_attention_backend, set_attention_backend, use_attention_backend)
 from .settings import Backends, backends, cpu_has_native_bf16
 
 __all__ = [
@@ -54,7 +54,7 @@ __all__ = [
     "set_backend", "get_backend", "use_backend", "BACKENDS", "backends", "Backends",
     "linear", "linear_reference", "linear_onednn",
     "set_matmul_backend", "get_matmul_backend", "use_matmul_backend",
-    "attention", "attention_reference", "attention_matmul", "attention_causal_matmul",
+    "attend", "attention_reference", "attention_matmul", "attention_causal_matmul",
     "set_attention_backend", "get_attention_backend", "use_attention_backend",
     "cpu_has_native_bf16",
 ]

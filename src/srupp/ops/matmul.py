@@ -1,15 +1,15 @@
 """Dense projections ``x @ Wᵀ (+ b)`` with faster CPU paths for training and decoding.
 
 An SRU++ layer is mostly three bias-free linear maps (W1, W2, W3), so in fp32 on
-CPU a training step is about 70% matrix multiplication. PyTorch sends fp32
+CPU a training step is mostly matrix multiplication. PyTorch sends fp32
 CPU matmuls to MKL. oneDNN, which PyTorch already ships and uses for bf16, has
 its own fp32 GEMM, reachable through ``torch.ops.mkldnn._linear_pointwise``
-(the op inductor's CPU freezing pass lowers linear layers to). On this
-project's machine (AMD Zen 4, AVX-512) it ran SRU++'s shapes 1.2–1.5× faster
-than MKL for ``x @ Wᵀ`` and for the input gradient ``g @ W``; for the weight
-gradient ``gᵀ @ x`` it was slower (it copies the transposes), so that one stays
-on MKL (``benchmarks/gemm.py``). Both are IEEE fp32 GEMMs:
-results differ only in summation order (about 1e-7 relative).
+(the op inductor's CPU freezing pass lowers linear layers to). For SRU++'s
+shapes it is faster than MKL for ``x @ Wᵀ`` and for the input gradient ``g @ W``;
+for the weight gradient ``gᵀ @ x`` it is slower (it copies the transposes), so
+that one stays on MKL (``benchmarks/gemm.py``; the figures are in
+docs/performance.md, "Projections: oneDNN against MKL"). Both are IEEE fp32
+GEMMs: results differ only in summation order (about 1e-7 relative).
 
 ``linear(x, weight)`` is what the layers call. It dispatches:
 
@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import cpu
+from . import cpu_kernels
 from .settings import CHOICES, accessors, tracing
 
 __all__ = ["linear", "linear_reference", "linear_onednn", "onednn_available",
@@ -55,13 +55,13 @@ __all__ = ["linear", "linear_reference", "linear_onednn", "onednn_available",
 MATMUL_BACKENDS = CHOICES["matmul"]
 
 # Up to this many rows (decoding: batch × 1 token), products without gradient go to
-# the extension's few-rows kernel, per dtype: at one row BLAS read the weights at
-# ~15 GB/s and the kernel at ~50-100 GB/s from cache; past these counts BLAS's
-# blocked GEMM (bf16: oneDNN's dot-product instructions) wins (docs/performance.md).
+# the extension's few-rows kernel, per dtype: at a few rows BLAS reads the weights far
+# below memory bandwidth and the kernel does not; past these counts BLAS's blocked
+# GEMM (bf16: oneDNN's dot-product instructions) wins (docs/performance.md).
 FEW_ROWS = {torch.float32: 8, torch.bfloat16: 2}
 
 # Below this many rows (batch × time) oneDNN's per-call overhead outweighs its
-# faster inner kernel (measured: 1 row 18 us against MKL's 6 us; even at 64 rows).
+# faster inner kernel (docs/performance.md).
 MIN_ROWS = 128
 
 # set_matmul_backend("aten" | "onednn" | "auto"), get_matmul_backend() (``SRUPP_MATMUL``
@@ -126,7 +126,7 @@ def linear_onednn(x: Tensor, weight: Tensor) -> Tensor:
 
 def _rows_kernel():
     """The extension's linear_rows, or None when it is not built."""
-    return cpu.function("linear_rows")
+    return cpu_kernels.function("linear_rows")
 
 
 def few_rows_applies(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> bool:
@@ -156,7 +156,8 @@ def linear_few_rows(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) ->
     """
     kernel = _rows_kernel()
     if not kernel:
-        raise RuntimeError(f"the C++ CPU extension is not available ({cpu.build_error()})")
+        raise RuntimeError(f"the C++ CPU extension is not available "
+                           f"({cpu_kernels.build_error()})")
     if not weight.is_contiguous() and (weight.stride(-1) != 1
                                        or weight.stride(0) < weight.shape[1]):
         weight = weight.contiguous()  # (rows with any stride are read in place)

@@ -2,7 +2,7 @@
 
 :func:`sru_recurrence` checks its arguments (:func:`~srupp.ops.reference.check_args`),
 then picks a kernel in :func:`route`: "reference", "cpu" (the C++ kernel of
-:mod:`srupp.ops.cpu`) or "triton" (:mod:`srupp.ops.triton_kernel`). The fast
+:mod:`srupp.ops.cpu_kernels`) or "triton" (:mod:`srupp.ops.triton_kernel`). The fast
 kernels run through two ``torch.library`` custom ops, which have fake (meta)
 implementations for ``torch.compile(fullgraph=True)``; ``sru_fwd``'s backward is
 ``sru_bwd``:
@@ -34,7 +34,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import cpu
+from . import cpu_kernels
 from .reference import check_args, sru_recurrence_reference
 from .settings import CHOICES, accessors, backends
 
@@ -74,7 +74,7 @@ def _triton_importable() -> bool:
 def _available(kernel: str) -> bool:
     # Builds the C++ extension, or imports triton, on the first call. Under
     # torch.compile this runs once at trace time and its result is baked into the graph.
-    return cpu.is_available() if kernel == "cpu" else _triton_importable()
+    return cpu_kernels.is_available() if kernel == "cpu" else _triton_importable()
 
 
 def route(U: Tensor, x, weight_c, bias, c0, dropout_mask) -> str:
@@ -105,7 +105,8 @@ def route(U: Tensor, x, weight_c, bias, c0, dropout_mask) -> str:
     if not _available(name):
         if not forced:
             return "reference"
-        why = cpu.build_error() if name == "cpu" else "srupp.ops.triton_kernel can't be imported"
+        why = (cpu_kernels.build_error() if name == "cpu"
+               else "srupp.ops.triton_kernel can't be imported")
         raise RuntimeError(f"srupp backend {name!r} is unavailable: {why}")
     return name
 
@@ -117,9 +118,9 @@ def kernels(U: Tensor, triton: bool):
         from . import triton_kernel  # lazy: imports triton
 
         return triton_kernel
-    mod = cpu.load()
+    mod = cpu_kernels.load()
     if mod is None:
-        raise RuntimeError(f"srupp: the CPU kernel is unavailable ({cpu.build_error()})")
+        raise RuntimeError(f"srupp: the CPU kernel is unavailable ({cpu_kernels.build_error()})")
     return mod
 
 
@@ -170,8 +171,8 @@ def _setup_context(ctx, inputs, output):
     ctx.scale_x, ctx.bidirectional, ctx.triton = scale_x, bidirectional, triton
     ctx.mark_non_differentiable(output[2])
     # Don't let autograd fill zero gradients for outputs the loss never used:
-    # c_all is (B, L, D) fp32 and was zero-filled on every backward (0.8 ms a layer
-    # at the layer benchmark's size). _backward handles None itself.
+    # c_all is (B, L, D) fp32 and would be zero-filled on every backward.
+    # _backward handles None itself.
     ctx.set_materialize_grads(False)
 
 
@@ -227,7 +228,7 @@ def sru_recurrence(U, x, weight_c, bias, c0=None, *, scale_x=1.0, mask_pad=None,
         t is not None and t.requires_grad for t in (U, x, weight_c, bias, c0))
     if not store_c and not torch.compiler.is_compiling():
         # Inference in eager mode: call the kernel directly. The custom op's
-        # Python dispatch costs ~15 us a call, several times a decoding step's work.
+        # Python dispatch costs several times a decoding step's work.
         h, c_last, _ = kernels(U, kernel == "triton").sru_fwd(*args, False)
     else:
         h, c_last, _ = sru_fwd(*args, store_c, kernel == "triton")

@@ -29,6 +29,8 @@ SRU++, Lei, EMNLP 2021, keeps it), with s_t the skip term (``scale_x · x_t``, o
 
 At padding (``mask_pad`` True) c_t = c_{t-1} and h_t = 0.
 
+:func:`sru_step` is one step of these equations; the SRU++ layer's reference
+(:mod:`srupp.nn.reference`) and the ONNX graphs (:mod:`srupp.onnx`) step with it too.
 :func:`check_args` is the contract every backend shares: :func:`srupp.ops.sru_recurrence`
 and :func:`sru_recurrence_reference` call it before anything runs.
 """
@@ -99,8 +101,42 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _scan(U: Tensor, skip: Optional[Tensor], v_f: Tensor, v_r: Tensor, b_f: Tensor,
-          b_r: Tensor, c0: Tensor, mask_pad: Optional[Tensor], dropout_mask: Optional[Tensor],
+def skip_term(u: Tensor, x: Optional[Tensor], scale_x: float = 1.0) -> Optional[Tensor]:
+    """s, the highway's skip term: u3 with k = 4 planes, else ``scale_x · x`` (None: no skip).
+
+    u: (..., k, D).  x: (..., D), the layer's raw input (not pre-normed), or None.
+    """
+    if u.shape[-2] == 4:
+        return u[..., 3, :]
+    return None if x is None else x * scale_x
+
+
+def sru_step(u: Tensor, skip: Optional[Tensor], c: Tensor, weight_c: Tensor, bias: Tensor,
+             dropout_mask: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """One step of the recurrence (the equations above), for every row and unit at once.
+
+    Args:
+        u: (..., k, d) this step's planes u0, u1, u2[, u3] (u3 is read through ``skip``).
+        skip: (..., d) the skip term s_t (``scale_x · x_t``, or ``u3_t``), or None for none.
+        c: (..., d) the state c_{t-1}.
+        weight_c, bias: (2, d) [v_f; v_r] and [b_f; b_r].
+        dropout_mask: (..., d) or None.
+    Returns:
+        h_t and c_t, (..., d) each.
+    """
+    u0, u1, u2 = u.unbind(-2)[:3]
+    f = torch.sigmoid(u1 + weight_c[0] * c + bias[0])
+    r = torch.sigmoid(u2 + weight_c[1] * c + bias[1])
+    c = f * c + (1 - f) * u0
+    if skip is None:
+        h = r * c
+        return (h if dropout_mask is None else dropout_mask * h), c
+    gate = r if dropout_mask is None else dropout_mask * r
+    return skip + gate * (c - skip), c
+
+
+def _scan(U: Tensor, skip: Optional[Tensor], weight_c: Tensor, bias: Tensor, c0: Tensor,
+          mask_pad: Optional[Tensor], dropout_mask: Optional[Tensor],
           reverse: bool) -> Tuple[Tensor, Tensor]:
     """One direction. U (B, L, k, d), skip (B, L, d) or None; returns h (B, L, d), c_last (B, d)."""
     L = U.shape[1]
@@ -111,18 +147,8 @@ def _scan(U: Tensor, skip: Optional[Tensor], v_f: Tensor, v_r: Tensor, b_f: Tens
     U_t = U.unbind(1)                                   # L × (B, k, d)
     skip_t = None if skip is None else skip.unbind(1)   # L × (B, d)
     for t in (range(L - 1, -1, -1) if reverse else range(L)):
-        u0, u1, u2 = U_t[t].unbind(1)[:3]  # (B, d) each
-        f = torch.sigmoid(u1 + v_f * c + b_f)
-        r = torch.sigmoid(u2 + v_r * c + b_r)
-        c_new = f * c + (1 - f) * u0
-        if skip is None:
-            h = r * c_new
-            if dropout_mask is not None:
-                h = dropout_mask * h
-        else:
-            s = skip_t[t]
-            gate = r if dropout_mask is None else dropout_mask * r
-            h = s + gate * (c_new - s)
+        h, c_new = sru_step(U_t[t], None if skip is None else skip_t[t], c, weight_c, bias,
+                            dropout_mask)
         if mask_pad is not None:
             pad = mask_pad[:, t].unsqueeze(-1)  # (B, 1)
             c_new = torch.where(pad, c, c_new)  # padding holds the state
@@ -161,7 +187,7 @@ def sru_recurrence_reference(U: Tensor, x: Optional[Tensor], weight_c: Tensor, b
     B, L, k, D = U.shape
     cdt = compute_dtype(U.dtype)
     Uc = U.to(cdt)
-    skip = Uc[:, :, 3] if k == 4 else (None if x is None else x.to(cdt) * scale_x)
+    skip = skip_term(Uc, None if x is None else x.to(cdt), scale_x)
     wc, b = weight_c.to(cdt), bias.to(cdt)
     c0 = torch.zeros(B, D, dtype=cdt, device=U.device) if c0 is None else c0.to(cdt)
     mask_pad = None if mask_pad is None else mask_pad.to(torch.bool)
@@ -173,8 +199,8 @@ def sru_recurrence_reference(U: Tensor, x: Optional[Tensor], weight_c: Tensor, b
     for di in range(dirs):
         units = slice(di * d, (di + 1) * d)
         h, c = _scan(Uc[..., units], None if skip is None else skip[..., units],
-                     wc[0, units], wc[1, units], b[0, units], b[1, units], c0[:, units],
-                     mask_pad, None if dm is None else dm[:, units], reverse=di == 1)
+                     wc[:, units], b[:, units], c0[:, units], mask_pad,
+                     None if dm is None else dm[:, units], reverse=di == 1)
         hs.append(h)
         cs.append(c)
     h = hs[0] if dirs == 1 else torch.cat(hs, dim=-1)

@@ -1,7 +1,12 @@
-"""Training, evaluation and checkpoints for the language model."""
+"""Training, evaluation and comparison of the models of every task (lm, translate, classify).
 
-from .config import RunConfig, build_config
+``build_config`` reads a recipe; ``TASKS`` names the task classes (what
+differs between tasks, :mod:`srupp.train.tasks`); ``Trainer`` is the one
+training loop. Applying a trained model to new text is :mod:`srupp.inference`'s.
+"""
+
+from .config import TASKS, RunConfig, build_config
 from .evaluate import evaluate, metric_for
 from .trainer import Trainer
 
-__all__ = ["RunConfig", "Trainer", "build_config", "evaluate", "metric_for"]
+__all__ = ["TASKS", "RunConfig", "Trainer", "build_config", "evaluate", "metric_for"]

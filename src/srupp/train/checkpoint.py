@@ -1,17 +1,11 @@
 """Checkpoints: written atomically, read without executing code.
 
-A run directory holds one folder per saved step plus two pointer files::
-
-    RUN_DIR/
-      config.json            the resolved run config
-      tokenizer.json         the tokenizer and its vocabulary
-      labels.json            classification: the labels, in the model's output order
-      ckpt-000500/           model.safetensors, config.json (model), tokenizer.json, labels.json,
-                             state.safetensors (the carried SRUppState or TensorState, written
-                             by srupp.models.save_state), trainer.pt
-                             (optimiser, scheduler, RNG, data position; read with
-                             weights_only=True): a folder that stands on its own
-      last.json, best.json   {"dir": "ckpt-000500", "step": 500, ...}
+The run directory's layout, and every reader of it, are :mod:`srupp.runs`'s;
+this module writes checkpoints into it and reads back what only a resumed run
+needs: ``trainer.pt`` (optimiser, schedule, RNG, data position; read with
+``weights_only=True``), the carried state (``state.safetensors``, the
+SRUppState or TensorState written by :func:`srupp.models.save_state`), and
+the saved model config that a resumed run's model must match in shape.
 
 A checkpoint folder is complete before a pointer names it, and pointers are
 replaced with ``os.replace``, so a kill at any moment leaves the previous
@@ -29,16 +23,9 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 
 from .._files import atomic_write_json, torch_save, write_error
+from .._format import check_format_version, with_format_version
 from ..errors import UserError
-
-
-def read_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise UserError(f"{what} not found: {path}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{what} {path} is corrupt ({e})") from None
+from ..runs import POINTERS, read_json
 
 
 def save_checkpoint(run_dir: Path, step: int, model, carried_state, trainer_state: Dict[str, Any],
@@ -64,6 +51,7 @@ def save_checkpoint(run_dir: Path, step: int, model, carried_state, trainer_stat
     referenced = _referenced(run_dir)
     created, pointed = False, []
     try:
+        trainer_state = with_format_version(trainer_state)
         if final.exists() and (referenced is None or name in referenced):
             torch_save(trainer_state, final / "trainer.pt")
         else:
@@ -83,7 +71,8 @@ def save_checkpoint(run_dir: Path, step: int, model, carried_state, trainer_stat
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)  # only left by a save that failed
         for p in pointers:
-            atomic_write_json(run_dir / f"{p}.json", {"dir": name, "step": step, **(info or {})})
+            atomic_write_json(run_dir / f"{p}.json",
+                              with_format_version({"dir": name, "step": step, **(info or {})}))
             pointed.append(p)
     except BaseException as e:
         kept = _referenced(run_dir)
@@ -120,7 +109,7 @@ def _not_saved(err: OSError, run_dir: Path, step: int, pointed: list) -> OSError
 def _referenced(run_dir: Path) -> Optional[set]:
     """The folders "last" and "best" name; None when a pointer cannot be read."""
     names = set()
-    for p in ("last", "best"):
+    for p in POINTERS:
         ptr = run_dir / f"{p}.json"
         if ptr.exists():
             try:
@@ -130,90 +119,82 @@ def _referenced(run_dir: Path) -> Optional[set]:
     return names
 
 
-def resolve_checkpoint(path: Path, prefer: str = "best") -> Path:
-    """A checkpoint folder from a run directory (its best, else last) or a folder itself."""
-    path = Path(path)
-    if (path / "model.safetensors").exists():
-        return path
-    if not path.exists():
-        raise UserError(f"checkpoint {path} does not exist")
-    for p in (prefer, "last", "best"):
-        ptr = path / f"{p}.json"
-        if ptr.exists():
-            d = path / read_json(ptr, "checkpoint pointer")["dir"]
-            if not d.exists():
-                raise UserError(f"{ptr} names {d.name}, which is missing; the run is damaged")
-            return d
-    raise UserError(f"{path} holds no checkpoint (no last.json or best.json, no model.safetensors)")
-
-
 def load_trainer_state(ckpt: Path) -> Dict[str, Any]:
+    """What a resumed run needs beyond the weights: ``ckpt``'s ``trainer.pt``."""
+    f = Path(ckpt) / "trainer.pt"
     try:
-        return torch.load(ckpt / "trainer.pt", weights_only=True, map_location="cpu")
+        state = torch.load(f, weights_only=True, map_location="cpu")
     except FileNotFoundError:
         raise UserError(f"{ckpt} has no trainer.pt; cannot resume from it") from None
     except Exception as e:  # truncated zip, bad pickle opcode...
-        raise UserError(f"{ckpt / 'trainer.pt'} is truncated or corrupt "
+        raise UserError(f"{f} is truncated or corrupt "
                         f"({str(e).splitlines()[0][:200]})") from None
+    if not isinstance(state, dict):
+        raise UserError(f"{f} is corrupt (expected a dict); cannot resume from it")
+    check_format_version(state, f)
+    return state
 
 
 def load_carried_state(ckpt: Path):
     """The SRUppState or TensorState a checkpoint carries, or None when it has none."""
-    from safetensors import SafetensorError, safe_open
-    from safetensors.torch import load_file
-
-    from ..models.state import CLASS_KEY, load_state, state_from_dict
+    from ..models.state import load_state
 
     f = ckpt / "state.safetensors"
     if not f.exists():
         return None
-    try:
-        with safe_open(str(f), framework="pt") as h:
-            names_its_class = CLASS_KEY in (h.metadata() or {})
-        if not names_its_class:  # saved before state files named their class: the keys tell
-            return state_from_dict(load_file(str(f)))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise UserError(f"{f} is truncated or corrupt ({str(e).splitlines()[0]})") from None
     try:
         return load_state(f)
     except ValueError as e:  # its message names the file and what is wrong with it
         raise UserError(str(e)) from None
 
 
-def load_run(path, *, device="cpu", prefer: str = "best"):
-    """Everything inference needs from a run directory or a checkpoint folder.
+def _param_shapes(config: Dict[str, Any]) -> Optional[Dict[str, tuple]]:
+    """The parameters' shapes of the model ``config`` describes; None for an invalid config."""
+    from ..models import build_model
 
-    Returns ``(run_config_dict, tokenizer, model, checkpoint_dir)``; the model is in eval mode.
+    try:
+        with torch.device("meta"):  # shapes without allocating
+            model = build_model(dict(config))
+    except (ValueError, TypeError):
+        return None
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def _fmt_value(v: Any) -> str:
+    """A config value as ``--set`` takes it."""
+    if v is None:
+        return "none"
+    if isinstance(v, (list, tuple)):
+        return ",".join(str(x) for x in v)
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def check_same_shape(run_dir: Path, ckpt: Path, model_config) -> None:
+    """Refuse a resumed run whose model config would change the saved model's shape.
+
+    Names each model key that does, with the saved value and the new one;
+    keys that change no shape (dropout, mem_len, ...) may change on resume.
     """
-    from ..data import tokenizer_from_dict
-    from ..models import load_model
-
-    ckpt = resolve_checkpoint(Path(path), prefer=prefer)
-    tok_file = ckpt / "tokenizer.json"
-    if not tok_file.exists():  # older layout: the run directory's copy
-        tok_file = ckpt.parent / "tokenizer.json"
-    tokenizer = tokenizer_from_dict(read_json(tok_file, "tokenizer"))
-    run_cfg_file = ckpt.parent / "config.json"
-    run_cfg = read_json(run_cfg_file, "run config") if (
-        run_cfg_file.exists() and (ckpt.parent / "last.json").exists()) else {}
-    model = load_model(ckpt, device=device)
-    if model.config.vocab_size != tokenizer.vocab_size:
-        raise UserError(f"{ckpt}: the model's vocabulary ({model.config.vocab_size}) does not "
-                        f"match its tokenizer ({tokenizer.vocab_size}); the run is damaged")
-    return run_cfg, tokenizer, model, ckpt
-
-
-def load_labels(ckpt: Path) -> list:
-    """A classifier's labels, in its output order, from its checkpoint folder (or the run's)."""
-    f = Path(ckpt) / "labels.json"
-    if not f.exists():
-        f = Path(ckpt).parent / "labels.json"
-    return labels_from_json(read_json(f, "labels"), f)
-
-
-def labels_from_json(saved: Any, where) -> list:
-    """The label list of a ``labels.json`` ({"labels": [...]})."""
-    labels = saved.get("labels") if isinstance(saved, dict) else None
-    if not isinstance(labels, list) or not all(isinstance(x, str) for x in labels):
-        raise UserError(f"{where} is corrupt (expected {{\"labels\": [...]}}); the run is damaged")
-    return labels
+    path = ckpt / "config.json"
+    saved = read_json(path, "model config")
+    new = model_config.to_dict()
+    if not isinstance(saved, dict):
+        return  # the loader says what is wrong with it
+    check_format_version(saved, path)
+    # the new config's fields only: a save holds more (its save id, format version)
+    saved = {k: saved[k] for k in new if k in saved}
+    changed = [k for k in new if k in saved and new[k] != saved[k]]
+    if not changed:
+        return
+    if "type" in changed:
+        culprits = ["type"]  # another model altogether
+    else:
+        before = _param_shapes(saved)
+        if before is None or _param_shapes(new) == before:
+            return  # a config the loader refuses (it says why), or the same shapes
+        # each key that changes a shape on its own; all changed keys if only together
+        culprits = [k for k in changed if _param_shapes({**saved, k: new[k]}) != before]
+    which = ", ".join(f"model.{k}={_fmt_value(saved[k])}, not {_fmt_value(new[k])}"
+                      for k in (culprits or changed))
+    raise UserError(f"{run_dir} was trained with {which}: a resumed run keeps its model's "
+                    f"shape; drop the change, or train a new run into another --out")

@@ -10,44 +10,72 @@ saved with the run as ``labels.json``.
 
 The logged ``train_loss`` and ``valid_loss`` are the mean cross-entropy per
 text; tokens/s counts text tokens. Macro-F1 averages the F1 of every label
-that occurs in the gold labels or the predictions.
+that occurs in the gold labels or the predictions. Classifying new text is
+:mod:`srupp.inference`'s (``predict``, ``classify_lines``), which ``srupp classify`` calls.
 """
 
 from __future__ import annotations
 
+import time
+
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
 from ..data import LengthBatcher, build_tokenizer, load_table, tokenizer_from_dict
-from ..errors import UserError
-from .checkpoint import labels_from_json
+from ..errors import UserError, user_input
+from ..inference import checked_labels, encode_lines, fit_length, length_batches, pad_batch, predict
+from ..runs import labels_from_json
 from .device import to_device
 from .distributed import SINGLE, Dist
 from .evaluate import autocast_context
-from .tasks import (SentenceTask, content_crc32, encode_lines, length_batches, loss_sum,
-                    pad_batch)
+from .tasks import (SPEED_REPEATS, SentenceTask, Task, content_crc32, loss_sum, median_rate,
+                    time_to_note)
+
+SPEED_TEXTS = 1000  # compare: the first validation texts timed
 
 
 class ClassificationTask(SentenceTask):
     name = "classify"
+    title = "classification"
+    command = "classify"
     metric = "macro_f1"
     higher_is_better = True
     file_names = ("tokenizer.json", "labels.json")
+    default_tokenizer = "word"
+    compare_columns = ("accuracy", "macro_f1", *Task.compare_columns, "texts_per_s")
+
+    @classmethod
+    def model_fields(cls, cfg, num_labels):
+        return {"task": cls.name, "num_labels": num_labels if num_labels is not None else 2}
+
+    @classmethod
+    def output_labels(cls, cfg):
+        """The training split's labels (2 without data)."""
+        d = cfg.data
+        if not d.corpus:
+            return 2
+        with user_input():
+            splits = load_table(d.corpus, (d.text, d.label), stratify=d.label,
+                                test_size=d.test_size, valid_size=d.valid_size)
+        return len({label for _, label in splits.train})
 
     def load(self, saved: Optional[Dict[str, Any]]) -> None:
         d = self.cfg.data
-        self.splits = load_table(self.table_source(), (d.text, d.label), stratify=d.label,
-                                 test_size=d.test_size, valid_size=d.valid_size)
+        with user_input():
+            self.splits = load_table(self.table_source(), (d.text, d.label), stratify=d.label,
+                                     test_size=d.test_size, valid_size=d.valid_size)
         self.check_splits(self.splits)
-        if saved is not None:
-            self.tokenizer = tokenizer_from_dict(saved["tokenizer.json"])
-            self.labels = labels_from_json(saved["labels.json"], "labels.json of this run")
-        else:
-            self.tokenizer = build_tokenizer(
-                d.tokenizer, "\n".join(r[0] for r in self.splits.train),
-                **d.tokenizer_options())
-            self.labels = sorted({r[1] for r in self.splits.train})
+        with user_input():
+            if saved is not None:
+                self.tokenizer = tokenizer_from_dict(saved["tokenizer.json"])
+                self.labels = labels_from_json(saved["labels.json"], "labels.json of this run")
+            else:
+                self.tokenizer = build_tokenizer(
+                    d.tokenizer, "\n".join(r[0] for r in self.splits.train),
+                    **d.tokenizer_options())
+                self.labels = sorted({r[1] for r in self.splits.train})
         if len(self.labels) < 2:
             raise UserError(f"the training split of {d.corpus} has {len(self.labels)} label(s) "
                             f"in column {d.label!r}; classification needs at least 2")
@@ -63,7 +91,8 @@ class ClassificationTask(SentenceTask):
         """(ids, label index) per row; a label training never saw is an error."""
         ids = self.fit_lengths(encode_lines(self.tokenizer, [r[0] for r in rows]),
                                f"the texts of {where}", keep_last=False)
-        return list(zip(ids, label_indices(self.labels, [r[1] for r in rows], where)))
+        with user_input():
+            return list(zip(ids, label_indices(self.labels, [r[1] for r in rows], where)))
 
     def files(self) -> Dict[str, Any]:
         return {"tokenizer.json": self.tokenizer.to_dict(), "labels.json": {"labels": self.labels}}
@@ -89,6 +118,42 @@ class ClassificationTask(SentenceTask):
     def summary_keys(self):
         return ("loss", "accuracy", "macro_f1")
 
+    def evaluate_checkpoint(self, model, tokenizer, ckpt, split):
+        d = self.cfg.data
+        labels = checked_labels(ckpt, model)
+        # a split directory's labels are checked against the model's below, not its train.tsv
+        stratify = None if Path(d.corpus).is_dir() else d.label  # a file: split as in training
+        with user_input():
+            rows = load_table(d.corpus, (d.text, d.label), stratify=stratify,
+                              test_size=d.test_size, valid_size=d.valid_size).split(split)
+            gold = label_indices(labels, [r[1] for r in rows], f"the {split} split of {d.corpus}")
+            ids = fit_length(encode_lines(tokenizer, [r[0] for r in rows]), d.max_len,
+                             truncate=d.truncate, where=f"the {split} split", keep_last=False)
+        start = time.perf_counter()
+        res = classification_scores(model, list(zip(ids, gold)), len(labels),
+                                    max_tokens=self.cfg.train.max_tokens)
+        seconds = time.perf_counter() - start
+        return {**res, "seconds": seconds, "texts_per_s": len(rows) / max(seconds, 1e-9)}
+
+    def speed(self, model, device, precision, repeats=SPEED_REPEATS):
+        """Texts/s classifying the first SPEED_TEXTS validation texts (already tokenized),
+        batched under ``train.max_tokens`` in the run's precision: ``{"texts_per_s": ...}``."""
+        items = [ids for ids, _ in (self.valid_items[:SPEED_TEXTS]
+                                    or self.train_items[:SPEED_TEXTS])]
+
+        def work() -> int:
+            predict(model, items, max_tokens=self.cfg.train.max_tokens, precision=precision)
+            return len(items)
+
+        return {"texts_per_s": median_rate(work, device, repeats)}
+
+    @classmethod
+    def compare_note(cls, metric, cfg):
+        return (f"Validation metric: **macro_f1** (higher is better), on the validation split; "
+                f"{time_to_note(True)} texts_per_s: classifying the first {SPEED_TEXTS} "
+                f"validation texts, batched as in evaluation (median of {SPEED_REPEATS} after "
+                f"a warm-up).")
+
 
 def label_indices(labels: Sequence[str], given: Sequence[str], where: str) -> List[int]:
     """The index of each label in ``labels``; ValueError listing the known ones for others."""
@@ -99,26 +164,6 @@ def label_indices(labels: Sequence[str], given: Sequence[str], where: str) -> Li
         raise ValueError(f"{where} has label(s) training never saw: {shown}; "
                          f"the known labels are {', '.join(labels)}")
     return [index[g] for g in given]
-
-
-@torch.no_grad()
-def predict(model, items: Sequence[Sequence[int]], *, max_tokens: int = 4096,
-            precision: str = "fp32") -> torch.Tensor:
-    """Class probabilities (N, C) of texts given as token ids, in their order."""
-    was_training = model.training
-    model.eval()
-    device = model.device
-    probs: List[Optional[torch.Tensor]] = [None] * len(items)
-    try:
-        for idx in length_batches([len(x) for x in items], max_tokens):
-            tokens, pad = pad_batch([items[i] for i in idx], device)
-            with autocast_context(precision, device.type):
-                logits = model(tokens, mask_pad=pad).logits
-            for i, p in zip(idx, logits.float().softmax(-1).cpu()):
-                probs[i] = p
-    finally:
-        model.train(was_training)
-    return torch.stack(probs)
 
 
 @torch.no_grad()

@@ -7,7 +7,8 @@ the same way, and timed at inference. The results go to ``DIR/results.json``,
 
 The task is the recipe's (``task = "lm" | "translate" | "classify"``, or
 ``--set task=...``); without a recipe it is language modelling with the
-packaged default recipes. Per task:
+packaged default recipes. Per task (its models, summary, speed and columns
+are its Task class's, :mod:`srupp.train.tasks`):
 
     lm         bits per character or perplexity (lower is better); generation
                speed: tokens/s at batch 1
@@ -41,70 +42,37 @@ import importlib.resources
 import json
 import math
 import shutil
-import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Type
 
 from .._extras import require
-from .._files import atomic_path, atomic_write_json, atomic_write_text
+from .._files import atomic_write_json, atomic_write_text
 from ..errors import UserError
 from ..models import build_model
 from .config import RunConfig, build_config
-from .evaluate import metric_for
+from .config import TASKS
 from .lock import LOCK_FILE, locked_run_dir
-from .trainer import TASKS, Trainer, make_task
+from .plots import plot_curves
+from .tasks import LMTask, Task
+from .trainer import Trainer, make_task
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-# name -> (model.type, fixed depth or None for the recipe's, extra model fields)
-MODELS: Dict[str, tuple] = {
-    "srupp": ("srupp", None, {}),
-    "sru": ("sru", 4, {}),
-    "lstm": ("lstm", 2, {}),
-    "gru": ("gru", 2, {}),
-    # no segment memory: each 128-token window stands alone with learned positions
-    # (GPT-style). With memory its absolute positions never repeat, and it trained
-    # far worse in the 2-minute tuning runs (3.69 against 3.27 bpc; docs/results.md).
-    # max_positions covers the training window and the generation test (64 + 256
-    # tokens) without spending parameters on positions that are never used.
-    "transformer": ("transformer", 4, {"mem_len": 0, "max_positions": 512}),
-    "srupp-attn-every-2": ("srupp", None, {"attention_every_n_layers": 2}),
-    "srupp-attn-last-1": ("srupp", None, {"attention_last_n_layers": 1}),
-}
-DEFAULT_MODELS = ["srupp", "sru", "lstm", "gru", "transformer"]
-# The sentence tasks' models, as MODELS. SRU++ and the Transformer keep the
-# recipe's depth (the encoder and decoder layers when translating); the
-# recurrent baselines take their classic depth: a 2-layer encoder and a 2-layer
-# decoder for translation (Luong et al. 2015 style), 2 bidirectional layers for
-# classification. There is no GRU for these tasks.
-SENTENCE_MODELS: Dict[str, tuple] = {
-    "srupp": ("srupp", None, {}),
-    "sru": ("sru", 2, {}),
-    "lstm": ("lstm", 2, {}),
-    "transformer": ("transformer", None, {}),
-}
-TASK_MODELS: Dict[str, Dict[str, tuple]] = {
-    "lm": MODELS, "translate": SENTENCE_MODELS, "classify": SENTENCE_MODELS}
-TASK_DEFAULT_MODELS: Dict[str, List[str]] = {
-    "lm": DEFAULT_MODELS, "translate": list(SENTENCE_MODELS), "classify": list(SENTENCE_MODELS)}
+# The models compare trains for each task: name -> (model.type, fixed depth or
+# None for the recipe's, extra model fields); see Task.compare_models
+TASK_MODELS: Dict[str, Dict[str, tuple]] = {n: t.compare_models for n, t in TASKS.items()}
+MODELS = LMTask.compare_models  # the language models, which the tuned rates name
 # {corpus: {model name or type: peak learning rate}}, with their provenance
 TUNED_LR_FILE = "compare-tuned-lr.toml"
 SETTINGS_FILE = "compare.json"  # compare's mark on a model directory it created
 WIDTH_STEP = 8
 MAX_WIDTH = 8192
 TOLERANCE = 0.10
-PROMPT_TOKENS = 64
-NEW_TOKENS = 256
-GENERATION_REPEATS = 3
-SPEED_SENTENCES = 100  # translate: the first validation sentences timed
-SPEED_BEAMS = (1, 5)   # translate: greedy, and the usual beam
-SPEED_TEXTS = 1000     # classify: the first validation texts timed
 
 
 _extracted = contextlib.ExitStack()  # packaged files copied out of a zip, if ever
@@ -147,8 +115,8 @@ def load_tuned_lr(path: Optional[Path] = None) -> Dict[str, Dict[str, float]]:
 def parse_models(spec: Optional[str], task: str = "lm") -> List[str]:
     """The ``--models`` names (default: the task's usual set); UserError for one
     that is unknown or does not apply to ``task``."""
-    valid = TASK_MODELS[task]
-    names = [n.strip() for n in (spec or ",".join(TASK_DEFAULT_MODELS[task])).split(",")
+    valid = TASKS[task].compare_models
+    names = [n.strip() for n in (spec or ",".join(TASKS[task].default_compare_models)).split(",")
              if n.strip()]
     if not names:
         raise UserError(f"--models is empty; choose from {', '.join(valid)}")
@@ -158,8 +126,7 @@ def parse_models(spec: Optional[str], task: str = "lm") -> List[str]:
         if any(n in models for models in TASK_MODELS.values()):
             raise UserError(f"model {n!r} does not apply to task {task}; valid ones for "
                             f"{task}: {', '.join(valid)}")
-        for_task = "" if task == "lm" else f" for {task}"
-        raise UserError(f"unknown model {n!r} in --models; valid ones{for_task}: "
+        raise UserError(f"unknown model {n!r} in --models; valid ones for {task}: "
                         f"{', '.join(valid)}")
     if len(set(names)) != len(names):
         raise UserError("--models names a model twice")
@@ -178,13 +145,11 @@ def shape_overrides(name: str, d: int, base: RunConfig) -> Dict[str, Any]:
     An odd ``d`` gives a config that a bidirectional encoder (d/2 units per
     direction) refuses; the width search skips such widths.
     """
-    mtype, depth, extra = TASK_MODELS[base.task][name]
+    task = base.task_class
+    mtype, depth, extra = task.compare_models[name]
     fields: Dict[str, Any] = {"type": mtype, "d_model": d}
     if depth is not None:
-        if base.task == "translate":
-            fields.update(encoder_layers=depth, decoder_layers=depth)
-        else:
-            fields["num_layers"] = depth
+        fields.update(dict.fromkeys(task.depth_fields, depth))
     if mtype == "transformer":
         fields["num_heads"] = _heads_for(d)
     elif mtype == "srupp":
@@ -304,83 +269,6 @@ def _valid_curve(run_dir: Path, key: str) -> List[tuple]:
     return out
 
 
-def _median_rate(work: Callable[[], int], device, repeats: int) -> float:
-    """Items per second of ``work()`` (which returns how many it did): the median
-    of ``repeats`` timed runs after one untimed warm-up, in eval mode, without
-    gradients. One run of a quarter-second is at the mercy of one scheduler
-    hiccup, and the first warms caches and allocators.
-    """
-    import torch
-
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    speeds = []
-    with torch.no_grad():
-        for i in range(repeats + 1):
-            sync()
-            start = time.perf_counter()
-            done = work()
-            sync()
-            if i:
-                speeds.append(done / max(time.perf_counter() - start, 1e-9))
-    return statistics.median(speeds)
-
-
-def _generation_speed(trainer, repeats: int = GENERATION_REPEATS) -> float:
-    """Tokens/s decoding NEW_TOKENS at batch 1 after a PROMPT_TOKENS validation prompt."""
-    import torch
-
-    model = trainer.model
-    model.eval()
-    prompt = trainer.valid_ids[:PROMPT_TOKENS].tolist() or trainer.train_ids[:PROMPT_TOKENS].tolist()
-
-    def work() -> int:
-        gen = torch.Generator(device=trainer.device).manual_seed(0)
-        return len(model.generate([prompt], NEW_TOKENS, temperature=1.0, generator=gen)[0])
-
-    return _median_rate(work, trainer.device, repeats)
-
-
-def _translation_speed(trainer, repeats: int = GENERATION_REPEATS) -> Dict[str, float]:
-    """Sentences/s translating the first SPEED_SENTENCES validation sources, per beam
-    in SPEED_BEAMS: ``{"sentences_per_s_beam1": ..., "sentences_per_s_beam5": ...}``.
-
-    Batched as the run's evaluation is (``train.max_tokens`` source tokens per
-    batch, the run's precision and length limits), so the figure is throughput.
-    """
-    from .translate import translate_lines
-
-    task, cfg, model = trainer.task, trainer.cfg, trainer.model
-    model.eval()
-    rows = task.splits.valid[:SPEED_SENTENCES] or task.splits.train[:SPEED_SENTENCES]
-    sources = [r[0] for r in rows]
-    e, d = cfg.eval, cfg.data
-    out = {}
-    for beam in SPEED_BEAMS:
-        def work(beam: int = beam) -> int:
-            translate_lines(model, task.tokenizer, sources, beam=beam, lenpen=e.lenpen,
-                            max_len_a=e.max_len_a, max_len_b=e.max_len_b,
-                            max_tokens=cfg.train.max_tokens, max_len=d.max_len,
-                            truncate=d.truncate, precision=trainer.precision)
-            return len(sources)
-        out[f"sentences_per_s_beam{beam}"] = _median_rate(work, trainer.device, repeats)
-    return out
-
-
-def _classification_speed(trainer, repeats: int = GENERATION_REPEATS) -> Dict[str, float]:
-    """Texts/s classifying the first SPEED_TEXTS validation texts (already tokenized),
-    batched under ``train.max_tokens`` in the run's precision: ``{"texts_per_s": ...}``."""
-    from .classify import predict
-
-    task, cfg, model = trainer.task, trainer.cfg, trainer.model
-    items = [ids for ids, _ in (task.valid_items[:SPEED_TEXTS] or task.train_items[:SPEED_TEXTS])]
-
-    def work() -> int:
-        predict(model, items, max_tokens=cfg.train.max_tokens, precision=trainer.precision)
-        return len(items)
-
-    return {"texts_per_s": _median_rate(work, trainer.device, repeats)}
-
-
 def run_settings(sized: Sized, target: int, overrides: List[str]) -> Dict[str, Any]:
     """What ``compare.json`` records: the settings one model's result is made with.
 
@@ -495,25 +383,14 @@ def _train_one(sized: Sized, run_dir: Path, settings: Dict[str, Any], state: str
     result = trainer.train()
     if result.get("interrupted"):
         raise KeyboardInterrupt
-    t, task = sized.cfg.train, sized.cfg.task
     summary = {
         "name": sized.name, "params": trainer.model.num_parameters(),
-        "model": sized.cfg.model, "lr": t.lr, "step": trainer.step,
+        "model": sized.cfg.model, "lr": sized.cfg.train.lr, "step": trainer.step,
         "train_seconds": result["train_seconds"],
         "tokenizer": trainer.tokenizer.to_dict()["type"],
+        **trainer.task.compare_results(result, trainer.step, trainer.tokens_seen),
+        **trainer.task.speed(trainer.model, trainer.device, trainer.precision),
     }
-    if task == "lm":
-        summary.update(
-            tokens=trainer.step * t.batch_size * t.unroll * t.grad_accum,
-            # valid_ppl always; valid_bpc only for byte and char tokenizers
-            **{k: result[k] for k in ("valid_bpc", "valid_ppl") if k in result},
-            generate_tokens_per_s=_generation_speed(trainer))
-    else:
-        # sentences vary in length: count what training read (targets; texts)
-        summary["tokens"] = trainer.tokens_seen
-        summary.update({k: v for k, v in result.items() if k.startswith("valid_")})
-        speed = _translation_speed if task == "translate" else _classification_speed
-        summary.update(speed(trainer))
     atomic_write_json(summary_path, summary)
     return summary
 
@@ -528,17 +405,13 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-# the main validation metric of each task's results; higher is better for these
-# the metrics each sentence task reports, where higher is better (srupp.train.tasks)
-HIGHER_IS_BETTER = tuple(cls.metric for cls in TASKS.values() if cls.higher_is_better)
-# results.md's columns between "final" and "lr", by metric (the LM's otherwise)
-TASK_COLUMNS = {
-    "bleu": ["bleu", "chrf", "time_to_best_baseline", "time_to_transformer_final",
-             "sentences_per_s_beam1", "sentences_per_s_beam5"],
-    "macro_f1": ["accuracy", "macro_f1", "time_to_best_baseline",
-                 "time_to_transformer_final", "texts_per_s"],
-}
-LM_COLUMNS = ["time_to_best_baseline", "time_to_transformer_final", "generate_tokens_per_s"]
+# results.md's and results.json's first columns, for every task; the task's follow
+COMMON_COLUMNS = ("name", "params", "tokens", "tokens_per_s", "train_seconds", "final")
+
+
+def task_of_metric(metric: str) -> Type[Task]:
+    """The task whose results are measured in ``metric`` (bpc and ppl: language models)."""
+    return next((t for t in TASKS.values() if t.metric == metric), LMTask)
 
 
 def first_time_at(curve: Sequence[tuple], level: Optional[float],
@@ -560,84 +433,17 @@ def best_value(values: Sequence[Optional[float]], higher_is_better: bool = False
     return max(known) if higher_is_better else min(known)
 
 
-def _header(metric: str, base: Optional[RunConfig]) -> str:
-    """results.md's first line: the metric, which way is better, how it was measured."""
-    reached = ("first reached (>=)" if metric in HIGHER_IS_BETTER else "first reached (<=)")
-    time_to = (f"the time_to_* columns are the training seconds at which a model's validation "
-               f"curve {reached} the best baseline's (or the Transformer's) final value.")
-    if metric == "bleu":
-        e = base.eval if base is not None else None
-        beam = f"beam {e.beam}" if e else "beam search"
-        capped = f"the first {e.bleu_sentences}" if e else "the first eval.bleu_sentences"
-        return (f"Validation metric: **bleu** (higher is better). `final` translates the whole "
-                f"validation split with {beam}; the curves' points during training are greedy "
-                f"BLEU on {capped} validation sentences, their last point is the final one; "
-                f"{time_to} Speeds: sentences/s on the first {SPEED_SENTENCES} validation "
-                f"sentences, batched as in evaluation (median of {GENERATION_REPEATS} after a "
-                f"warm-up).")
-    if metric == "macro_f1":
-        return (f"Validation metric: **macro_f1** (higher is better), on the validation split; "
-                f"{time_to} texts_per_s: classifying the first {SPEED_TEXTS} validation texts, "
-                f"batched as in evaluation (median of {GENERATION_REPEATS} after a warm-up).")
-    return (f"Validation metric: **{metric}** (lower is better); the time_to_* columns are the "
-            f"training seconds at which a model's validation curve first reached the best "
-            f"baseline's (or the Transformer's) final value.")
-
-
 def write_markdown(path: Path, results: Dict[str, Any], base: Optional[RunConfig] = None) -> None:
     """``results`` as a table under a line that says what the metric is; ``base``
     (the compared run config) names the translation evaluation's settings."""
     metric = results["metric"]
-    cols = (["name", "params", "tokens", "tokens_per_s", "train_seconds", "final"]
-            + TASK_COLUMNS.get(metric, LM_COLUMNS) + ["lr"])
-    lines = [_header(metric, base), "",
+    task = task_of_metric(metric)
+    cols = [*COMMON_COLUMNS, *task.compare_columns, "lr"]
+    lines = [task.compare_note(metric, base), "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for m in results["models"]:
         lines.append("| " + " | ".join(_fmt(m.get(c)) for c in cols) + " |")
     atomic_write_text(path, "\n".join(lines) + "\n")
-
-
-def plot_curves(path: Path, curves: Dict[str, List[tuple]], metric: str,
-                tokens_per_step: Dict[str, float]) -> None:
-    """Validation metric against training seconds (left) and training tokens (right).
-
-    The right panel separates learning per token from speed: a model that is
-    ahead per token but behind per second is held back by its throughput.
-    For the sentence tasks, whose steps read varying numbers of tokens,
-    ``tokens_per_step`` is each model's mean.
-    """
-    matplotlib = require("matplotlib", "plots", "srupp compare's curves.png")
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (by_time, by_tokens) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for name, pts in curves.items():
-        if pts:
-            secs, steps, values = zip(*pts)
-            by_time.plot(secs, values, "o-", label=name, markersize=3)
-            by_tokens.plot([s * tokens_per_step[name] / 1e6 for s in steps], values, "o-",
-                           label=name, markersize=3)
-    finals = [pts[-1][2] for pts in curves.values() if pts]
-    if finals and metric not in HIGHER_IS_BETTER:
-        # a loss spike would squash every curve into the bottom of the plot:
-        # clip the top a little above the worst final value (the spike's start
-        # still shows); perplexity, on a log axis, gets more head-room
-        lowest = min(v for pts in curves.values() for _, _, v in pts)
-        by_time.set_ylim(lowest * 0.97, (3.0 if metric == "ppl" else 1.6) * max(finals))
-    by_time.set_xlabel("training seconds")
-    by_tokens.set_xlabel("training tokens (millions)")
-    by_time.set_ylabel(f"validation {metric}")
-    for ax in (by_time, by_tokens):
-        if metric == "ppl":  # BLEU and F1 are bounded, and read on a plain scale
-            ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-    by_time.legend()
-    fig.tight_layout()
-    try:
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, dpi=100, format="png")
-    finally:
-        plt.close(fig)
 
 
 def _task_set(overrides: Sequence[str]) -> Optional[str]:
@@ -650,19 +456,11 @@ def _task_set(overrides: Sequence[str]) -> Optional[str]:
 def _sizing_data(base: RunConfig) -> tuple:
     """(vocabulary size, number of labels or None, metric) of ``base``'s data.
 
-    The tokenizer is built as the trainer builds it: a language model's from
-    the training text; the sentence tasks' by the task itself (``load(None)``:
-    translation's joint SentencePiece on both columns of the training split,
-    classification's on the training texts, with the training labels).
+    The tokenizer is built by the task, as the trainer builds it (``load(None)``):
+    a language model's from the training text, translation's joint SentencePiece
+    on both columns of the training split, classification's on the training
+    texts, with the training labels.
     """
-    if base.task == "lm":
-        from ..data import build_tokenizer, load_corpus
-
-        corpus = load_corpus(base.data.corpus)
-        tokenizer = build_tokenizer(base.data.tokenizer, corpus.train,
-                                    **base.data.tokenizer_options())
-        return tokenizer.vocab_size, None, metric_for(tokenizer)
-
     task = make_task(base)
     task.load(None)
     labels = getattr(task, "labels", None)
@@ -685,23 +483,25 @@ def compare(data: str, budget: float, params: int, models: Optional[str] = None,
         raise UserError(f"--params must be > 0, got {params}")
     require("matplotlib", "plots", "srupp compare's curves.png")  # before hours of training
     items = list(overrides or [])
+    asked = TASKS.get(_task_set([o for o in items if not _per_model_item(o)]) or "lm")
     if recipe:
         recipe_path: Optional[Path] = Path(recipe)
-    elif _task_set([o for o in items if not _per_model_item(o)]) in (None, "lm"):
+    elif asked is not None and asked.packaged_compare_defaults:
         recipe_path = default_recipe(data)
     else:
         recipe_path = None
     base = build_config(recipe_path, [o for o in items if not _per_model_item(o)] +
                         [f"data.corpus={data}", f"train.max_seconds={budget}"])
-    task = base.task
-    names = parse_models(models, task)
+    task = base.task_class
+    names = parse_models(models, base.task)
     shared, per_model = split_overrides(items, names)
 
-    if task == "lm" and not any(o.split("=", 1)[0].strip() == "train.lr" for o in shared):
+    lr_set = any(o.split("=", 1)[0].strip() == "train.lr" for o in shared)
+    if task.packaged_compare_defaults and not lr_set:
         # the tuned rates are for language modelling on the corpora named in the table
         tuned = load_tuned_lr().get(str(data), {})
         for n in names:
-            base_name = n if n in tuned else MODELS[n][0]
+            base_name = n if n in tuned else task.compare_models[n][0]
             if base_name in tuned and not any(
                     o.split("=", 1)[0].strip() == "train.lr" for o in per_model[n]):
                 per_model[n] = [f"train.lr={tuned[base_name]}"] + per_model[n]
@@ -710,7 +510,7 @@ def compare(data: str, budget: float, params: int, models: Optional[str] = None,
 
     vocab, num_labels, metric = _sizing_data(base)
     key = f"valid_{metric}"
-    higher = metric in HIGHER_IS_BETTER
+    higher = task.higher_is_better
     sized = [size_model(n, base, vocab, params, per_model[n], num_labels)
              for n in names]  # every error before training
     out = Path(out) if out else Path("runs") / f"compare-{Path(str(data)).stem}"
@@ -724,7 +524,7 @@ def compare(data: str, budget: float, params: int, models: Optional[str] = None,
                  for s in sized}
     curves = {n: _valid_curve(out / n, key) for n in names}
 
-    types = TASK_MODELS[task]
+    types = task.compare_models
     target = best_value([summaries[n].get(key) for n in names if types[n][0] != "srupp"],
                         higher)
     # the paper's claim: SRU++ reaches the Transformer's final quality in a
@@ -740,25 +540,16 @@ def compare(data: str, budget: float, params: int, models: Optional[str] = None,
                "train_seconds": s["train_seconds"], "final": s.get(key),
                "time_to_best_baseline": first_time_at(curves[n], target, higher),
                "time_to_transformer_final": first_time_at(curves[n], tf_final, higher)}
-        if task == "lm":
-            row["generate_tokens_per_s"] = s["generate_tokens_per_s"]
-        elif task == "translate":
-            row.update(bleu=s.get("valid_bleu"), chrf=s.get("valid_chrf"),
-                       **{f"sentences_per_s_beam{b}": s.get(f"sentences_per_s_beam{b}")
-                          for b in SPEED_BEAMS})
-        else:
-            row.update(accuracy=s.get("valid_accuracy"), macro_f1=s.get("valid_macro_f1"),
-                       texts_per_s=s.get("texts_per_s"))
+        # the task's columns: its metrics (valid_<name> in the summary) and speeds
+        row.update({c: s.get(c, s.get(f"valid_{c}")) for c in task.compare_columns
+                    if c not in row})
         row["lr"] = s.get("lr")
         rows.append(row)
     results = {"metric": metric, "models": rows}
     atomic_write_json(out / "results.json", results)
     write_markdown(out / "results.md", results, base)
-    if task == "lm":
-        tokens_per_step = {s.name: float(s.cfg.train.batch_size * s.cfg.train.unroll
-                                         * s.cfg.train.grad_accum) for s in sized}
-    else:  # steps read varying numbers of tokens: each model's mean
-        tokens_per_step = {n: summaries[n]["tokens"] / max(summaries[n]["step"], 1)
-                           for n in names}
-    plot_curves(out / "curves.png", curves, metric, tokens_per_step)
+    # each model's mean (the sentence tasks' steps read varying numbers of tokens)
+    tokens_per_step = {n: summaries[n]["tokens"] / max(summaries[n]["step"], 1) for n in names}
+    plot_curves(out / "curves.png", curves, metric, tokens_per_step,
+                higher_is_better=higher)
     return results

@@ -18,16 +18,21 @@ value and the range (:mod:`srupp._ranges`).
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import re
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union, get_args, get_origin, get_type_hints
+from typing import (Any, Dict, List, Optional, Type, Union, get_args, get_origin,
+                    get_type_hints)
 
 from .._ranges import check_fields
 from ..errors import UserError
-from ..models import REGISTRY, TASKS, config_from_dict, task_models
+from ..models import BACKBONES, REGISTRY, config_from_dict
+from .classify import ClassificationTask
+from .tasks import LMTask, Task
+from .translate import TranslationTask
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -41,12 +46,8 @@ def _check_numbers(section: str, cfg: Any) -> None:
     check_fields(cfg, prefix=f"{section}.", error=UserError)
 
 
-# What each task's runs are called in messages
-TASK_NAMES = {"lm": "language-model", "translate": "translation", "classify": "classification"}
-# The tokenizer each task uses unless data.tokenizer says otherwise
-DEFAULT_TOKENIZER = {"lm": "byte", "translate": "sentencepiece", "classify": "word"}
-# The data each task reads unless data.corpus says otherwise
-DEFAULT_CORPUS = {"lm": "shakespeare", "translate": "iwslt14-de-en", "classify": None}
+# The tasks a run can train, by the recipe's ``task`` key (srupp.train.tasks)
+TASKS: Dict[str, Type[Task]] = {t.name: t for t in (LMTask, TranslationTask, ClassificationTask)}
 
 
 @dataclass
@@ -126,6 +127,7 @@ class TrainConfig:
     dist_backend: str = "auto"        # torchrun: gloo on CPU, nccl on CUDA, or a backend name
     shard: str = "ddp"                # torchrun: "ddp" (replicas) or "fsdp" (FSDP2: sharded weights)
     dist_timeout: float = 300.0       # torchrun: seconds a collective waits for a rank that died
+    tensorboard: bool = False         # metrics also as TensorBoard events (srupp[tensorboard])
 
     _ranges = {**dict.fromkeys(("max_steps", "batch_size", "unroll", "max_tokens", "grad_accum",
                                 "log_every", "eval_every", "save_every", "eval_max_batches",
@@ -177,54 +179,58 @@ class RunConfig:
     task: str = "lm"                  # lm, translate or classify: what the run trains
 
     def __post_init__(self):
-        if self.task not in TASKS:
-            raise UserError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        task = self.task_class  # an unknown task: its error
         d = self.data
         if d.tokenizer is None:
-            d.tokenizer = DEFAULT_TOKENIZER[self.task]
-        if d.subword_type is None and self.task != "lm":
-            d.subword_type = "bpe"  # the usual subwords of translation
+            d.tokenizer = task.default_tokenizer
+        if d.subword_type is None:
+            d.subword_type = task.default_subword_type
         if d.corpus is None:
-            d.corpus = DEFAULT_CORPUS[self.task]  # classify has none: its task asks for --data
-        if self.task == "translate" and d.tokenizer != "sentencepiece":
-            raise UserError(f"task=translate uses a joint sentencepiece tokenizer, not "
-                            f"data.tokenizer={d.tokenizer}; unset data.tokenizer")
-        if self.task != "lm" and d.tokenizer in ("byte", "char") and d.vocab_size is not None:
-            raise UserError("data.vocab_size applies to word and sentencepiece tokenizers")
+            d.corpus = task.default_corpus  # classify has none: its task asks for --data
+        task.check_config(self)
         DataConfig.__post_init__(d)  # checks that need the resolved tokenizer
 
-    def model_config(self, vocab_size: int, num_labels: Optional[int] = None):
-        """The model's config for this run.
+    @property
+    def task_class(self) -> Type[Task]:
+        """The :class:`~srupp.train.tasks.Task` that ``task`` names."""
+        if self.task not in TASKS:
+            raise UserError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        return TASKS[self.task]
 
-        lm: mem_len defaults to train.unroll (one segment); classify: the
-        number of labels comes from the training data.
-        """
-        cfg = {**self.model, "vocab_size": vocab_size}
-        if self.task == "lm":
-            if cfg.get("mem_len") is None:
-                cfg["mem_len"] = self.train.unroll
-        else:
-            cfg["task"] = self.task
-        if self.task == "classify":
-            cfg["num_labels"] = num_labels if num_labels is not None else 2
+    def model_config(self, vocab_size: int, num_labels: Optional[int] = None):
+        """The model's config for this run: the recipe's fields, the vocabulary, and
+        what the task sets (a language model's window, a classifier's labels)."""
+        cfg = {**self.model, "vocab_size": vocab_size,
+               **self.task_class.model_fields(self, num_labels)}
         return _model_config(cfg)
 
     def to_dict(self) -> Dict[str, Any]:
-        """The config as build_config(base=...) reads it; ``task`` only when not lm (as
-        language-model runs were saved before there were tasks)."""
-        d = asdict(self)
-        if d["task"] == "lm":
-            del d["task"]
-        return d
+        """The config as build_config(base=...) reads it."""
+        return asdict(self)
 
 
 SECTIONS = ("data", "train", "eval", "model")
-# {key: type} of each section; model: the fields of every task's model types' configs
-TYPES = {"data": get_type_hints(DataConfig), "train": get_type_hints(TrainConfig),
-         "eval": get_type_hints(EvalConfig),
-         "model": {**{k: t for models in REGISTRY.values() for config_class, _ in models.values()
-                      for k, t in get_type_hints(config_class).items()
-                      if k not in ("task", "type", "num_labels")}, "type": str}}
+
+
+class _Types(dict):
+    """{key: type} of each section; "model": the fields of every task's model types' configs,
+    read when asked (a backbone may be registered after this import)."""
+
+    def __missing__(self, section: str) -> Dict[str, Any]:
+        if section != "model":
+            raise KeyError(section)
+        return _model_types(tuple(BACKBONES.items()))
+
+
+@functools.lru_cache(maxsize=4)
+def _model_types(backbones: tuple) -> Dict[str, Any]:
+    return {**{k: t for models in REGISTRY.values() for config_class, _ in models.values()
+               for k, t in get_type_hints(config_class).items()
+               if k not in ("task", "type", "num_labels")}, "type": str}
+
+
+TYPES = _Types(data=get_type_hints(DataConfig), train=get_type_hints(TrainConfig),
+               eval=get_type_hints(EvalConfig))
 
 
 def _model_config(d: Dict[str, Any]):
@@ -313,13 +319,13 @@ def _drop_other_types_keys(model: Dict[str, Any], task: str,
 def _other_task(run: str, have: str, want: str, source: str, implicit: bool) -> UserError:
     """The error for a saved run of task ``have`` given a recipe or --set of task ``want``."""
     if source.startswith("recipe"):
-        asks = (f"{source} is a {TASK_NAMES.get(want, want)} recipe (task={want}"
+        asks = (f"{source} is a {TASKS[want].title} recipe (task={want}"
                 f"{', as it names no task' if implicit else ''})")
         fix = "resume with the run's own recipe"
     else:
-        asks = f"{source} asks for a {TASK_NAMES.get(want, want)} run"
+        asks = f"{source} asks for a {TASKS[want].title} run"
         fix = f"drop {source} to resume"
-    return UserError(f"{run} is a {TASK_NAMES.get(have, have)} run (task={have}); {asks}: "
+    return UserError(f"{run} is a {TASKS[have].title} run (task={have}); {asks}: "
                      f"{fix}, or train into a new --out")
 
 
@@ -401,14 +407,10 @@ def build_config(recipe: Optional[Union[str, Path]] = None,
                 raise _unknown(f"{s}.{name}")
             tree[s][name] = _coerce(f"{s}.{name}", value, TYPES[s][name])
     tree["model"].pop("vocab_size", None)  # always taken from the tokenizer
+    cfg = RunConfig(model=tree["model"], data=DataConfig(**tree["data"]),
+                    train=TrainConfig(**tree["train"]), eval=EvalConfig(**tree["eval"]),
+                    task=task)
     # validate the model fields now; the vocabulary is only known once the tokenizer is
     # built, so vocabulary-dependent checks use data.vocab_size, or else just pass
-    probe = {**tree["model"], "vocab_size": _probe_vocab(tree)}
-    if task != "lm":
-        probe["task"] = task
-    if task == "classify":
-        probe["num_labels"] = 2
-    _model_config(probe)
-    return RunConfig(model=tree["model"], data=DataConfig(**tree["data"]),
-                     train=TrainConfig(**tree["train"]), eval=EvalConfig(**tree["eval"]),
-                     task=task)
+    cfg.model_config(_probe_vocab(tree))
+    return cfg

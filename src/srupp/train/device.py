@@ -11,20 +11,7 @@ from __future__ import annotations
 
 import torch
 
-
-def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """``t``, a batch built on the host, on ``device``.
-
-    To CUDA the copy goes from pinned (page-locked) memory and does not block:
-    from pageable memory CUDA first waits for the device. Pinning copies ``t``
-    once more on the host, which is cheap for batches of token ids; the pinned
-    buffer is kept by PyTorch's host allocator until the copy has run. Any
-    other target is a plain ``t.to(device)``.
-    """
-    device = torch.device(device)
-    if device.type != "cuda" or t.device.type != "cpu":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+from ..inference import to_device  # noqa: F401  (batches built on the host, moved here)
 
 
 def synchronize(device) -> None:

@@ -13,11 +13,11 @@ What the ranks share, and how (the trainer's side is in :mod:`.trainer`):
   streams across ranks; sentence tasks give each rank every W-th sentence of
   each global batch (:meth:`Dist.share`).
 * Each step, every rank gets the global counts, a stop request (a signal
-  seen by any rank) and rank 0's step time, so every rank fits the same
-  schedule and stops at the same step. Those are host numbers, summed on the
-  CPU (beside NCCL, in a gloo group of their own), so that no rank waits for
-  its GPU; the loss sums stay on the device and are summed there
-  (:meth:`Dist.sum_on_device`), read only when the trainer logs.
+  seen by any rank) and rank 0's step time (:meth:`Dist.step_sums`), so every
+  rank fits the same schedule and stops at the same step. Those are host
+  numbers, summed on the CPU (beside NCCL, in a gloo group of their own), so
+  that no rank waits for its GPU; the loss sums stay on the device and are
+  summed there (:meth:`Dist.sum_on_device`), read only when the trainer logs.
 * Evaluation is split across ranks and gathered in order
   (:meth:`Dist.map_shares`), so every rank computes the same metric.
 * Rank 0 writes checkpoints and metrics; the others wait at a barrier.
@@ -34,7 +34,7 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -109,6 +109,19 @@ class Dist:
         out = t.to(self._collective_device(), copy=True)  # all_reduce works in place
         torch.distributed.all_reduce(out)
         return out.to(t.device)
+
+    def step_sums(self, loss_sum: torch.Tensor, count: int, tokens: int, stop: bool,
+                  seconds: float) -> Tuple[torch.Tensor, int, int, bool, float]:
+        """A training step's numbers over all ranks: the sums of ``loss_sum`` (on its
+        device), ``count`` and ``tokens``; whether any rank was asked to ``stop``; rank
+        0's ``seconds``. So every rank logs the same loss, fits the same schedule and
+        stops at the same step."""
+        if not self.enabled:
+            return loss_sum, count, tokens, stop, seconds
+        loss_sum = self.sum_on_device(loss_sum)
+        count, tokens, stops, seconds = self.sum(
+            [count, tokens, float(stop), seconds if self.is_main else 0.0])
+        return loss_sum, int(count), int(tokens), stops > 0, seconds
 
     def gather_objects(self, obj: Any) -> List[Any]:
         """Every rank's ``obj``, in rank order, on every rank."""

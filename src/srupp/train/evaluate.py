@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from typing import Any, Dict, Optional
@@ -11,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data import StreamBatcher
-from .device import to_device
+from ..inference import autocast_context, to_device
 
 
 # tokenizers whose tokens are bytes or characters: their runs are measured in
@@ -30,14 +29,6 @@ def metric_for(tokenizer: Any) -> str:
         tokenizer = tokenizer.to_dict()
     kind = tokenizer.get("type") if isinstance(tokenizer, dict) else tokenizer
     return "bpc" if kind in CHARACTER_LEVEL else "ppl"
-
-
-def autocast_context(precision: str, device: str):
-    """The autocast context for a precision name ("fp32", "bf16", "fp16")."""
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device, dtype=dtype)
 
 
 @torch.no_grad()

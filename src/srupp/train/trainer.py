@@ -1,30 +1,27 @@
-"""The trainer of every task: one run directory, exact resume, progress and metrics.
+"""The trainer of every task: the training loop, over one run directory, with exact resume.
 
 The task (:mod:`srupp.train.tasks`: language modelling, translation or
 classification) supplies the data, batches, loss and evaluation; the loop is
 the same for all. In order: accumulate gradients over ``grad_accum``
 micro-batches (a language model carries its state across segments,
-detached), clip, step RAdam, step the schedule;
-log every ``log_every`` steps, validate every ``eval_every``, checkpoint every
-``save_every``. Everything a resumed run needs is in the checkpoint: weights,
-optimiser, schedule (with its length), RNG, data position, the carried state
-and the partial loss sums of the current log interval.
+detached), clip, step RAdam, step the learning rate (:mod:`.schedule`, which
+also fits the run's length to a time budget); log every ``log_every`` steps
+(:mod:`.metrics`), validate every ``eval_every``, checkpoint every
+``save_every`` (:mod:`.checkpoint`). Everything a resumed run needs is in the
+checkpoint: weights, optimiser, schedule (with its length), RNG, data
+position, the carried state and the partial loss sums of the current log
+interval.
 
-Ctrl-C (SIGINT) and SIGTERM stop the run between two optimiser steps: the
-signal only asks for a stop, the loop saves and returns at the next step
-boundary, so a resumed run continues bit for bit. A second signal stops at
-once, without saving: the last checkpoint stays, as after SIGKILL.
+Ctrl-C (SIGINT) and SIGTERM stop the run between two optimiser steps
+(:mod:`.signals`): the loop saves and returns at the next step boundary, so a
+resumed run continues bit for bit. A second signal stops at once, without
+saving: the last checkpoint stays, as after SIGKILL.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import math
-import os
-import signal
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -32,54 +29,30 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .._files import atomic_path, atomic_write_json, atomic_write_text, write_error
+from .._extras import MissingExtra
+from .._files import atomic_write_json
+from .._format import with_format_version
 from ..errors import UserError
 from ..models import build_model
-from ..ops import cpu_has_native_bf16, warm_up
 from ..models.state import state_from_dict
-from .checkpoint import (load_carried_state, load_trainer_state, read_json, resolve_checkpoint,
+from ..ops import cpu_has_native_bf16, warm_up
+from ..runs import RUN_CONFIG, pointer_step, read_json, read_run_config, resolve_checkpoint
+from .checkpoint import (check_same_shape, load_carried_state, load_trainer_state,
                          save_checkpoint)
-from .classify import ClassificationTask
 from .config import RunConfig
-from .lock import LOCK_FILE, trainer_lock
 from .device import synchronize
 from .distributed import SINGLE, Dist
-from .tasks import LMTask, Task, check_tokenizer_fits  # noqa: F401  (re-exported)
-from .translate import TranslationTask
-
-
-CALIBRATION_SKIP = 5  # untimed warm-up steps before the calibration window
-# The first calibration sees only a few early steps, which can run slower or
-# faster than the rest (caches, allocator, a neighbour's load); the schedule
-# length is fitted again at these fractions of the budget (or of the fitted
-# steps, whichever comes first), each time from the steps since the previous
-# fit, so a speed that changes mid-run (a Transformer
-# translating ran 13% faster after its first 300 s and ended at 88% of its
-# budget with one re-fit) still ends the schedule with the budget.
-REFIT_AT = (0.25, 0.5, 0.75, 0.9)
-
-
-def lr_factor(step: int, warmup: int, total: int, min_ratio: float,
-              schedule: str = "cosine") -> float:
-    """Linear warm-up over ``warmup`` steps, then the decay.
-
-    cosine: to ``min_ratio`` at ``total``; inverse_sqrt: √(warmup / step),
-    which needs no end (at least ``min_ratio``).
-    """
-    if step < warmup:
-        return (step + 1) / warmup
-    if schedule == "inverse_sqrt":
-        return max(min_ratio, math.sqrt(max(1, warmup) / (step + 1)))
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-TASKS = {"lm": LMTask, "translate": TranslationTask, "classify": ClassificationTask}
+from .lock import LOCK_FILE, trainer_lock
+from .metrics import MetricsLog
+from .plots import LOSS_UNITS, run_curves
+from .schedule import StepSchedule
+from .signals import StopRequests
+from .tasks import Task
 
 
 def make_task(cfg: RunConfig, dist: Dist = SINGLE) -> Task:
     """The task ``cfg.task`` names, for this process's share of the data."""
-    return TASKS[cfg.task](cfg, dist)
+    return cfg.task_class(cfg, dist)
 
 
 class Trainer:
@@ -100,6 +73,9 @@ class Trainer:
     finished its budget sets :attr:`finished_at` and writes nothing; a raised
     ``train.max_steps`` or ``train.max_seconds`` continues it.
 
+    With ``train.tensorboard``, rank 0 also writes the metrics for TensorBoard
+    (:mod:`srupp.train.metrics`).
+
     Raises:
         OSError: a write failed (a full disk): it names the file; the last
             complete checkpoint stays the one ``resume`` takes.
@@ -110,7 +86,6 @@ class Trainer:
         self.cfg = cfg
         self.dist = dist
         self.run_dir = Path(run_dir)
-        self.metrics_path = self.run_dir / "metrics.jsonl"
         self.progress = progress and dist.is_main
         t = cfg.train
         if t.threads:
@@ -133,6 +108,10 @@ class Trainer:
         self._locked = False  # held, by self._lock or by a block of this process around it
         self.finished_at: Optional[int] = None
         self.finished = False  # the final evaluation is saved
+        self.schedule = StepSchedule(t)
+        # rank 0 writes the metrics; a missing tensorboard is said before any slow work
+        self.metrics = MetricsLog(self.run_dir, tensorboard=t.tensorboard and dist.is_main)
+        self._stop = StopRequests()
         created = False
         try:
             self._take_lock()  # before reading a checkpoint that another writer may replace
@@ -198,78 +177,36 @@ class Trainer:
         return (f"run {self.run_dir} finished at step {self.finished_at}; raise "
                 f"train.max_steps or train.max_seconds to continue")
 
-    # ---------------------------------------------------------------- budget
     @property
-    def budget(self) -> Dict[str, Any]:
-        """The step and time budget this run trains to (saved with each checkpoint)."""
-        t = self.cfg.train
-        return {"max_steps": t.max_steps, "max_seconds": t.max_seconds}
+    def total_steps(self) -> int:
+        """The step the run trains to (fitted to ``train.max_seconds`` when that is set)."""
+        return self.schedule.total_steps
 
-    def _saved_budget(self, state: Dict[str, Any]) -> Dict[str, Any]:
-        """The budget a checkpoint was trained to; before checkpoints held it, the run's
-        config.json's; else this run's."""
-        if isinstance(state.get("budget"), dict):
-            return state["budget"]
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            t = json.loads((self.run_dir / "config.json").read_text())["train"]
-            return {"max_steps": t["max_steps"], "max_seconds": t.get("max_seconds")}
-        return self.budget
-
-    def _budget_raised(self, saved: Dict[str, Any]) -> bool:
-        """Whether this run's budget is larger than ``saved``: more steps, or more time."""
-        t = self.cfg.train
-        more_time = saved.get("max_seconds") is not None and (
-            t.max_seconds is None or t.max_seconds > saved["max_seconds"])
-        return t.max_steps > saved.get("max_steps", t.max_steps) or more_time
-
+    # ---------------------------------------------------------------- budget
     def _finished_at(self, state: Dict[str, Any]) -> Optional[int]:
         """The step at which a checkpoint's run finished, when this run's budget leaves it
         nothing to train; else None."""
-        saved = self._saved_budget(state)
-        done = state.get("finished")
-        if done is None:  # saved before checkpoints said: had it used its budget?
-            done = state["step"] >= state["total_steps"] or (
-                saved.get("max_seconds") is not None
-                and state["train_seconds"] >= saved["max_seconds"])
-        if not done:
+        if not state["finished"]:
             return None
-        if self._budget_raised(saved):
-            total = self._extended_schedule(state)[0]
+        if self.schedule.budget_raised(state["budget"]):
+            extended = StepSchedule(self.cfg.train)
+            extended.load_state_dict(state)
+            extended.extend(state["step"], state["train_seconds"])
             t = self.cfg.train
-            if state["step"] < total and (t.max_seconds is None
-                                          or state["train_seconds"] < t.max_seconds):
+            if state["step"] < extended.total_steps and (
+                    t.max_seconds is None or state["train_seconds"] < t.max_seconds):
                 return None  # a raised budget leaves steps to train
         return int(state["step"])
 
-    def _extended_schedule(self, state: Dict[str, Any]) -> tuple:
-        """(total_steps, calibrated, refitted, calibrated_at) of a resumed run whose budget
-        was raised: the schedule fitted again to the new budget from the saved step."""
-        t = self.cfg.train
-        step, seconds = state["step"], state["train_seconds"]
-        if t.max_seconds is None:
-            return t.max_steps, True, len(REFIT_AT), (step, seconds)
-        if not state["calibrated"]:  # calibration goes on as in a new run
-            return t.max_steps, False, 0, tuple(state.get("calibrated_at", (0, 0.0)))
-        step0, seconds0 = state.get("calibrated_at", (0, 0.0))
-        per_step = ((seconds - seconds0) / (step - step0) if step > step0
-                    else seconds / max(step, 1))
-        fits = step + int(0.97 * (t.max_seconds - seconds) / max(per_step, 1e-9))
-        total = max(step + 1, min(t.max_steps, fits))
-        # the re-fits at fractions of the new budget that are still ahead
-        refitted = sum(seconds >= f * t.max_seconds for f in REFIT_AT)
-        return total, True, refitted, (step, seconds)
-
-    def _extend_budget(self, state: Dict[str, Any]) -> None:
+    def _extend_budget(self) -> None:
         """A resumed run with a raised budget: train on to it; its config.json says so, so
         that a later --resume keeps it."""
-        (self.total_steps, self.calibrated, self.refitted,
-         self.calibrated_at) = self._extended_schedule(state)
+        self.schedule.extend(self.step, self.train_seconds)
         if self.dist.is_main:
-            path = self.run_dir / "config.json"
-            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-                saved = json.loads(path.read_text())
-                saved["train"].update(self.budget)
-                atomic_write_json(path, saved)
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError, UserError):
+                saved = read_run_config(self.run_dir)
+                saved["train"].update(self.schedule.budget)
+                atomic_write_json(self.run_dir / RUN_CONFIG, with_format_version(saved))
 
     def _set_up(self, cfg: RunConfig, ckpt: Optional[Path],
                 saved_state: Optional[Dict[str, Any]] = None) -> None:
@@ -305,14 +242,8 @@ class Trainer:
         self.optimizer = torch.optim.RAdam(self._param_groups(), lr=t.lr,
                                            weight_decay=t.weight_decay,
                                            decoupled_weight_decay=True)
-        self.total_steps = t.max_steps  # fixed by calibration when max_seconds is set
-        self.calibrated = t.max_seconds is None
-        self.refitted = 0 if t.max_seconds is not None else len(REFIT_AT)  # re-fits done
-        self.calibrated_at = (0, 0.0)  # (step, train_seconds) when the schedule was last fitted
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer,
-            lambda s: lr_factor(s, self._warmup_steps(), self.total_steps, t.min_lr_ratio,
-                                t.schedule))
+            self.optimizer, lambda s: self.schedule.lr_factor(s))
         # disabled (every call a no-op or a plain optimizer.step()) unless fp16; its scale
         # and growth count are saved with every checkpoint (_trainer_state) and put back
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
@@ -325,17 +256,15 @@ class Trainer:
         # translation and classification: the best validation BLEU or macro-F1
         self.best_metric = float("-inf")
         self.interval = _new_interval()
-        self._metrics_lines = 0  # lines in metrics.jsonl (rank 0), saved with each checkpoint
         self._mid_step = False  # inside an optimiser step: the state is not consistent
-        self._signals = 0  # SIGINT/SIGTERM received during train()
         if ckpt is not None:
             self._restore(ckpt, saved_state)
         elif self.dist.is_main:
-            atomic_write_json(self.run_dir / "config.json", cfg.to_dict())
+            atomic_write_json(self.run_dir / RUN_CONFIG, with_format_version(cfg.to_dict()))
             for name, content in self.task.files().items():
                 atomic_write_json(self.run_dir / name, content)
             # lines of a run killed before its first checkpoint: it starts again from step 0
-            self._truncate_metrics(0)
+            self.metrics.truncate(0)
         self.dist.barrier()
 
     @property
@@ -374,15 +303,6 @@ class Trainer:
     def valid_ids(self):
         return self.task.valid_ids
 
-    def _warmup_steps(self) -> int:
-        """train.warmup_steps, or warmup_fraction of the schedule once it is fitted."""
-        t = self.cfg.train
-        if t.warmup_fraction is None:
-            return t.warmup_steps
-        if not self.calibrated:  # the schedule's length is not known yet: warm up as for max_steps
-            return max(1, round(t.warmup_fraction * t.max_steps))
-        return max(1, round(t.warmup_fraction * self.total_steps))
-
     def _param_groups(self):
         if not self.cfg.train.no_decay_bias_norm:
             return [{"params": list(self.model.parameters())}]
@@ -393,10 +313,9 @@ class Trainer:
 
     def _trainer_state(self) -> Dict[str, Any]:
         return {
-            **{k: getattr(self, k) for k in ("step", "total_steps", "calibrated", "refitted",
-                                             "train_seconds", "best_loss", "best_metric",
+            **{k: getattr(self, k) for k in ("step", "train_seconds", "best_loss", "best_metric",
                                              "tokens_seen")},
-            "calibrated_at": list(self.calibrated_at),
+            **self.schedule.state_dict(),  # total_steps, calibrated, refitted, calibrated_at
             "interval": {**self.interval, "loss_sum": float(self.interval["loss_sum"])},
             # under FSDP each rank's shard of the state is in "ranks" (_rank_states); the
             # groups' settings (the current lr among them) are kept here
@@ -411,10 +330,10 @@ class Trainer:
             "world_size": self.dist.world_size,
             "shard": self.cfg.train.shard if self.dist.enabled else None,
             # a resumed run compares its budget with these: the same, it has nothing to do
-            "budget": self.budget,
+            "budget": self.schedule.budget,
             "finished": self.finished,
             # a resumed run keeps these lines of metrics.jsonl and drops the rest
-            "metrics_lines": self._metrics_lines,
+            "metrics_lines": self.metrics.lines,
         }
 
     def _rank_states(self) -> Optional[Dict[str, Any]]:
@@ -431,19 +350,20 @@ class Trainer:
             mine["shards"] = local_shards(self.model, self.optimizer)
         return {"ranks": self.dist.gather_objects(mine)}
 
+
     def _restore(self, ckpt: Path, state: Optional[Dict[str, Any]] = None) -> None:
         from safetensors.torch import load_model
 
         if state is None:
             state = load_trainer_state(ckpt)
-        saved_world = state.get("world_size", 1)
+        saved_world = state["world_size"]
         if saved_world != self.dist.world_size:
             raise UserError(f"{self.run_dir} was trained on {saved_world} process(es), this run "
                             f"has {self.dist.world_size}; resume it at world size {saved_world} "
                             f"(torchrun --nproc_per_node), or train a new run into another --out")
         shard = self.cfg.train.shard if self.dist.enabled else None
-        if state.get("shard") != shard:
-            raise UserError(f"{self.run_dir} was trained with train.shard={state.get('shard')}; "
+        if state["shard"] != shard:
+            raise UserError(f"{self.run_dir} was trained with train.shard={state['shard']}; "
                             f"resume it with the same setting")
         try:
             if not self.sharded:  # FSDP: each rank's shards come from trainer.pt, below
@@ -467,24 +387,14 @@ class Trainer:
                                          if self.dist.enabled else state["data"])
         except (KeyError, ValueError, RuntimeError) as e:
             raise UserError(f"{ckpt / 'trainer.pt'} does not fit this run ({e})") from None
-        if self.scaler.is_enabled() and state.get("scaler"):
+        if self.scaler.is_enabled() and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
-        for k in ("step", "total_steps", "calibrated", "train_seconds"):
+        for k in ("step", "train_seconds", "tokens_seen", "best_loss", "best_metric"):
             setattr(self, k, state[k])
-        self.tokens_seen = state.get("tokens_seen", 0)  # absent in checkpoints from before
-        self.best_metric = state.get("best_metric", float("-inf"))
-        # a count of re-fits; True/False in checkpoints from when there was one, and
-        # none at all before that
-        self.refitted = int(state.get("refitted", len(REFIT_AT)))
-        self.calibrated_at = tuple(state.get("calibrated_at", (0, 0.0)))
-        # checkpoints from before the metric was named by its unit stored bits per token
-        self.best_loss = (state["best_loss"] if "best_loss" in state
-                          else state["best_bpc"] * math.log(2))
-        if not self.finished and self._budget_raised(self._saved_budget(state)):
-            self._extend_budget(state)
+        self.schedule.load_state_dict(state)
+        if not self.finished and self.schedule.budget_raised(state["budget"]):
+            self._extend_budget()
         self.interval = {**_new_interval(), **state["interval"]}
-        if "count" not in state["interval"]:  # saved when every count was a token count
-            self.interval["count"] = self.interval["tokens"]
         if self.dist.enabled:
             mine = state["ranks"][self.dist.rank]
             torch.set_rng_state(mine["rng"])
@@ -494,47 +404,18 @@ class Trainer:
                        else state_from_dict(mine["carried"]))
         else:
             torch.set_rng_state(state["rng"])
-            if state.get("cuda_rng"):
+            if state["cuda_rng"]:
                 torch.cuda.set_rng_state_all(state["cuda_rng"])
             carried = load_carried_state(ckpt) if self.task.carries_state else None
         self.carried = None if carried is None else carried.to(self.device)
         if self.dist.is_main and not self.finished:
-            self._truncate_metrics(self.step, state.get("metrics_lines"))
+            self.metrics.truncate(self.step, state["metrics_lines"])
+
 
     # --------------------------------------------------------------- logging
-    def _truncate_metrics(self, step: int, lines: Optional[int] = None) -> None:
-        """Drop lines an interrupted run wrote after its last checkpoint: beyond its first
-        ``lines`` (the count the checkpoint saved), and any of a later step.
-
-        The count also drops a line of the checkpoint's own step that its save did not
-        include: a final evaluation whose save failed (a full disk) is evaluated again.
-        """
-        if not self.metrics_path.exists():
-            return
-        kept = []
-        for ln in self.metrics_path.read_text().splitlines():
-            if lines is not None and len(kept) >= lines:
-                break
-            with contextlib.suppress(json.JSONDecodeError):  # a blank line, or one cut by the kill
-                if json.loads(ln).get("step", 0) <= step:
-                    kept.append(ln)
-        atomic_write_text(self.metrics_path, "".join(ln + "\n" for ln in kept))
-        self._metrics_lines = len(kept)
-
     def _log(self, record: Dict[str, Any]) -> None:
-        if not self.dist.is_main:
-            return
-        size = None
-        try:
-            size = self.metrics_path.stat().st_size if self.metrics_path.exists() else 0
-            with open(self.metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-            self._metrics_lines += 1
-        except OSError as e:  # a full disk: no half line left behind
-            if size is not None:
-                with contextlib.suppress(OSError):
-                    os.truncate(self.metrics_path, size)
-            raise write_error(e, self.metrics_path) from None
+        if self.dist.is_main:
+            self.metrics.append(record)
 
     # ------------------------------------------------------------------ loop
     def _train_step(self, it) -> tuple:
@@ -594,20 +475,14 @@ class Trainer:
     def _account(self, loss_sum: torch.Tensor, count: int, tokens: int, dt: float) -> tuple:
         """Add the step's time, and under torchrun make its sums global.
 
-        ``_train_step`` added this rank's sums to the interval. Under torchrun
-        they are summed over ranks, with whether this rank saw a signal and
-        rank 0's step time, so that every rank logs the same loss (the global
-        sums replace this rank's), fits the same schedule and stops at the same
-        step; the loss sum on the device, the rest on the host (:meth:`Dist.sum`).
+        ``_train_step`` added this rank's sums to the interval; under torchrun
+        the sums over all ranks replace them (:meth:`Dist.step_sums`).
         Returns (mean loss of the step (a device tensor), step seconds, stop requested).
         """
-        stop = bool(self._signals)
+        local = (loss_sum, count, tokens)
+        loss_sum, count, tokens, stop, dt = self.dist.step_sums(
+            loss_sum, count, tokens, bool(self._stop.count), dt)
         if self.dist.enabled:
-            local = (loss_sum, count, tokens)
-            loss_sum = self.dist.sum_on_device(loss_sum)
-            count, tokens, stops, dt = self.dist.sum(
-                [count, tokens, float(stop), dt if self.dist.is_main else 0.0])
-            count, tokens, stop = int(count), int(tokens), stops > 0
             self.interval["loss_sum"] += loss_sum - local[0]
             self.interval["count"] += count - local[1]
             self.interval["tokens"] += tokens - local[2]
@@ -639,24 +514,15 @@ class Trainer:
         if not self._runs_ahead:
             return False
         t, s = self.cfg.train, self.step
-        shared = (not self.calibrated or self._refit_due() or s >= self.total_steps
+        shared = (not self.schedule.calibrated
+                  or self.schedule.refit_due(s, self.train_seconds) or s >= self.total_steps
                   or s % t.log_every == 0 or s % t.eval_every == 0 or s % t.save_every == 0)
         # the last step of the budget; under torchrun only rank 0's time counts
         ends_budget = (t.max_seconds is not None
                        and self.train_seconds + time.perf_counter() - start >= t.max_seconds)
-        if shared or refresh_bar or self._signals or ends_budget:
+        if shared or refresh_bar or self._stop.count or ends_budget:
             synchronize(self.device)
         return shared
-
-    def _refit_due(self) -> bool:
-        """Whether the schedule is to be fitted again now (:data:`REFIT_AT`)."""
-        t = self.cfg.train
-        return (self.refitted < len(REFIT_AT)
-                and self.step - self.calibrated_at[0] >= t.calibration_steps
-                # at a fraction of the budget, or of the steps when they run
-                # faster than fitted (else the schedule could end first)
-                and (self.train_seconds >= REFIT_AT[self.refitted] * t.max_seconds
-                     or self.step >= REFIT_AT[self.refitted] * self.total_steps))
 
     def validate(self, max_batches: Optional[int] = None, *, final: bool = False
                  ) -> Dict[str, float]:
@@ -692,21 +558,8 @@ class Trainer:
             save_checkpoint(self.run_dir, self.step, model,
                             None if self.dist.enabled else self.carried, state,
                             files=self.task.files(), pointers=pointers, info=info)
+            self.metrics.flush()
         self.dist.barrier()
-
-    def _refit(self) -> None:
-        """Fit the schedule length again from the mean step time since the last fit."""
-        step0, seconds0 = self.calibrated_at
-        if self.step > step0:
-            self._fit_schedule((self.train_seconds - seconds0) / (self.step - step0))
-        self.calibrated_at = (self.step, self.train_seconds)
-        self.refitted += 1
-
-    def _fit_schedule(self, per_step: float) -> None:
-        t = self.cfg.train
-        remaining = t.max_seconds - self.train_seconds
-        fits = self.step + int(0.97 * remaining / max(per_step, 1e-9))
-        self.total_steps = max(self.step + 1, min(t.max_steps, fits))
 
     def train(self) -> Dict[str, Any]:
         """Run to ``total_steps`` or the time budget; returns a summary.
@@ -725,34 +578,18 @@ class Trainer:
         """
         if self.finished_at is not None:  # a resumed run with no budget left
             return self._finished_summary()
-        self._signals = 0
-        previous = {}
         try:
             if not self._locked:  # released by close() or an earlier train()
                 self._take_lock()
                 if self._lock is not None:
                     self._lock.write_pid()
-            # only the main thread may set handlers; signals are its anyway
-            if threading.current_thread() is threading.main_thread():
-                for signum in (signal.SIGINT, signal.SIGTERM):
-                    old = signal.signal(signum, self._on_signal)
-                    # None: a handler set outside Python
-                    previous[signum] = signal.SIG_DFL if old is None else old
-            return self._train()
+            if self.dist.is_main:
+                self.metrics.open(self.step)
+            with self._stop:
+                return self._train()
         finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
+            self.metrics.close()
             self.close()
-
-    def _on_signal(self, signum, frame) -> None:
-        # Only ask for a stop: the loop looks between optimiser steps. Raising
-        # here would land anywhere (after the batcher advanced, between
-        # optimizer.step() and the step counter) and leave nothing consistent
-        # to save. Printing is left to the loop: the handler may run inside a
-        # write to stderr.
-        self._signals += 1
-        if self._signals > 1:
-            raise KeyboardInterrupt  # asked twice: stop now; the last checkpoint stays
 
     def _train(self) -> Dict[str, Any]:
         from tqdm import tqdm
@@ -762,14 +599,15 @@ class Trainer:
         # build compiled kernels before the clock starts (one-time compilation is not training)
         warm_up(self.device)
         it = self.batcher.iter_from(self.batcher.position)
-        calib_times: list = []
+        schedule, stop_requests = self.schedule, self._stop
+        schedule.start()
         last_postfix = 0.0
         try:
             with tqdm(total=self.total_steps, initial=self.step, disable=not self.progress,
                       file=sys.stderr, dynamic_ncols=True, unit="step") as bar:
                 stop = False
                 while (self.step < self.total_steps and not stop
-                       and not (self._signals and not self.dist.enabled)
+                       and not (stop_requests.count and not self.dist.enabled)
                        and (t.max_seconds is None or self.train_seconds < t.max_seconds)):
                     start = time.perf_counter()
                     sums = self._train_step(it)
@@ -778,19 +616,13 @@ class Trainer:
                     refresh = self.progress and now - last_postfix > 0.5
                     timed = self._wait_for_device(start, refresh)
                     loss, dt, stop = self._account(*sums, time.perf_counter() - start)
-                    if not self.calibrated:
-                        calib_times.append(dt)
-                        # the first few steps run slower (allocator and caches warming up)
-                        if len(calib_times) >= CALIBRATION_SKIP + t.calibration_steps:
-                            # fix the schedule length so the cosine ends when the time budget does
-                            window = sorted(calib_times[CALIBRATION_SKIP:])
-                            self._fit_schedule(window[len(window) // 2])
-                            self.calibrated = True
-                            self.calibrated_at = (self.step, self.train_seconds)
+                    if not schedule.calibrated:
+                        if schedule.calibrate(self.step, self.train_seconds, dt):
                             bar.total = self.total_steps
-                    elif self._refit_due() and (timed or not self._runs_ahead):
+                    elif (schedule.refit_due(self.step, self.train_seconds)
+                          and (timed or not self._runs_ahead)):
                         # (on CUDA a re-fit waits for a step that waited for the device)
-                        self._refit()
+                        schedule.refit(self.step, self.train_seconds)
                         bar.total = self.total_steps
                     bar.update(1)
                     tok_s = self.interval["tokens"] / max(self.interval["seconds"], 1e-9)
@@ -799,8 +631,9 @@ class Trainer:
                         loss = float(loss)
                         left = (f"{max(0.0, t.max_seconds - self.train_seconds):.0f}s"
                                 if t.max_seconds else "-")
-                        shown = {} if self.task.name != "lm" else {
-                            self.metric: self.task.bar_value(loss)}
+                        # a language model's loss in its unit (bpc, ppl) beside it
+                        shown = ({self.metric: self.task.bar_value(loss)}
+                                 if self.metric in LOSS_UNITS else {})
                         bar.set_postfix(loss=f"{loss:.3f}", **shown, tok_s=f"{tok_s:.0f}",
                                         left=left, refresh=False)
                     if self.step % t.log_every == 0:
@@ -816,11 +649,11 @@ class Trainer:
                         self._save()
         except KeyboardInterrupt:
             # a second signal, or an interrupt raised by code around the trainer
-            if self._mid_step or self._signals > 1 or self.dist.enabled:
+            if self._mid_step or stop_requests.count > 1 or self.dist.enabled:
                 # under torchrun the other ranks may be inside a collective: no save
                 return self._stopped_without_saving()
             return self._stop_and_save()
-        if stop or (self._signals and not self.dist.enabled):
+        if stop or (stop_requests.count and not self.dist.enabled):
             return self._stop_and_save()
         final = self._evaluate_and_save(None, final=True)
         if self.dist.is_main:
@@ -834,13 +667,8 @@ class Trainer:
         """The summary of a run that had finished before: its final evaluation's results
         (metrics.jsonl's last validation line)."""
         summary = {"interrupted": False, "finished": True, "step": self.step}
-        rows = []
-        with contextlib.suppress(OSError):
-            for ln in self.metrics_path.read_text().splitlines():
-                with contextlib.suppress(json.JSONDecodeError):
-                    rows.append(json.loads(ln))
-        final = next((r for r in reversed(rows) if isinstance(r, dict) and "valid_loss" in r
-                      and r.get("step") == self.step), {})
+        final = next((r for r in reversed(self.metrics.rows())
+                      if "valid_loss" in r and r.get("step") == self.step), {})
         summary.update({f"valid_{k}": final.get(f"valid_{k}") for k in self.task.summary_keys()})
         summary.update(train_seconds=self.train_seconds, params=self.model.num_parameters())
         return summary
@@ -854,8 +682,7 @@ class Trainer:
 
     def _stopped_without_saving(self) -> Dict[str, Any]:
         """Stopped inside a step: keep the last checkpoint, the state in memory is half-updated."""
-        last = self.run_dir / "last.json"
-        step = read_json(last, "checkpoint pointer").get("step") if last.exists() else None
+        step = pointer_step(self.run_dir, "last")
         where = (f"continue from its last checkpoint (step {step}) with --resume"
                  if step is not None else "no checkpoint was saved yet")
         if self.dist.is_main:
@@ -889,57 +716,13 @@ class Trainer:
         return res
 
     def plot(self) -> Optional[Path]:
-        """Write ``curves.png``: training and validation bpc (byte and character runs),
-        perplexity (word and subword runs), or loss (translation: nats per target
-        token; classification: per text), against step; and the task's metric
-        (BLEU, macro-F1) beside it."""
-        from .._extras import MissingExtra, require
-
+        """Write ``curves.png`` (:func:`srupp.train.plots.run_curves`); without matplotlib,
+        a warning names the extra and nothing is written."""
         try:
-            matplotlib = require("matplotlib", what="curves.png")
+            return run_curves(self.run_dir / "curves.png", self.metrics.rows(), self.metric)
         except MissingExtra as e:
             warnings.warn(f"{e}; the run is saved, without curves.png", stacklevel=2)
             return None
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        rows = [json.loads(ln) for ln in self.metrics_path.read_text().splitlines() if ln.strip()]
-        lm = self.task.name == "lm"
-        value = ((lambda loss: loss / math.log(2)) if self.metric == "bpc" else
-                 (lambda loss: math.exp(min(loss, 700.0))) if lm else (lambda loss: loss))
-        train = [(r["step"], value(r["train_loss"])) for r in rows if "train_loss" in r]
-        valid = [(r["step"], value(r["valid_loss"])) for r in rows if "valid_loss" in r]
-        metric = [(r["step"], r[f"valid_{self.metric}"]) for r in rows
-                  if not lm and f"valid_{self.metric}" in r]
-        fig, axes = plt.subplots(1, 2 if metric else 1, figsize=(12 if metric else 7, 4.5),
-                                 squeeze=False)
-        ax = axes[0][0]
-        if train:
-            ax.plot(*zip(*train), label="train", alpha=0.8)
-        if valid:
-            ax.plot(*zip(*valid), "o-", label="validation")
-        ax.set_xlabel("step")
-        if self.metric == "bpc":
-            ax.set_ylabel("bits per character")
-        elif lm:
-            ax.set_ylabel("perplexity per token")
-            ax.set_yscale("log")
-        else:
-            ax.set_ylabel("loss (nats)")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        if metric:
-            axes[0][1].plot(*zip(*metric), "o-")
-            axes[0][1].set_xlabel("step")
-            axes[0][1].set_ylabel(f"validation {self.metric}")
-            axes[0][1].grid(alpha=0.3)
-        fig.tight_layout()
-        out = self.run_dir / "curves.png"
-        try:
-            with atomic_path(out) as tmp:
-                fig.savefig(tmp, dpi=100, format="png")
-        finally:
-            plt.close(fig)
-        return out
 
 
 def _new_interval() -> Dict[str, float]:
@@ -948,52 +731,3 @@ def _new_interval() -> Dict[str, float]:
     The loss's sum becomes a float64 tensor on the device in training (read when
     logged or saved), and is saved as a float."""
     return {"loss_sum": 0.0, "count": 0, "tokens": 0, "seconds": 0.0}
-
-
-def _param_shapes(config: Dict[str, Any]) -> Optional[Dict[str, tuple]]:
-    """The parameters' shapes of the model ``config`` describes; None for an invalid config."""
-    try:
-        with torch.device("meta"):  # shapes without allocating
-            model = build_model(dict(config))
-    except (ValueError, TypeError):
-        return None
-    return {n: tuple(p.shape) for n, p in model.named_parameters()}
-
-
-def _fmt_value(v: Any) -> str:
-    """A config value as ``--set`` takes it."""
-    if v is None:
-        return "none"
-    if isinstance(v, (list, tuple)):
-        return ",".join(str(x) for x in v)
-    return str(v).lower() if isinstance(v, bool) else str(v)
-
-
-def check_same_shape(run_dir: Path, ckpt: Path, model_config) -> None:
-    """Refuse a resumed run whose model config would change the saved model's shape.
-
-    Names each model key that does, with the saved value and the new one;
-    keys that change no shape (dropout, mem_len, ...) may change on resume.
-    """
-    saved = read_json(ckpt / "config.json", "model config")
-    new = model_config.to_dict()
-    if not isinstance(saved, dict):
-        return  # the loader says what is wrong with it
-    # the new config's fields only: a save may hold more (a save id; before per-type
-    # configs, every type's fields)
-    saved = {k: saved[k] for k in new if k in saved}
-    changed = [k for k in new if k in saved and new[k] != saved[k]]
-    if not changed:
-        return
-    if "type" in changed:
-        culprits = ["type"]  # another model altogether
-    else:
-        before = _param_shapes(saved)
-        if before is None or _param_shapes(new) == before:
-            return  # a config this version cannot read (the loader says so), or same shapes
-        # each key that changes a shape on its own; all changed keys if only together
-        culprits = [k for k in changed if _param_shapes({**saved, k: new[k]}) != before]
-    which = ", ".join(f"model.{k}={_fmt_value(saved[k])}, not {_fmt_value(new[k])}"
-                      for k in (culprits or changed))
-    raise UserError(f"{run_dir} was trained with {which}: a resumed run keeps its model's "
-                    f"shape; drop the change, or train a new run into another --out")

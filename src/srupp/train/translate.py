@@ -16,7 +16,8 @@ log-likelihood per target token, and tokens/s counts target tokens.
 Validation during training: the loss, and BLEU and chrF of greedy
 translations of the first ``eval.bleu_sentences`` validation sentences, so
 that it does not eat the budget; the final evaluation translates the whole
-split with beam search (``eval.beam``, ``eval.lenpen``).
+split with beam search (``eval.beam``, ``eval.lenpen``). The decoding itself
+is :mod:`srupp.inference`'s (``translate_lines``), which ``srupp translate`` calls.
 """
 
 from __future__ import annotations
@@ -27,14 +28,17 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from .._extras import require
-from .._ranges import check
 from ..data import LengthBatcher, build_tokenizer, load_table, tokenizer_from_dict
-from ..errors import UserError
-from ..models.decoding import beam_search, greedy_decode
+from ..errors import UserError, user_input
+from ..inference import (encode_lines, encode_sources, length_batches, pad_batch, translate_ids,
+                         translate_lines)
 from .distributed import SINGLE, Dist
 from .evaluate import autocast_context
-from .tasks import (SentenceTask, content_crc32, encode_lines, fit_length, length_batches,
-                    loss_sum, pad_batch)
+from .tasks import (SPEED_REPEATS, SentenceTask, Task, content_crc32, loss_sum, median_rate,
+                    time_to_note)
+
+SPEED_SENTENCES = 100  # compare: the first validation sentences timed
+SPEED_BEAMS = (1, 5)   # compare: greedy, and the usual beam
 
 
 class PairBatch:
@@ -52,19 +56,34 @@ class PairBatch:
 
 class TranslationTask(SentenceTask):
     name = "translate"
+    title = "translation"
+    command = "translate"
     metric = "bleu"
     higher_is_better = True
+    default_tokenizer = "sentencepiece"
+    default_corpus = "iwslt14-de-en"
+    depth_fields = ("encoder_layers", "decoder_layers")
+    compare_columns = ("bleu", "chrf", *Task.compare_columns,
+                       *(f"sentences_per_s_beam{b}" for b in SPEED_BEAMS))
+
+    @classmethod
+    def check_config(cls, cfg):
+        if cfg.data.tokenizer != "sentencepiece":
+            raise UserError(f"task=translate uses a joint sentencepiece tokenizer, not "
+                            f"data.tokenizer={cfg.data.tokenizer}; unset data.tokenizer")
 
     def load(self, saved: Optional[Dict[str, Any]]) -> None:
         d = self.cfg.data
-        self.splits = load_table(self.table_source(), (d.src, d.tgt), test_size=d.test_size,
-                                 valid_size=d.valid_size)
+        with user_input():
+            self.splits = load_table(self.table_source(), (d.src, d.tgt),
+                                     test_size=d.test_size, valid_size=d.valid_size)
         self.check_splits(self.splits)
-        if saved is not None:
-            self.tokenizer = tokenizer_from_dict(saved["tokenizer.json"])
-        else:
-            joint = "\n".join(text for pair in self.splits.train for text in pair)
-            self.tokenizer = build_tokenizer("sentencepiece", joint, **d.tokenizer_options())
+        with user_input():
+            if saved is not None:
+                self.tokenizer = tokenizer_from_dict(saved["tokenizer.json"])
+            else:
+                joint = "\n".join(text for pair in self.splits.train for text in pair)
+                self.tokenizer = build_tokenizer("sentencepiece", joint, **d.tokenizer_options())
         eos = self.tokenizer.eos_id
         self.model_config = self.cfg.model_config(self.tokenizer.vocab_size)
         if (self.model_config.bos_id, self.model_config.eos_id) != (eos, eos):
@@ -126,12 +145,13 @@ class TranslationTask(SentenceTask):
         try:
             res = self.valid_loss(model, precision, None if final else max_batches)
             rows = self.splits.valid if final else self.splits.valid[:self.cfg.eval.bleu_sentences]
-            e = self.cfg.eval
+            e, d = self.cfg.eval, self.cfg.data
+            sources = encode_sources(self.tokenizer, [r[0] for r in rows], max_len=d.max_len,
+                                     truncate=d.truncate)
             scores = translation_scores(
-                model, self.tokenizer, [r[0] for r in rows], [r[1] for r in rows],
+                model, self.tokenizer, sources, [r[1] for r in rows],
                 beam=e.beam if final else 1, lenpen=e.lenpen, max_len_a=e.max_len_a,
                 max_len_b=e.max_len_b, max_tokens=self.cfg.train.max_tokens,
-                max_len=self.cfg.data.max_len, truncate=self.cfg.data.truncate,
                 precision=precision, dist=self.dist)
         finally:
             model.train(was_training)
@@ -142,79 +162,76 @@ class TranslationTask(SentenceTask):
         return ("loss", "bleu", "chrf")
 
 
-def translate_lines(model, tokenizer, lines: Sequence[str], *, beam: int = 5,
-                    lenpen: float = 1.0, max_len_a: float = 1.2, max_len_b: int = 10,
-                    max_tokens: int = 4096, max_len: Optional[int] = None,
-                    truncate: bool = False, precision: str = "fp32",
-                    first_line: int = 1) -> List[str]:
-    """Translate ``lines`` (in order); an empty line gives an empty translation.
+    def evaluate_checkpoint(self, model, tokenizer, ckpt, split):
+        d, e = self.cfg.data, self.cfg.eval
+        with user_input():
+            rows = load_table(d.corpus, (d.src, d.tgt), test_size=d.test_size,
+                              valid_size=d.valid_size).split(split)
+            sources = encode_sources(tokenizer, [r[0] for r in rows], max_len=d.max_len,
+                                     truncate=d.truncate)
+        res = translation_scores(model, tokenizer, sources, [r[1] for r in rows],
+                                 beam=e.beam, lenpen=e.lenpen, max_len_a=e.max_len_a,
+                                 max_len_b=e.max_len_b, max_tokens=self.cfg.train.max_tokens)
+        res.pop("hypotheses")
+        return {**res, "beam": e.beam, "lenpen": e.lenpen}
 
-    Sentences are batched by length (at most ``max_tokens`` padded source
-    tokens per batch), decoded greedily (``beam`` 1) or with beam search, and
-    detokenised. A source longer than ``max_len`` tokens is a ValueError
-    naming its line (``first_line`` is the number of ``lines[0]``), or is cut
-    to it, with a warning, when ``truncate``.
-    """
-    return [tokenizer.decode(ids) for ids in _translate_ids(
-        model, tokenizer, lines, beam=beam, lenpen=lenpen, max_len_a=max_len_a,
-        max_len_b=max_len_b, max_tokens=max_tokens, max_len=max_len, truncate=truncate,
-        precision=precision, first_line=first_line)]
+    def speed(self, model, device, precision, repeats=SPEED_REPEATS):
+        """Sentences/s translating the first SPEED_SENTENCES validation sources, per beam
+        in SPEED_BEAMS: ``{"sentences_per_s_beam1": ..., "sentences_per_s_beam5": ...}``.
 
-
-def _translate_ids(model, tokenizer, lines, *, beam, lenpen, max_len_a, max_len_b, max_tokens,
-                   max_len, truncate, precision, first_line) -> List[List[int]]:
-    """The translations' token ids (EOS excluded); see :func:`translate_lines`."""
-    check("beam", beam, ">= 1", integer=True)
-    check("lenpen", lenpen, ">= 0")  # beam_search's, checked for greedy (beam 1) too
-    check("max_len", max_len, ">= 1", integer=True)
-    out: List[List[int]] = [[] for _ in lines]
-    todo = [i for i, ln in enumerate(lines) if ln.strip()]
-    if not todo:
+        Batched as the run's evaluation is (``train.max_tokens`` source tokens per
+        batch, the run's precision and length limits), so the figure is throughput.
+        """
+        cfg = self.cfg
+        model.eval()
+        rows = self.splits.valid[:SPEED_SENTENCES] or self.splits.train[:SPEED_SENTENCES]
+        sources = [r[0] for r in rows]
+        e, d = cfg.eval, cfg.data
+        out = {}
+        for beam in SPEED_BEAMS:
+            def work(beam: int = beam) -> int:
+                translate_lines(model, self.tokenizer, sources, beam=beam, lenpen=e.lenpen,
+                                max_len_a=e.max_len_a, max_len_b=e.max_len_b,
+                                max_tokens=cfg.train.max_tokens, max_len=d.max_len,
+                                truncate=d.truncate, precision=precision)
+                return len(sources)
+            out[f"sentences_per_s_beam{beam}"] = median_rate(work, device, repeats)
         return out
-    src = encode_lines(tokenizer, [lines[i] for i in todo])
-    if max_len is not None:
-        long = [k for k, s in enumerate(src) if len(s) > max_len]
-        if long and not truncate:
-            raise ValueError(f"line {first_line + todo[long[0]]} has {len(src[long[0]])} source "
-                             f"tokens, more than the model's max_len={max_len}; shorten it, "
-                             f"or truncate")
-        src = fit_length(src, max_len, truncate=True, where="the input")
-    device = model.device
-    for idx in length_batches([len(s) for s in src], max_tokens):
-        ids, pad = pad_batch([src[k] for k in idx], device)
-        with autocast_context(precision, device.type):
-            if beam == 1:
-                hyps = greedy_decode(model, ids, pad, max_len_a=max_len_a, max_len_b=max_len_b)
-            else:
-                hyps = beam_search(model, ids, pad, beam=beam, lenpen=lenpen,
-                                   max_len_a=max_len_a, max_len_b=max_len_b)
-        for k, h in zip(idx, hyps):
-            out[todo[k]] = h.tokens
-    return out
+
+    @classmethod
+    def compare_note(cls, metric, cfg):
+        e = cfg.eval if cfg is not None else None
+        beam = f"beam {e.beam}" if e else "beam search"
+        capped = f"the first {e.bleu_sentences}" if e else "the first eval.bleu_sentences"
+        return (f"Validation metric: **bleu** (higher is better). `final` translates the whole "
+                f"validation split with {beam}; the curves' points during training are greedy "
+                f"BLEU on {capped} validation sentences, their last point is the final one; "
+                f"{time_to_note(True)} Speeds: sentences/s on the first {SPEED_SENTENCES} "
+                f"validation sentences, batched as in evaluation (median of {SPEED_REPEATS} "
+                f"after a warm-up).")
 
 
-def translation_scores(model, tokenizer, sources: Sequence[str], references: Sequence[str],
-                       *, dist: Dist = SINGLE, **options) -> Dict[str, Any]:
-    """Translate ``sources`` and score them against ``references`` with sacrebleu.
+def translation_scores(model, tokenizer, sources: Sequence[Sequence[int]],
+                       references: Sequence[str], *, dist: Dist = SINGLE,
+                       **options) -> Dict[str, Any]:
+    """Translate ``sources`` (ids, from :func:`srupp.inference.encode_sources`) and score
+    them against ``references`` with sacrebleu.
 
-    Returns BLEU and chrF (on detokenised text, sacrebleu's defaults), BLEU's
-    signature, and the translation speed (sentences/s, and generated tokens/s,
-    EOS included). Under torchrun (``dist``) each rank translates its share
-    of the sentences and every rank scores them all.
+    ``options`` are :func:`srupp.inference.translate_ids`'s. Returns BLEU and
+    chrF (on detokenised text, sacrebleu's defaults), BLEU's signature, and the
+    translation speed (sentences/s, and generated tokens/s, EOS included).
+    Under torchrun (``dist``) each rank translates its share of the sentences
+    and every rank scores them all.
     """
     sacrebleu = require("sacrebleu", "translation", "BLEU")
     start = time.perf_counter()
-    options = {"beam": 5, "lenpen": 1.0, "max_len_a": 1.2, "max_len_b": 10, "max_tokens": 4096,
-               "max_len": None, "truncate": False, "precision": "fp32", "first_line": 1,
-               **options}
-    ids = dist.map_shares(lambda part: _translate_ids(model, tokenizer, part, **options),
-                          list(sources))
+    ids = dist.map_shares(lambda part: translate_ids(model, part, **options), list(sources))
     seconds = time.perf_counter() - start
     hyps = [tokenizer.decode(x) for x in ids]
     bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
     bleu_score = bleu.corpus_score(hyps, [list(references)])
     chrf_score = chrf.corpus_score(hyps, [list(references)])
-    new_tokens = sum(len(x) + 1 for x, src in zip(ids, sources) if src.strip())
+    new_tokens = sum(len(x) + 1 for x, src in zip(ids, sources) if src)
     return {"bleu": bleu_score.score, "chrf": chrf_score.score,
             "signature": str(bleu.get_signature()), "sentences": len(sources),
             "seconds": seconds, "sentences_per_s": len(sources) / max(seconds, 1e-9),

@@ -1,11 +1,11 @@
-"""Scaled dot-product attention, with faster CPU paths for SRU++'s short windows.
+"""Scaled dot-product attention: the dispatcher :func:`attend` and its paths.
 
-SRU++ attends in a small width (d′ = d/4, often one head) over one segment and
-its memory. For those shapes PyTorch's fused CPU kernel
-(``F.scaled_dot_product_attention``'s flash path) is no faster in bf16 than in
-fp32, while plain batched matrix products in bf16 run at 2× the fp32 rate. So
-the attention is computed as written in the paper, with the probabilities kept
-for the backward::
+Most of this module is the paths that are not PyTorch's SDPA. SRU++ attends in
+a small width (d′ = d/4, often one head) over one segment and its memory. For
+those shapes PyTorch's fused CPU kernel (``F.scaled_dot_product_attention``'s
+flash path) is no faster in bf16 than in fp32, while plain batched matrix
+products in bf16 run at about twice the fp32 rate. So the attention is computed
+as written in the paper, with the probabilities kept for the backward::
 
     S = (q · scale) Kᵀ + mask          (B, H, L, S)
     P = softmax(S)                      (B, H, L, S)
@@ -16,14 +16,11 @@ for the backward::
 
 in two forms:
 
-- causal (``attention_causal_matmul``, fp32 and bf16): the queries go in row
+- causal (:func:`attention_causal_matmul`, fp32 and bf16): the queries go in row
   blocks, each multiplied only against the keys it may see, so the products
-  above the diagonal are never computed. Measured with
-  ``benchmarks/attention.py --L 256 --d 128`` (B=16, L=S=256, d′=128, forward
-  and backward): 9.1 ms against SDPA's 12.2 ms in fp32, 5.2 ms against 12.2 ms
-  (SDPA) and 6.1 ms (one block) in bf16;
-- any other mask (``attention_matmul``, bf16 only): the whole square, about 2×
-  SDPA in bf16; in fp32 SDPA is as fast and is kept.
+  above the diagonal are never computed;
+- any other mask (:func:`attention_matmul`, bf16 only): the whole square; in
+  fp32 SDPA is as fast and is kept.
 
 The cost is memory: P is kept, B·H·L·S elements (about half that for causal),
 so these paths are used only while P fits in :data:`MAX_PROB_BYTES`. In bf16
@@ -31,13 +28,13 @@ the precision is that of any bf16 matmul attention (the scores are rounded to
 bf16 before the softmax); the tests bound it against fp32.
 
 Decoding asks for one query at a time, where SDPA's CPU kernel pays more in
-fixed cost than the work (in bf16 3-5x more). One query per (batch, head)
-without a mask or gradient goes to :func:`attention_one_query`, the C++
-extension's one-pass kernel, in bf16 always and in fp32 with several (batch,
-head) rows (see :func:`_one_query_wins`).
+fixed cost than the work. One query per (batch, head) without a mask or
+gradient goes to :func:`attention_one_query`, the C++ extension's one-pass
+kernel, in bf16 always and in fp32 with several (batch, head) rows (see
+:func:`_one_query_wins`).
 
-``attention`` dispatches: the explicit paths above for CPU tensors when there is
-no attention dropout, P fits, nothing is tracing the model (``torch.compile``
+:func:`attend` dispatches: the explicit paths above for CPU tensors when there
+is no attention dropout, P fits, nothing is tracing the model (``torch.compile``
 and export see plain SDPA), and the dtype is fp32 (causal only) or bf16 on a
 CPU with bf16 matrix instructions (AVX-512 BF16 or AMX:
 :func:`~srupp.ops.settings.cpu_has_native_bf16`; emulated bf16 loses the edge);
@@ -51,6 +48,8 @@ kernels run without reading a dense mask (flash takes none at all).
 :func:`set_attention_backend` (or, for a whole process,
 ``SRUPP_ATTENTION=auto|sdpa|matmul``) forces one (a forced "matmul" still defers
 to SDPA for dropout).
+
+The timings behind these rules are in docs/performance.md ("Attention backends").
 """
 
 from __future__ import annotations
@@ -63,10 +62,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import cpu
+from . import cpu_kernels
 from .settings import CHOICES, accessors, cpu_has_native_bf16, tracing
 
-__all__ = ["attention", "attention_reference", "attention_matmul", "attention_causal_matmul",
+__all__ = ["attend", "attention_reference", "attention_matmul", "attention_causal_matmul",
            "attention_one_query", "attention_sdpa_causal", "causal_mask",
            "causal_block", "set_attention_backend",
            "get_attention_backend", "use_attention_backend",
@@ -171,7 +170,7 @@ class _MatmulAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q.shape[-1])
         with torch.autocast(q.device.type, enabled=False):
             # K and V arrive as halves of one [K | V] projection; each product below
-            # would copy them to a dense layout again, so do it once (measured ~5%).
+            # would copy them to a dense layout again, so do it once.
             k, v = k.contiguous(), v.contiguous()
             s = torch.matmul(q * scale, k.transpose(-2, -1))          # (B, H, L, S)
             if attn_mask is not None:
@@ -201,11 +200,10 @@ class _MatmulAttention(torch.autograd.Function):
 def causal_block(dtype: torch.dtype) -> int:
     """Query rows per block of the causal path: 64 for fp32, 128 for 16-bit dtypes.
 
-    Measured with ``benchmarks/attention.py --blocks 64 32`` (B=16, d′=128, one
-    head, forward + backward, L = 128, 256, 512): in fp32, 64-row blocks were the
-    fastest or tied at every L; in bf16, 128-row blocks were. Smaller blocks skip
-    more of the masked half but multiply smaller matrices, which bf16's faster
-    products feel sooner. Both keep a block's scores near 256 bytes per key.
+    Smaller blocks skip more of the masked half but multiply smaller matrices,
+    which bf16's faster products feel sooner; both keep a block's scores near
+    256 bytes per key. (The sizes were the fastest in ``benchmarks/attention.py
+    --blocks 64 32``: docs/performance.md.)
     """
     return max(1, 256 // dtype.itemsize)
 
@@ -228,8 +226,8 @@ class _CausalMatmulAttention(torch.autograd.Function):
     multiplies against keys [0, offset + r1), so the products above the diagonal,
     nearly half of them for offset 0, are never computed. Each block keeps its
     own probabilities P_i for the backward, which accumulates dK and dV over the
-    blocks (an extra rounding in bf16, measured at +5% / +9% relative RMS error
-    of dK / dV at L=256 against one block; see tests/ops/test_sdpa.py).
+    blocks (an extra rounding per block in bf16, which tests/ops/test_attention.py
+    bounds).
     """
 
     @staticmethod
@@ -280,7 +278,7 @@ class _CausalMatmulAttention(torch.autograd.Function):
                 dv = torch.bmm(p.transpose(1, 2), g)                # (BH, S, hd)
             else:
                 # (into a dense product first: baddbmm_ into a strided prefix falls
-                # back to one matrix product per batch row, measured 4x slower)
+                # back to one matrix product per batch row)
                 dk[:, :e].add_(torch.bmm(ds.transpose(1, 2), qs[:, r0:r1]))
                 dv[:, :e].add_(torch.bmm(p.transpose(1, 2), g))
         return (dq.view(B, H, L, hd), dk.view(B, H, S, hd), dv.view(B, H, S, hd),
@@ -319,9 +317,7 @@ def attention_matmul(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
 
     Same arguments and result as :func:`attention_reference` (no dropout), in
     any floating dtype on any device; the dispatcher uses it for bf16 on CPU. (fp16
-    is not sent here: without fp16 matrix hardware it measured slower than SDPA
-    on this CPU, 282 against 190 ms forward and backward for B=16, L=256,
-    d′=128; ``benchmarks/attention.py --L 256 --d 128 --dtypes fp16``.)
+    is not sent here: without fp16 matrix hardware it is slower than SDPA.)
     """
     if is_causal and (attn_mask is not None or q.shape[-2] != k.shape[-2]):
         raise ValueError("is_causal needs L == S and no attn_mask")
@@ -342,13 +338,12 @@ _ONE_QUERY_DTYPES = (torch.float32, torch.bfloat16)  # what the extension's kern
 def _one_query_wins(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether :func:`attention_one_query` beats SDPA for one query per (batch, head).
 
-    Measured against SDPA (one query over 129-1024 keys): the extension's kernel is
-    3-5x faster in bf16 at every batch and head count, and in fp32 1.3-3.9x faster
-    with several (batch, head) rows but a tie with one. Without the extension the
-    plain products lose (in bf16, P V alone took 84 us over 128 keys).
+    The extension's kernel wins in bf16 at every batch and head count, and in fp32
+    with several (batch, head) rows (with one it ties); without the extension the
+    plain products lose (docs/performance.md, "Decoding at the memory-bandwidth bound").
     """
     if not (q.dtype == k.dtype == v.dtype and q.dtype in _ONE_QUERY_DTYPES
-            and cpu.function("attend_one_query") is not None):
+            and cpu_kernels.function("attend_one_query") is not None):
         return False
     return q.dtype == torch.bfloat16 or q.shape[:-1].numel() > 1
 
@@ -361,15 +356,13 @@ def attention_one_query(q: Tensor, k: Tensor, v: Tensor,
     scores, a softmax in fp32, and P V. Without a mask, on CPU in fp32 or bf16,
     the C++ extension's ``attend_one_query`` does all three in one pass over K
     and one over V, read in place, with fp32 sums. Otherwise (a mask, another
-    dtype or device, or no extension) they are plain products. SDPA's CPU kernel
-    took 46 us for one bf16 query over 129 keys of width 256, and 266 us over
-    1024 (fp32: 10 and 63 us); the dispatcher sends here the cases where the
-    kernel wins (:func:`_one_query_wins`).
+    dtype or device, or no extension) they are plain products. The dispatcher
+    sends here the cases where the kernel beats SDPA (:func:`_one_query_wins`).
     """
     hd = q.shape[-1]
     if (attn_mask is None and q.device.type == "cpu" and q.dtype in _ONE_QUERY_DTYPES
             and q.dtype == k.dtype == v.dtype and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1):
-        kernel = cpu.function("attend_one_query")
+        kernel = cpu_kernels.function("attend_one_query")
         if kernel:
             return kernel(q, k, v, 1.0 / math.sqrt(hd))                 # (B, H, 1, hd)
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * (1.0 / math.sqrt(hd))  # (B, H, 1, S)
@@ -379,9 +372,9 @@ def attention_one_query(q: Tensor, k: Tensor, v: Tensor,
     return torch.matmul(scores.softmax(dim=-1).to(v.dtype), v)         # (B, H, 1, hd)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
-              is_causal: bool = False, dropout_p: float = 0.0,
-              causal_offset: Optional[int] = None) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
+           is_causal: bool = False, dropout_p: float = 0.0,
+           causal_offset: Optional[int] = None) -> Tensor:
     """Scaled dot-product attention on the best backend for these tensors.
 
     Args:

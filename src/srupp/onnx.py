@@ -5,9 +5,10 @@ kernels ONNX can't express (the recurrence's C++ / Triton custom ops, oneDNN
 products, a key/value cache grown in place), the recurrence's reference is a
 Python loop that a tracer would unroll to one sequence length, and a decoding
 state's memory grows until ``mem_len``. :class:`ForwardGraph` and
-:class:`StepGraph` recompute the same model with plain torch ops over the
-model's own weights, and keep the attention memory in a buffer of fixed size,
-so that the graphs' shapes vary only in batch (and sequence length).
+:class:`StepGraph` recompute the same model over its own weights with the
+SRU++ math reference (:mod:`srupp.nn.reference`, plain torch ops), and keep
+the attention memory in a buffer of fixed size, so that the graphs' shapes
+vary only in batch (and sequence length).
 
 The two graphs (:func:`export_onnx` writes them, with a JSON description)::
 
@@ -41,7 +42,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -50,9 +50,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._extras import require
-from .._files import atomic_path, atomic_write_json
-from ..nn.srupp import SRUppAttention, SRUppCell
+from ._extras import require
+from ._files import atomic_path, atomic_write_json
+from .models import CausalLM
+from .nn.reference import attention_u, post_norm, pre_norm, projected_u, skip_term, sru_step
+from .nn.srupp import SRUppCell
+from .ops.reference import sru_recurrence_reference
 
 # The model types whose step the graphs below rebuild, and why the others are refused.
 EXPORTABLE = ("srupp", "sru")
@@ -75,8 +78,8 @@ def check_exportable(model: nn.Module) -> None:
     these graphs rebuild."""
     config = getattr(model, "config", None)
     kind = getattr(config, "type", None)
-    task = getattr(config, "task", None)
-    if task != "lm":
+    if not isinstance(model, CausalLM):
+        task = getattr(config, "task", None)
         what = f"a {task} model" if task else f"a {type(model).__name__}"
         raise ValueError(f"ONNX export covers language models (task lm); this is {what}")
     if kind not in EXPORTABLE:
@@ -90,6 +93,11 @@ def check_exportable(model: nn.Module) -> None:
                          "embedding and output layer")
 
 
+def _stack(model: nn.Module) -> nn.Module:
+    """The model's SRU or SRU++ stack (:class:`~srupp.nn.SRU` / :class:`~srupp.nn.SRUpp`)."""
+    return model.backbone.rnn
+
+
 def _attends(layer: nn.Module) -> bool:
     return isinstance(layer, SRUppCell) and layer.use_attention
 
@@ -99,7 +107,7 @@ def resolve_window(model: nn.Module, mem_len: Optional[int] = None) -> int:
 
     0 for a model without attention layers (nothing to remember).
     """
-    if not any(_attends(layer) for layer in model.rnn.layers):
+    if not any(_attends(layer) for layer in _stack(model).layers):
         return 0
     window = model.config.mem_len if mem_len is None else mem_len
     if window is None:
@@ -113,96 +121,62 @@ def resolve_window(model: nn.Module, mem_len: Optional[int] = None) -> int:
 
 
 # --------------------------------------------------------------------------- the layers' math
-# Each function takes a layer of the model and reads its weights; none of them
-# calls srupp.ops, so a tracer sees plain torch ops only.
+# The math is srupp.nn.reference's (plain torch, no srupp.ops kernels, so a tracer
+# sees plain torch ops only); these read a layer's weights and options into it.
 
-def _layer_norm(ln: Optional[nn.LayerNorm], x: Tensor) -> Tensor:
-    if ln is None:
-        return x
-    return F.layer_norm(x, ln.normalized_shape, ln.weight, ln.bias, ln.eps)
-
-
-def _pre_norm(layer: nn.Module, x: Tensor) -> Tensor:
-    """The input U is computed from (and attention memory holds): x, layer-normed if pre-norm."""
-    return x if layer.normalize_after else _layer_norm(layer.layer_norm, x)
-
-
-def _post_norm(layer: nn.Module, h: Tensor) -> Tensor:
-    return _layer_norm(layer.layer_norm, h) if layer.normalize_after else h
+def _norm(ln: Optional[nn.LayerNorm]):
+    return None if ln is None else (ln.weight, ln.bias, ln.eps)
 
 
 def _projected_u(layer: nn.Module, xin: Tensor) -> Tensor:
     """U of a layer without attention: SRU's W x (or W2 W1 x), SRU++'s W2 LN(W1 x)."""
+    t = layer.transform
     if isinstance(layer, SRUppCell):
-        t = layer.transform
-        return F.linear(_layer_norm(t.layer_norm, F.linear(xin, t.linear1.weight)),
-                        t.linear2.weight)
-    for linear in (m for m in layer.transform.modules() if isinstance(m, nn.Linear)):
-        xin = F.linear(xin, linear.weight)  # bias-free, in order (one, or W1 then W2)
-    return xin
+        return projected_u(xin, t.linear1.weight, t.linear2.weight, _norm(t.layer_norm))
+    return projected_u(xin, *(m.weight for m in t.modules() if isinstance(m, nn.Linear)))
 
 
-def _attention_u(attn: SRUppAttention, q: Tensor, z: Tensor, allowed: Tensor) -> Tensor:
-    """U = W3 LN(q + α·softmax(q Kᵀ/√hd) V), with [K | V] = W2 z.
+def _attention_u(layer: nn.Module, q: Tensor, z: Tensor, allowed: Tensor) -> Tensor:
+    t = layer.transform
+    return attention_u(q, z, allowed, t.linear2.weight, t.linear3.weight, t.alpha,
+                       t.num_heads, _norm(t.layer_norm))
 
-    q: (B, L, d′) the queries (W1 x).  z: (B, S, d′) W1 of every key position.
-    allowed: bool (B|1, L, S), True where a query may see a key (each sees at least itself).
-    Returns (B, L, k·D).
-    """
-    B, L, width = q.shape
-    H = attn.num_heads
-    hd = width // H
-    k, v = F.linear(z, attn.linear2.weight).chunk(2, dim=-1)             # (B, S, d′) each
-    qh = q.reshape(B, L, H, hd).transpose(1, 2)                           # (B, H, L, hd)
-    kh = k.reshape(B, k.shape[1], H, hd).transpose(1, 2)                  # (B, H, S, hd)
-    vh = v.reshape(B, v.shape[1], H, hd).transpose(1, 2)
-    scores = torch.matmul(qh, kh.transpose(-2, -1)) * (1.0 / math.sqrt(hd))  # (B, H, L, S)
-    scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-    o = torch.matmul(scores.softmax(dim=-1), vh)                          # (B, H, L, hd)
-    o = o.transpose(1, 2).reshape(B, L, width)
-    return F.linear(_layer_norm(attn.layer_norm, q + attn.alpha * o), attn.linear3.weight)
+
+def _skip_input(layer: nn.Module, x: Tensor) -> Optional[Tensor]:
+    """The raw input x where the skip term is scale_x · x (k = 3), else None."""
+    return x if layer.num_matrices == 3 and layer.has_skip_term else None
+
+
+def _planes(layer: nn.Module, u: Tensor) -> Tensor:
+    """(..., k·D) -> (..., k, D)."""
+    return u.unflatten(-1, (layer.num_matrices, layer.output_size))
 
 
 def _recur_step(layer: nn.Module, u: Tensor, x: Tensor, c: Tensor) -> Tuple[Tensor, Tensor]:
-    """One step of the SRU recurrence (srupp.ops.reference, without dropout or padding).
-
-    u: (B, k·D) planes [u0 | u1 | u2 | u3].  x: (B, n_in) the raw layer input (the skip
-    term when k = 3).  c: (B, D).  Returns h (B, D) and the new c (B, D).
-    """
-    D = layer.output_size
-    plane = lambda j: u[..., j * D:(j + 1) * D]  # noqa: E731
-    f = torch.sigmoid(plane(1) + layer.weight_c[0] * c + layer.bias[0])
-    r = torch.sigmoid(plane(2) + layer.weight_c[1] * c + layer.bias[1])
-    c = f * c + (1 - f) * plane(0)
-    if layer.num_matrices == 4:
-        s = plane(3)
-    elif layer.has_skip_term:
-        s = x * layer.scale_x
-    else:
-        return r * c, c
-    return s + r * (c - s), c
+    """One step: u (B, k·D), x (B, n_in) the raw input, c (B, D) -> h (B, D), c (B, D)."""
+    u = _planes(layer, u)
+    return sru_step(u, skip_term(u, _skip_input(layer, x), layer.scale_x), c,
+                    layer.weight_c, layer.bias)
 
 
 def _recur_sequence(layer: nn.Module, U: Tensor, x: Tensor, c0: Tensor) -> Tuple[Tensor, Tensor]:
     """The recurrence over a sequence: U (B, L, k·D), x (B, L, n_in), c0 (B, D) -> h (B, L, D), c.
 
     While exporting, one ``scan`` over time, which becomes an ONNX Scan that runs
-    any length; in eager mode a plain loop (same steps, no compilation).
+    any length; in eager mode the reference's loop (same steps, no compilation).
     """
-    if torch.compiler.is_compiling():
-        from torch._higher_order_ops.scan import scan
+    skip_x = _skip_input(layer, x)
+    if not torch.compiler.is_compiling():
+        return sru_recurrence_reference(_planes(layer, U), skip_x, layer.weight_c, layer.bias,
+                                        c0, scale_x=layer.scale_x)
+    from torch._higher_order_ops.scan import scan
 
-        def step(c, ux):
-            h, c = _recur_step(layer, ux[0], ux[1], c)
-            return c, h
+    def step(c, xs):
+        h, c = _recur_step(layer, xs[0], xs[1], c)
+        return c, h
 
-        c, h = scan(step, c0, (U, x), dim=1)
-        return h, c
-    hs, c = [], c0
-    for t in range(U.shape[1]):
-        h, c = _recur_step(layer, U[:, t], x[:, t], c)
-        hs.append(h)
-    return torch.stack(hs, dim=1), c
+    c, h = scan(step, c0, (U, x), dim=1)
+    return h, c
 
 
 # --------------------------------------------------------------------------- the graphs
@@ -217,7 +191,7 @@ class _Graph(nn.Module):
         self.window = resolve_window(model, window)
         # a buffer of W slots (one, never used, when W = 0)
         self.slots = max(self.window, 1)
-        self.attention: List[int] = [i for i, layer in enumerate(model.rnn.layers)
+        self.attention: List[int] = [i for i, layer in enumerate(_stack(model).layers)
                                      if _attends(layer)]
 
     @property
@@ -229,7 +203,7 @@ class _Graph(nn.Module):
 
     def _embed(self, tokens: Tensor) -> Tensor:
         x = F.embedding(tokens, self.model.embedding.weight)
-        rnn = self.model.rnn
+        rnn = _stack(self.model)
         if rnn.input_to_hidden is not None:
             x = F.linear(x, rnn.input_to_hidden.weight)
         return x
@@ -253,11 +227,11 @@ class ForwardGraph(_Graph):
         pos = torch.arange(L, device=tokens.device)
         causal = (pos.unsqueeze(0) <= pos.unsqueeze(1)).unsqueeze(0)       # (1, L, L)
         cs, memories = [], []
-        for layer in self.model.rnn.layers:
-            xin = _pre_norm(layer, x)                                      # (B, L, n_in)
+        for layer in _stack(self.model).layers:
+            xin = pre_norm(x, _norm(layer.layer_norm), layer.normalize_after)  # (B, L, n_in)
             if _attends(layer):
-                z = F.linear(xin, layer.transform.linear1.weight)          # (B, L, d′)
-                U = _attention_u(layer.transform, z, z, causal)
+                z = xin @ layer.transform.linear1.weight.T                 # (B, L, d′)
+                U = _attention_u(layer, z, z, causal)
                 # the last W inputs, right-aligned in W slots: pad in front, keep the last W
                 # (a slice from the end: torch.export on torch 2.11 cannot prove a slice
                 # from the symbolic L in range)
@@ -267,7 +241,7 @@ class ForwardGraph(_Graph):
                 U = _projected_u(layer, xin)
             c0 = x.new_zeros(B, layer.output_size)
             h, c = _recur_sequence(layer, U, x, c0)                        # (B, L, D), (B, D)
-            x = _post_norm(layer, h)
+            x = post_norm(h, _norm(layer.layer_norm), layer.normalize_after)
             cs.append(c)
         logits = self._head(x)                                             # (B, L, V)
         if not self.attention:
@@ -294,14 +268,14 @@ class StepGraph(_Graph):
             allowed = (slot.unsqueeze(0) >= first).unsqueeze(1)            # (B, 1, W + 1)
         buffers = iter(memories)
         cs, new_memories = [], []
-        for i, layer in enumerate(self.model.rnn.layers):
-            xin = _pre_norm(layer, x)                                      # (B, n_in)
+        for i, layer in enumerate(_stack(self.model).layers):
+            xin = pre_norm(x, _norm(layer.layer_norm), layer.normalize_after)  # (B, n_in)
             if _attends(layer):
                 buf = next(buffers)                                        # (B, W, n_in)
                 w1 = layer.transform.linear1.weight
-                q = F.linear(xin, w1).unsqueeze(1)                         # (B, 1, d′)
-                z = torch.cat([F.linear(buf, w1), q], dim=1)               # (B, W + 1, d′)
-                u = _attention_u(layer.transform, q, z, allowed).squeeze(1)
+                q = (xin @ w1.T).unsqueeze(1)                              # (B, 1, d′)
+                z = torch.cat([buf @ w1.T, q], dim=1)                      # (B, W + 1, d′)
+                u = _attention_u(layer, q, z, allowed).squeeze(1)
                 # drop the oldest slot, append this token's input (one slot: just replace it,
                 # with no zero-size slice in between)
                 new_memories.append(xin.unsqueeze(1) if self.slots == 1 else
@@ -309,7 +283,7 @@ class StepGraph(_Graph):
             else:
                 u = _projected_u(layer, xin)
             h, c_i = _recur_step(layer, u, x, c[i])                        # (B, D) each
-            x = _post_norm(layer, h)
+            x = post_norm(h, _norm(layer.layer_norm), layer.normalize_after)
             cs.append(c_i)
         logits = self._head(x)                                             # (B, V)
         if not self.attention:
@@ -366,9 +340,10 @@ def export_onnx(model: nn.Module, out_dir, *, mem_len: Optional[int] = None,
             dynamic=step_dynamic)
 
     c = model.config
-    D = model.rnn.layers[0].output_size
+    layers = _stack(model).layers
+    D = layers[0].output_size
     shapes = {"c": [c.num_layers, "batch", D], "lengths": ["batch"]}
-    shapes.update({f"memory_{i}": ["batch", forward.slots, model.rnn.layers[i].input_size]
+    shapes.update({f"memory_{i}": ["batch", forward.slots, layers[i].input_size]
                    for i in forward.attention})
     description = {
         "format": FORMAT, "version": FORMAT_VERSION, "model_type": c.type,

@@ -12,11 +12,11 @@ import torch
 
 from srupp.cli import main
 from srupp.models import build_model
-from srupp.models.onnx import MIN_EXPORT_TORCH, ForwardGraph, StepGraph, export_onnx
+from srupp.onnx import MIN_EXPORT_TORCH, ForwardGraph, StepGraph, export_onnx
 
 from lm_helpers import config, one_line_error
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "onnx_generate.py"
 TOL = dict(rtol=1e-5, atol=1e-5)   # the graphs' modules against the model, fp32
 ORT_TOL = 1e-4                     # onnxruntime against the model
@@ -49,7 +49,7 @@ def make(device=None, **kw):
     fields.update(kw)
     m = build_model(fields).eval()
     with torch.no_grad():
-        for layer in m.rnn.layers:
+        for layer in m.backbone.rnn.layers:
             if getattr(layer.transform, "alpha", None) is not None:
                 layer.transform.alpha.fill_(0.7)
             layer.bias.uniform_(-0.5, 0.5)  # gates away from their initial values

@@ -1,4 +1,8 @@
-// Fused CPU kernels for the SRU element-wise recurrence (forward and backward).
+// srupp's C++ CPU kernels (srupp/ops/cpu_kernels.py builds and loads them):
+// - the fused SRU element-wise recurrence, forward and backward (sru_fwd, sru_bwd);
+// - decoding: few-row projections (linear_rows) and one query's attention
+//   (attend_one_query), further down;
+// - the cache of large output blocks (empty_cache, set_cache_limit, ...).
 //
 // Math and argument conventions: srupp/ops/reference.py, the oracle (its docstring has the
 // equations, those of the SRU paper, Lei et al. 2018, section 2); the backward is their
@@ -79,9 +83,9 @@ struct IO<float> {
 
 // fp32 -> bf16, round to nearest even. With AVX512-BF16 (when -march=native finds
 // it) this is one instruction, vcvtneps2bf16, instead of ATen's ~8-instruction
-// emulation: the bf16 backward, which stores 3-4 gradients per element, ran
-// 1.09x faster (benchmarks/kernel_ab.py, B=16, L=256, D=512). Results are
-// identical except that the instruction flushes fp32 denormals (< 1.2e-38) to 0.
+// emulation, which the bf16 backward (3-4 gradients stored per element) feels
+// (docs/performance.md). Results are identical except that the instruction flushes
+// fp32 denormals (< 1.2e-38) to 0.
 #if defined(CPU_CAPABILITY_AVX512)
 inline __m256i to_bf16(const Vec& v) {
 #if defined(__AVX512BF16__)
@@ -263,11 +267,10 @@ bool debug_nan_fill() {
 // Large outputs on transparent huge pages, recycled.
 //
 // A fresh multi-megabyte output is a fresh mmap: writing it first costs one page fault
-// per 4 KiB page plus the kernel zeroing the page. Measured here (B=16, L=512, D=1024)
-// that is more than the recurrence itself: the forward took ~28 ms on fresh 4 KiB
-// pages, ~10 ms on fresh 2 MiB pages and ~5.5 ms on recycled ones. So outputs of 4 MiB
+// per 4 KiB page plus the kernel zeroing the page, which can cost more than the
+// recurrence itself (docs/performance.md, "The recurrence kernel"). So outputs of 4 MiB
 // or more are allocated 2 MiB-aligned with madvise(MADV_HUGEPAGE), and freed blocks are
-// kept in a cache (at most 512 MiB; srupp.ops.cpu.set_cache_limit / empty_cache) and
+// kept in a cache (at most 512 MiB; srupp.ops.cpu_kernels.set_cache_limit / empty_cache) and
 // handed out again for the same size, which is what a training loop asks for every
 // step. Linux only (elsewhere torch's own allocator is used, as it is for smaller
 // outputs); the system's transparent-huge-page setting decides whether madvise helps.
@@ -395,8 +398,8 @@ Tensor maybe_nan(Tensor t, bool fill) {
   return t;
 }
 
-// Tasks this small run on the calling thread: waking a second thread costs about
-// 20 us, far more than one decoding step (L = 1) of a few thousand units takes.
+// Tasks this small run on the calling thread: waking a second thread costs far more
+// than one decoding step (L = 1) of a few thousand units takes.
 constexpr int64_t kMinParallelWork = 32768;  // element-steps (units x time) per thread
 
 int64_t task_grain(const Args& a) {
@@ -791,8 +794,7 @@ void linear_rows_bf16_dot(const BFloat16* x, const BFloat16* w, int64_t ldw,
 //
 // A decode step attends from one token to a window of cached keys and values:
 // (1 x hd) against (S x hd). Through SDPA or two matmuls that is a few tiny GEMMs,
-// whose fixed cost (and, in bf16, a slow small-GEMM path: 84 us for P V over 128
-// keys) exceeds the work. Here one task per (batch, head) walks K once for the
+// whose fixed cost (and, in bf16, a slow small-GEMM path for P V) exceeds the work. Here one task per (batch, head) walks K once for the
 // scores (fp32 dot products, q widened once), takes the softmax in fp32, and walks
 // V once accumulating the p-weighted rows in fp32; the output rounds to the input
 // dtype once. K and V are read in place at any row stride (a [K | V] cache).

@@ -1,4 +1,10 @@
-"""The fused C++ CPU kernels (``csrc/sru_cpu.cpp``), built on first use.
+"""The C++ extension of CPU kernels (``csrc/cpu_kernels.cpp``), built on first use.
+
+It holds the fused SRU recurrence (``sru_fwd`` / ``sru_bwd``, which
+:mod:`srupp.ops.recurrence` runs as its "cpu" backend) and two decoding kernels:
+few-row products (``linear_rows``, :func:`srupp.ops.matmul.linear_few_rows`) and
+one query's attention (``attend_one_query``,
+:func:`srupp.ops.attention.attention_one_query`). :func:`function` looks one up.
 
 Nothing is compiled at import. The first call of :func:`load` (or
 :func:`is_available`) builds the extension with
@@ -14,13 +20,14 @@ If the build fails, one warning says why and that the slower reference path is
 used; the failure is remembered, so later calls neither retry nor warn again.
 ``build(verbose=True)`` compiles in the foreground and shows the compiler's output.
 
-Memory. The kernel is bandwidth-bound, and a fresh multi-megabyte output costs
-the OS a page fault and a page zeroing per page, which measured here took longer
-than the recurrence itself. So (on Linux) outputs of 4 MiB or more live on 2 MiB
-transparent huge pages, and freed ones are kept for reuse by later calls of the
-same size, up to a limit: 512 MiB by default, :func:`set_cache_limit` to change
-it (0 turns the cache off), :func:`empty_cache` to hand the memory back. Outputs
-of 16 MiB or more are written with streaming stores.
+Memory. The recurrence is bandwidth-bound, and a fresh multi-megabyte output costs
+the OS a page fault and a page zeroing per page, which can take longer than the
+recurrence itself (docs/performance.md, "The recurrence kernel"). So (on Linux)
+outputs of 4 MiB or more live on 2 MiB transparent huge pages, and freed ones are
+kept for reuse by later calls of the same size, up to a limit: 512 MiB by
+default, :func:`set_cache_limit` to change it (0 turns the cache off),
+:func:`empty_cache` to hand the memory back. Outputs of 16 MiB or more are
+written with streaming stores.
 
 Debugging: ``SRUPP_DEBUG_NAN_FILL=1`` fills every output with NaN before the kernel
 writes it, so the tests catch an element it forgets.
@@ -38,7 +45,7 @@ from typing import Optional
 __all__ = ["is_available", "load", "build", "build_error", "capability", "empty_cache",
            "set_cache_limit", "cache_limit", "cached_bytes"]
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "sru_cpu.cpp"
+_SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.cpp"
 
 _lock = threading.Lock()
 _module = None                    # the loaded extension
@@ -92,7 +99,7 @@ def build(verbose: bool = False):
     # -march=native may use AVX512-BF16 instructions: name the build after them too,
     # so a cache shared with a machine that lacks them is not reused there
     bf16 = "_bf16" if isa == "avx512" and cpu_has_native_bf16() else ""
-    return _load(name=f"srupp_sru_cpu_{isa}{bf16}", sources=[str(_SOURCE)],
+    return _load(name=f"srupp_cpu_kernels_{isa}{bf16}", sources=[str(_SOURCE)],
                  extra_cflags=_flags(isa), extra_ldflags=ldflags, verbose=verbose)
 
 
@@ -155,7 +162,7 @@ def build_error() -> Optional[str]:
 def empty_cache() -> int:
     """Return the kernel's cached output blocks to the system; the bytes released.
 
-    The kernel recycles its large output buffers (see ``csrc/sru_cpu.cpp``); at most
+    The kernel recycles its large output buffers (see ``csrc/cpu_kernels.cpp``); at most
     :func:`cache_limit` bytes of freed blocks are kept. No-op before the first build.
     """
     return int(_module.empty_cache()) if _module is not None else 0

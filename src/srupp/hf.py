@@ -1,6 +1,7 @@
 """Hugging Face ``transformers`` classes for srupp's language models (``pip install 'srupp[hf]'``).
 
-Four pieces, registered with transformers' Auto classes (model type ``"srupp"``):
+Four pieces, registered with transformers' Auto classes (model type ``"srupp"``)
+when this module is imported:
 
 - :class:`SRUppHFConfig`: a ``PreTrainedConfig`` that holds the srupp model
   config (``LMConfig.to_dict()``) in its ``srupp`` field.
@@ -12,8 +13,11 @@ Four pieces, registered with transformers' Auto classes (model type ``"srupp"``)
 - :class:`SRUppTokenizer`: a ``PreTrainedTokenizer`` around a srupp tokenizer
   (byte, char, word or SentencePiece), with exactly its ids and text.
 
-``import srupp`` registers them as soon as transformers is imported (see
-``srupp/__init__.py``), so after it::
+Registration is explicit, as in flash-linear-attention: ``import srupp`` alone
+does not import transformers (it stays light), and ``import srupp.hf`` is what
+makes the model type known::
+
+    import srupp.hf  # noqa: F401  (registers model type "srupp" with the Auto classes)
 
     model = AutoModelForCausalLM.from_pretrained(folder)   # no trust_remote_code
     pipe = pipeline("text-generation", model=folder)
@@ -24,7 +28,7 @@ where ``folder`` was written by :func:`export_run_to_hf` (a training run) or by
 Weights are saved as safetensors under the srupp model's own parameter names
 behind ``model.``; tied weights (``tie_embeddings``, including an adaptive
 softmax's clusters and projections) are stored once and tied again on loading.
-Tested with transformers 5.23.0; other major versions are refused on import.
+It needs transformers 5; other major versions are refused on import.
 """
 
 import json
@@ -39,14 +43,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._extras import MissingExtra, install_hint, require
-from .._files import atomic_write_text, write_error
-# srupp.data sits beside srupp.models (it imports nothing from it): the tokenizers
-from ..data.tokenizers import (ByteTokenizer, CharTokenizer, SentencePieceTokenizer, Tokenizer,
-                               WordTokenizer, tokenizer_from_dict)
-from ..nn.adaptive import AdaptiveInput, ProjectedAdaptiveLogSoftmax
-from .base import build_model, config_from_dict, load_model
-from .config import LMConfig, SRUppConfig
+from . import runs
+from ._extras import MissingExtra, install_hint, require
+from ._files import atomic_write_text, write_error
+from .data.tokenizers import (ByteTokenizer, CharTokenizer, SentencePieceTokenizer, Tokenizer,
+                              WordTokenizer, tokenizer_from_dict)
+from .errors import UserError
+from .inference import load_run
+from .models import LMConfig, SRUppConfig, build_model, config_from_dict
+from .nn.adaptive import AdaptiveInput, ProjectedAdaptiveLogSoftmax
 
 transformers = require("transformers", "hf", "srupp's Hugging Face integration")
 # The generate() and cache API this module follows is transformers 5's.
@@ -62,10 +67,14 @@ from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 __all__ = ["SRUppHFConfig", "SRUppForCausalLM", "SRUppCache", "SRUppTokenizer",
-           "export_run_to_hf", "register"]
+           "export_run_to_hf"]
 
 MODEL_TYPE = "srupp"
 TOKENIZER_FILE = "srupp_tokenizer.json"  # the srupp tokenizer's to_dict(), as in a run
+# Padding reuses id 0, a token of every srupp tokenizer that carries no text: <unk>
+# (char, word, SentencePiece) or the NUL byte. <eos>, the GPT-2 choice, is a line
+# end here, and decoding with skip_special_tokens would drop every newline.
+PAD_ID = 0
 
 
 # ------------------------------------------------------------------ config
@@ -81,6 +90,8 @@ class SRUppHFConfig(PreTrainedConfig):
         vocab_size, tie_word_embeddings: read from ``srupp`` (the names
             transformers looks for); giving a different value is an error.
         use_cache: ``generate()`` carries the recurrent state (keep True).
+        pad_token_id: the id a batch of prompts is padded with (the
+            :class:`SRUppTokenizer`'s ``pad_token``); padding is masked.
     """
 
     model_type = MODEL_TYPE
@@ -89,6 +100,7 @@ class SRUppHFConfig(PreTrainedConfig):
     vocab_size: Optional[int] = None
     tie_word_embeddings: Optional[bool] = None
     use_cache: bool = True
+    pad_token_id: Optional[int] = PAD_ID
 
     def __post_init__(self, **kwargs):
         if self.srupp is None:
@@ -176,8 +188,8 @@ def _tied_weights(model: nn.Module, prefix: str) -> Dict[str, str]:
     return tied
 
 
-# The output field generate() reads the state back from: `cache` from
-# transformers 5.24 on, `past_key_values` before.
+# The output field generate() reads the state back from: `cache` in later
+# transformers 5 releases, `past_key_values` in earlier ones.
 _OUTPUT_CACHE_FIELD = ("cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__
                        else "past_key_values")
 
@@ -185,11 +197,13 @@ _OUTPUT_CACHE_FIELD = ("cache" if "cache" in CausalLMOutputWithPast.__dataclass_
 class SRUppForCausalLM(PreTrainedModel, GenerationMixin):
     """A srupp language model (``self.model``) with transformers' saving, loading, generate().
 
-    ``forward`` takes ``input_ids``, ``attention_mask`` (0 at padding, e.g.
-    left padding for a batch of prompts), ``past_key_values`` or ``cache``
-    (a :class:`SRUppCache`; transformers 5.24 renamed the first to the second) and ``labels`` (HF style: the inputs themselves;
+    ``forward`` takes ``input_ids`` (B, L), ``attention_mask`` (B, >= L), 0 at
+    padding (e.g. left padding for a batch of prompts), ``past_key_values`` or
+    ``cache`` (a :class:`SRUppCache`: later transformers releases renamed the
+    first to the second) and ``labels`` (B, L) (HF style: the inputs themselves;
     the loss scores each position's next token, -100 is ignored). It returns
-    logits, which are log-probabilities for models with an adaptive softmax.
+    logits (B, L, V), which are log-probabilities for models with an adaptive
+    softmax.
     """
 
     config_class = SRUppHFConfig
@@ -221,6 +235,13 @@ class SRUppForCausalLM(PreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # generate() must not make a DynamicCache: forward returns an SRUppCache
 
+    def _prepare_attention_mask_for_generation(self, inputs_tensor: Tensor, generation_config,
+                                               model_kwargs) -> Tensor:
+        # Without an attention_mask, generate() would take every pad id in the prompt
+        # for padding; srupp's pad id is also a real token (<unk>, the NUL byte), so
+        # a prompt without a mask is all tokens. The tokenizer gives the mask.
+        return torch.ones(inputs_tensor.shape[:2], dtype=torch.long, device=inputs_tensor.device)
+
     def _init_weights(self, module: nn.Module) -> None:
         # srupp's modules initialise their own parameters when they are built, and
         # from_pretrained loads every saved one. transformers calls this for every
@@ -247,7 +268,7 @@ class SRUppForCausalLM(PreTrainedModel, GenerationMixin):
                                     output_hidden_states)
         B, L = tokens.shape
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        # transformers 5.24 renamed past_key_values to cache; both are accepted
+        # later transformers releases renamed past_key_values to cache; both are accepted
         if cache is not None and past_key_values is not None:
             raise ValueError("pass the state as cache or as past_key_values, not both")
         cache = past_key_values if cache is None else cache
@@ -337,7 +358,13 @@ class SRUppTokenizer(PreTrainedTokenizer):
     Saved as ``srupp_tokenizer.json`` (the srupp tokenizer's ``to_dict()``,
     as in a training run) beside ``tokenizer_config.json``. It adds no special
     tokens: a prompt encodes exactly as srupp encodes it (word and
-    SentencePiece tokenizers end every line, the last one too, with ``<eos>``).
+    SentencePiece tokenizers end every line, the last one too, with ``<eos>``),
+    even where the text spells a special token.
+
+    Its ``pad_token`` is id 0 (:data:`PAD_ID`: ``<unk>``, or the NUL byte of a
+    byte tokenizer), and it pads on the left, as ``generate()`` wants a batch
+    of prompts. Decoding with ``skip_special_tokens=True`` (what
+    ``pipeline("text-generation")`` does) therefore drops id 0.
 
     Args:
         vocab_file: a ``srupp_tokenizer.json`` (how ``from_pretrained`` builds it).
@@ -346,6 +373,7 @@ class SRUppTokenizer(PreTrainedTokenizer):
 
     vocab_files_names = {"vocab_file": TOKENIZER_FILE}
     model_input_names = ["input_ids", "attention_mask"]
+    padding_side = "left"
 
     def __init__(self, vocab_file: Optional[str] = None, *,
                  srupp_tokenizer: Optional[Tokenizer] = None, **kwargs):
@@ -353,7 +381,7 @@ class SRUppTokenizer(PreTrainedTokenizer):
             raise TypeError(f"SRUppTokenizer takes vocab_file (a {TOKENIZER_FILE}) or "
                             f"srupp_tokenizer (a srupp.data tokenizer): exactly one of them")
         if srupp_tokenizer is None:
-            srupp_tokenizer = _read_tokenizer(Path(vocab_file))
+            srupp_tokenizer = tokenizer_from_dict(runs.read_json(vocab_file, "srupp tokenizer"))
         elif not isinstance(srupp_tokenizer, Tokenizer):
             raise TypeError(f"srupp_tokenizer must be a srupp.data tokenizer, got "
                             f"{type(srupp_tokenizer).__name__}")
@@ -361,6 +389,9 @@ class SRUppTokenizer(PreTrainedTokenizer):
         self.srupp_tokenizer = srupp_tokenizer
         self._pieces = _token_strings(srupp_tokenizer)
         self._piece_ids = {piece: i for i, piece in enumerate(self._pieces)}
+        kwargs.setdefault("pad_token", self._pieces[PAD_ID])
+        # text that spells a special token ("<unk>") is text: encode it as srupp does
+        kwargs.setdefault("split_special_tokens", True)
         super().__init__(**kwargs)
 
     @property
@@ -401,38 +432,22 @@ class SRUppTokenizer(PreTrainedTokenizer):
         return (str(path),)
 
 
-def _read_tokenizer(path: Path) -> Tokenizer:
-    try:
-        d = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{path} does not exist: no srupp tokenizer to load") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not a saved srupp tokenizer ({e})") from None
-    return tokenizer_from_dict(d)
-
-
 # ------------------------------------------------------------ registration
-def register() -> None:
-    """Make AutoConfig, AutoModelForCausalLM and AutoTokenizer know model type "srupp".
-
-    Runs when this module is imported, which ``import srupp`` arranges as soon
-    as transformers is imported; calling it again does nothing new.
-    """
-    AutoConfig.register(MODEL_TYPE, SRUppHFConfig, exist_ok=True)
-    AutoModelForCausalLM.register(SRUppHFConfig, SRUppForCausalLM, exist_ok=True)
-    AutoTokenizer.register(SRUppHFConfig, tokenizer_class=SRUppTokenizer, exist_ok=True)
-
-
-register()
+# Importing this module is the registration: from here on AutoConfig,
+# AutoModelForCausalLM and AutoTokenizer know model type "srupp".
+AutoConfig.register(MODEL_TYPE, SRUppHFConfig, exist_ok=True)
+AutoModelForCausalLM.register(SRUppHFConfig, SRUppForCausalLM, exist_ok=True)
+AutoTokenizer.register(SRUppHFConfig, tokenizer_class=SRUppTokenizer, exist_ok=True)
 
 
 # ------------------------------------------------------------------ export
 def export_run_to_hf(run_dir: Path, out_dir: Path) -> None:
     """Write a training run's language model and tokenizer as a transformers folder.
 
-    Afterwards, with srupp imported, ``AutoModelForCausalLM.from_pretrained(out_dir)``,
+    Afterwards, with ``srupp.hf`` imported, ``AutoModelForCausalLM.from_pretrained(out_dir)``,
     ``AutoTokenizer.from_pretrained(out_dir)`` and
-    ``pipeline("text-generation", model=out_dir)`` load it.
+    ``pipeline("text-generation", model=out_dir)`` load it. The folder's
+    ``README.md`` says so.
 
     Args:
         run_dir: a run directory (its best checkpoint, else its last) or a
@@ -443,16 +458,11 @@ def export_run_to_hf(run_dir: Path, out_dir: Path) -> None:
         ValueError: not a language-model checkpoint, a damaged run, or an
             ``out_dir`` that holds something else.
     """
-    run_dir, out_dir = Path(run_dir), Path(out_dir)
-    ckpt = _checkpoint_folder(run_dir)
-    model = load_model(ckpt)
+    out_dir = Path(out_dir)
+    _, tokenizer, model, ckpt = load_run(run_dir)
     if not isinstance(model.config, LMConfig):
-        raise ValueError(f"{ckpt} holds a {getattr(model.config, 'task', '?')} model; "
+        raise UserError(f"{ckpt} holds a {getattr(model.config, 'task', '?')} model; "
                          f"only language models export to Hugging Face")
-    tokenizer = _run_tokenizer(ckpt)
-    if tokenizer.vocab_size != model.config.vocab_size:
-        raise ValueError(f"{ckpt}: the model's vocabulary ({model.config.vocab_size}) does not "
-                         f"match its tokenizer ({tokenizer.vocab_size}); the run is damaged")
     _check_out_dir(out_dir, ckpt)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -462,6 +472,7 @@ def export_run_to_hf(run_dir: Path, out_dir: Path) -> None:
     try:
         SRUppForCausalLM.from_srupp(model).save_pretrained(tmp)
         SRUppTokenizer(srupp_tokenizer=tokenizer).save_pretrained(tmp)
+        atomic_write_text(tmp / "README.md", _export_readme(model.config, tokenizer))
         if out_dir.exists():  # an earlier export (checked above)
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
@@ -477,37 +488,36 @@ def export_run_to_hf(run_dir: Path, out_dir: Path) -> None:
             hf_logging.enable_progress_bar()
 
 
-def _checkpoint_folder(path: Path) -> Path:
-    """The checkpoint folder of a run directory (best, else last), or ``path`` itself.
+def _export_readme(config: LMConfig, tokenizer: Tokenizer) -> str:
+    """The exported folder's README: what it holds and the import that loads it."""
+    return f"""# A srupp language model for Hugging Face transformers
 
-    The run layout is srupp.train.checkpoint's; models sits below train, so this
-    reads the two pointer files itself.
-    """
-    if (path / "model.safetensors").exists():
-        return path
-    if not path.is_dir():
-        raise ValueError(f"{path} is not a run directory or checkpoint folder")
-    for pointer in ("best", "last"):
-        ptr = path / f"{pointer}.json"
-        if ptr.exists():
-            try:
-                folder = path / json.loads(ptr.read_text())["dir"]
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
-                raise ValueError(f"{ptr} is corrupt; the run is damaged") from None
-            if not (folder / "model.safetensors").exists():
-                raise ValueError(f"{ptr} names {folder.name}, which holds no model; "
-                                 f"the run is damaged")
-            return folder
-    raise ValueError(f"{path} holds no checkpoint (no best.json or last.json, no "
-                     f"model.safetensors)")
+A `{config.type}` language model ({config.num_layers} layers, d_model {config.d_model}, \
+vocabulary of {config.vocab_size}, {tokenizer.type_name} tokenizer), trained with srupp
+(SRU++ recurrent layers for PyTorch) and written by `srupp export --format hf`.
 
+The folder holds no code: the classes are srupp's. Install srupp
+(`pip install 'srupp[hf]'`) and import `srupp.hf` before loading: that import
+registers model type `srupp` with transformers' Auto classes, so no
+`trust_remote_code` is needed.
 
-def _run_tokenizer(ckpt: Path) -> Tokenizer:
-    """The tokenizer saved in a checkpoint folder (or, in older runs, beside it)."""
-    path = ckpt / "tokenizer.json"
-    if not path.exists():
-        path = ckpt.parent / "tokenizer.json"
-    return _read_tokenizer(path)
+```python
+import srupp.hf  # noqa: F401  (registers model type "srupp")
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+folder = "path/to/this/folder"
+model = AutoModelForCausalLM.from_pretrained(folder)
+tokenizer = AutoTokenizer.from_pretrained(folder)
+batch = tokenizer(["A first prompt", "Another"], padding=True, return_tensors="pt")
+out = model.generate(**batch, max_new_tokens=50, do_sample=False)
+print(tokenizer.batch_decode(out))
+```
+
+The tokenizer gives exactly srupp's ids and adds no special tokens to a prompt.
+It pads on the left with id 0 (`<unk>`, or the NUL byte of a byte tokenizer),
+which the attention mask hides from the model. `generate()`'s cache is the model's own
+decoding state: it reads the prompt once, then takes one step per new token.
+"""
 
 
 def _check_out_dir(out_dir: Path, ckpt: Path) -> None:
@@ -515,7 +525,7 @@ def _check_out_dir(out_dir: Path, ckpt: Path) -> None:
     if not out_dir.exists():
         return
     if not out_dir.is_dir():
-        raise ValueError(f"{out_dir} is a file; give a folder to write the export to")
+        raise UserError(f"{out_dir} is a file; give a folder to write the export to")
     if not any(out_dir.iterdir()):
         return
     try:
@@ -523,5 +533,5 @@ def _check_out_dir(out_dir: Path, ckpt: Path) -> None:
     except (OSError, ValueError, AttributeError):
         earlier = None
     if earlier != MODEL_TYPE or out_dir.resolve() in (ckpt.resolve(), ckpt.parent.resolve()):
-        raise ValueError(f"{out_dir} is not empty and holds no earlier Hugging Face export "
+        raise UserError(f"{out_dir} is not empty and holds no earlier Hugging Face export "
                          f"of a srupp model; give a new or empty folder")

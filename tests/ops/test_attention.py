@@ -1,4 +1,4 @@
-"""srupp.ops.sdpa's explicit-matmul paths (full and causal-blocked) against SDPA.
+"""srupp.ops.attention's explicit-matmul paths (full and causal-blocked) against SDPA.
 
 Tolerances:
 - fp32 and fp64: the same math in a different order, rtol=1e-5, atol=1e-6
@@ -16,7 +16,7 @@ import torch
 
 import srupp.ops as ops
 from srupp.nn import SRUpp
-from srupp.ops import sdpa as attn_mod
+from srupp.ops import attention as attn_mod
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 BF16 = dict(rtol=2e-2, atol=3e-2)
@@ -111,43 +111,43 @@ def test_dispatch_rule(monkeypatch):
     q, k, v, _ = _qkv(2, 1, 8, 8, 4)
     bool_mask = _masks(2, 8, 8)["bool"][0]
     f32, bf16 = torch.float32, torch.bfloat16
-    ops.attention(q, k, v, is_causal=True)                          # fp32 causal: blocks
-    ops.attention(q, k, v, attn_mask=bool_mask)                     # fp32 masked: SDPA
+    ops.attend(q, k, v, is_causal=True)                          # fp32 causal: blocks
+    ops.attend(q, k, v, attn_mask=bool_mask)                     # fp32 masked: SDPA
     assert calls == [("causal", f32)]
     qb, kb, vb = (t.detach().bfloat16() for t in (q, k, v))
-    ops.attention(qb, kb, vb, is_causal=True)                       # bf16 causal: blocks
-    ops.attention(qb, kb, vb, attn_mask=bool_mask)                  # bf16 masked: matmul
+    ops.attend(qb, kb, vb, is_causal=True)                       # bf16 causal: blocks
+    ops.attend(qb, kb, vb, attn_mask=bool_mask)                  # bf16 masked: matmul
     assert calls[1:] == [("causal", bf16), ("full", bf16)]
     calls.clear()
-    ops.attention(qb, kb, vb, is_causal=True, dropout_p=0.1)        # dropout: SDPA
-    ops.attention(*(t.half() for t in (qb, kb, vb)), is_causal=True)  # fp16: SDPA (faster)
+    ops.attend(qb, kb, vb, is_causal=True, dropout_p=0.1)        # dropout: SDPA
+    ops.attend(*(t.half() for t in (qb, kb, vb)), is_causal=True)  # fp16: SDPA (faster)
     monkeypatch.setattr(attn_mod, "MAX_PROB_BYTES", 10)
-    ops.attention(qb, kb, vb, is_causal=True)                       # P too big: SDPA
-    ops.attention(q, k, v, is_causal=True)
+    ops.attend(qb, kb, vb, is_causal=True)                       # P too big: SDPA
+    ops.attend(q, k, v, is_causal=True)
     monkeypatch.setattr(attn_mod, "MAX_PROB_BYTES", 2**28)
     monkeypatch.setattr(attn_mod, "cpu_has_native_bf16", lambda: False)
-    ops.attention(qb, kb, vb, is_causal=True)                       # emulated bf16: SDPA
+    ops.attend(qb, kb, vb, is_causal=True)                       # emulated bf16: SDPA
     assert calls == []
-    ops.attention(q, k, v, is_causal=True)                          # fp32 needs no bf16 units
+    ops.attend(q, k, v, is_causal=True)                          # fp32 needs no bf16 units
     assert calls == [("causal", f32)]
     calls.clear()
     # a causal mask over memory keys, promised through causal_offset
     M = 3
     qm, km, vm, _ = _qkv(2, 1, 5, 5 + M, 4)
     causal_mem = (torch.arange(5 + M)[None] <= torch.arange(5)[:, None] + M).view(1, 1, 5, 8)
-    ops.attention(qm, km, vm, attn_mask=causal_mem, causal_offset=M)
+    ops.attend(qm, km, vm, attn_mask=causal_mem, causal_offset=M)
     assert calls == [("causal", f32)]
     calls.clear()
     # is_causal with L != S means SDPA's top-left alignment: left to SDPA
     qs, ks, vs, _ = _qkv(2, 1, 3, 5, 4)
-    torch.testing.assert_close(ops.attention(qs, ks, vs, is_causal=True),
+    torch.testing.assert_close(ops.attend(qs, ks, vs, is_causal=True),
                                ops.attention_reference(qs, ks, vs, is_causal=True))
     assert calls == []
     with ops.use_attention_backend("matmul"):
-        ops.attention(q, k, v, attn_mask=bool_mask)                 # forced, even fp32
+        ops.attend(q, k, v, attn_mask=bool_mask)                 # forced, even fp32
     with ops.use_attention_backend("sdpa"):
-        ops.attention(qb, kb, vb, is_causal=True)
-        ops.attention(qm, km, vm, attn_mask=causal_mem, causal_offset=M)
+        ops.attend(qb, kb, vb, is_causal=True)
+        ops.attend(qm, km, vm, attn_mask=causal_mem, causal_offset=M)
     assert calls == [("full", f32)]
     with pytest.raises(ValueError, match="unknown srupp attention backend"):
         ops.set_attention_backend("flash")
@@ -313,7 +313,8 @@ def test_one_query_reads_keys_of_a_cache_in_place():
     torch.testing.assert_close(got, ops.attention_reference(q, k, v), **FP32)
 
 
-@pytest.mark.skipif(not ops.cpu.is_available(), reason="the C++ CPU extension could not be built")
+@pytest.mark.skipif(not ops.cpu_kernels.is_available(),
+                    reason="the C++ CPU extension could not be built")
 @pytest.mark.parametrize("B,H,S,hd", [(1, 1, 1, 1), (1, 1, 200, 156), (2, 3, 5, 7),
                                       (1, 2, 33, 40), (3, 1, 17, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -324,7 +325,7 @@ def test_one_query_kernel_against_fp64(B, H, S, hd, dtype):
     kv = torch.randn(B, H, S, 2 * hd, generator=g).to(dtype)
     k, v = kv[..., :hd], kv[..., hd:]
     q = (torch.randn(B, H, 1, hd, generator=g) * 2).to(dtype)
-    got = ops.cpu.function("attend_one_query")(q, k, v, hd ** -0.5)
+    got = ops.cpu_kernels.function("attend_one_query")(q, k, v, hd ** -0.5)
     exact = ops.attention_reference(q.double(), k.double(), v.double())
     assert got.dtype == dtype and got.shape == (B, H, 1, hd) and got.is_contiguous()
     # fp32: sums in another order; bf16: inputs exact in fp32, one rounding of the output
@@ -339,21 +340,21 @@ def test_one_query_dispatch(monkeypatch):
                         lambda *a: calls.append((a[0].dtype, a[0].shape[:2])) or real(*a))
     q, k, v, _ = _qkv(1, 1, 1, 5, 8)
     bf = torch.bfloat16
-    kernel = ops.cpu.function("attend_one_query") is not None
+    kernel = ops.cpu_kernels.function("attend_one_query") is not None
     with torch.no_grad():
-        ops.attention(q.bfloat16(), k.bfloat16(), v.bfloat16())      # decoding in bf16: taken
-        ops.attention(q, k, v)                                      # fp32, one row: SDPA
+        ops.attend(q.bfloat16(), k.bfloat16(), v.bfloat16())      # decoding in bf16: taken
+        ops.attend(q, k, v)                                      # fp32, one row: SDPA
         qb, kb, vb = (t.bfloat16() for t in _qkv(2, 3, 1, 5, 8)[:3])
-        ops.attention(qb, kb, vb)                                   # bf16, 6 rows: the kernel
-        ops.attention(*(t.detach() for t in _qkv(2, 3, 1, 5, 8)[:3]))  # fp32, 6 rows: the kernel
+        ops.attend(qb, kb, vb)                                   # bf16, 6 rows: the kernel
+        ops.attend(*(t.detach() for t in _qkv(2, 3, 1, 5, 8)[:3]))  # fp32, 6 rows: the kernel
         mask = torch.ones(1, 1, 1, 5, dtype=torch.bool)
-        ops.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)  # a mask: SDPA
+        ops.attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask)  # a mask: SDPA
         qb, kb, vb = (t.bfloat16() for t in _qkv(2, 1, 3, 5, 8)[:3])
-        ops.attention(qb, kb, vb)                                   # 3 queries: not decoding
-        ops.attention(q.double(), k.double(), v.double())           # fp64: SDPA
+        ops.attend(qb, kb, vb)                                   # 3 queries: not decoding
+        ops.attend(q.double(), k.double(), v.double())           # fp64: SDPA
         with ops.use_attention_backend("sdpa"):
-            ops.attention(q.bfloat16(), k.bfloat16(), v.bfloat16())
-    ops.attention(q.bfloat16(), k.bfloat16(), v.bfloat16())         # a gradient is wanted
+            ops.attend(q.bfloat16(), k.bfloat16(), v.bfloat16())
+    ops.attend(q.bfloat16(), k.bfloat16(), v.bfloat16())         # a gradient is wanted
     # without the extension nothing is taken: the plain products lose to SDPA
     want = [(bf, (1, 1)), (bf, (2, 3)), (torch.float32, (2, 3))] if kernel else []
     assert calls == want

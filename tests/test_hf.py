@@ -1,4 +1,5 @@
-"""Hugging Face transformers: generate() on the recurrent state, Auto classes, export, pipeline."""
+"""Hugging Face transformers (srupp.hf): generate() on the recurrent state, Auto classes,
+padded batches, export, pipeline."""
 
 import json
 import subprocess
@@ -13,10 +14,11 @@ pytest.importorskip("transformers", reason="the Hugging Face integration needs t
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from srupp.data import build_tokenizer  # noqa: E402
-from srupp.models import (GRUConfig, LanguageModel, LSTMConfig, SRUConfig,  # noqa: E402
-                          SRUppConfig, TransformerConfig, build_model)
-from srupp.models.hf import (SRUppCache, SRUppForCausalLM, SRUppHFConfig,  # noqa: E402
-                             SRUppTokenizer, export_run_to_hf)
+from srupp.hf import (SRUppCache, SRUppForCausalLM, SRUppHFConfig, SRUppTokenizer,  # noqa: E402
+                      export_run_to_hf)
+from srupp.models import CausalLM, build_model  # noqa: E402
+from srupp.models.config import (GRUConfig, LSTMConfig, SRUConfig, SRUppConfig,  # noqa: E402
+                                 TransformerConfig)
 
 from lm_helpers import TEXT, config  # noqa: E402
 from tolerances import half_dtypes  # noqa: E402
@@ -30,9 +32,9 @@ def tiny(device=None, **kw):
     torch.manual_seed(0)
     cfg = dict(vocab_size=V, d_model=16, proj_size=8, num_layers=2, dropout=0.0, mem_len=64)
     cfg.update(kw)
-    m = LanguageModel(SRUppConfig(**cfg)).eval()
+    m = CausalLM(SRUppConfig(**cfg)).eval()
     with torch.no_grad():  # α starts at 0, which would leave attention out
-        for layer in m.rnn.layers:
+        for layer in m.backbone.rnn.layers:
             layer.transform.alpha.fill_(0.7)
     return m.to(device)
 
@@ -207,13 +209,40 @@ def test_tokenizer_keeps_srupps_ids_and_text_through_auto_tokenizer(tmp_path, ki
     assert hf_tok(text)["input_ids"] == ids
     assert hf_tok.decode(ids) == tok.decode(ids)
     assert len(set(hf_tok.convert_ids_to_tokens(list(range(tok.vocab_size))))) == tok.vocab_size
+    # a pad token, id 0, that adds nothing to the vocabulary; text that spells it is text
+    assert hf_tok.pad_token_id == 0 and len(hf_tok) == tok.vocab_size
+    assert hf_tok.padding_side == "left"
+    assert hf_tok(hf_tok.pad_token + text)["input_ids"] == tok.encode(hf_tok.pad_token
+                                                                      + text).tolist()
+
+
+@pytest.mark.parametrize("kind", ["byte", "word"])
+def test_left_padded_batched_generate_equals_each_prompt_alone(tmp_path, kind, device):
+    tok = build_tokenizer(kind, TEXT * 20)
+    hf = SRUppForCausalLM.from_srupp(tiny(device, vocab_size=tok.vocab_size))
+    SRUppTokenizer(srupp_tokenizer=tok).save_pretrained(tmp_path)
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path)  # the pad token survives saving
+    assert hf_tok.pad_token_id == hf.config.pad_token_id == hf.generation_config.pad_token_id
+    prompts = ["When in the chronicle", "I see", "And beauty making beautiful old rhyme"]
+    batch = hf_tok(prompts, padding=True, padding_side="left", return_tensors="pt").to(device)
+    assert (batch["attention_mask"] == 0).any()  # the prompts have different lengths
+    got = hf.generate(**batch, max_new_tokens=8, do_sample=False)
+    for row, prompt in zip(got, prompts):
+        alone = hf_tok(prompt, return_tensors="pt").to(device)
+        want = hf.generate(**alone, max_new_tokens=8, do_sample=False)
+        assert row[-8:].tolist() == want[0, -8:].tolist()
+    # a prompt that holds the pad id without an attention_mask is all tokens, not padding
+    ids = torch.tensor([[0, 3, 0, 4]], device=device)
+    assert hf.generate(ids, max_new_tokens=8, do_sample=False).tolist() == \
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                    do_sample=False).tolist()
 
 
 def test_exported_run_works_in_a_text_generation_pipeline(tmp_path, corpus):
     from transformers import pipeline
 
     from srupp.train import Trainer
-    from srupp.train.checkpoint import load_run
+    from srupp.inference import load_run
 
     run = tmp_path / "run"
     Trainer(config(corpus, "train.max_steps=4"), run, progress=False).train()
@@ -221,8 +250,9 @@ def test_exported_run_works_in_a_text_generation_pipeline(tmp_path, corpus):
     export_run_to_hf(run, out)
     export_run_to_hf(run, out)  # an earlier export is replaced
     assert {"config.json", "model.safetensors", "srupp_tokenizer.json",
-            "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+            "tokenizer_config.json", "README.md"} <= {p.name for p in out.iterdir()}
     assert json.loads((out / "config.json").read_text())["model_type"] == "srupp"
+    assert "import srupp.hf" in (out / "README.md").read_text()
 
     pipe = pipeline("text-generation", model=str(out))
     text = pipe("When in", max_new_tokens=6, do_sample=False)[0]["generated_text"]
@@ -239,7 +269,9 @@ def test_exported_run_works_in_a_text_generation_pipeline(tmp_path, corpus):
 
 
 @pytest.mark.parametrize("first", ["srupp", "transformers"])
-def test_import_srupp_does_not_import_transformers_and_registers_either_way(first):
+def test_import_srupp_stays_light_and_import_srupp_hf_registers(first):
+    """import srupp imports neither transformers nor the models, and registers nothing;
+    import srupp.hf registers the Auto classes, whichever was imported first."""
     second = "transformers" if first == "srupp" else "srupp"
     code = (f"import sys\n"
             f"import {first}\n"
@@ -248,6 +280,13 @@ def test_import_srupp_does_not_import_transformers_and_registers_either_way(firs
             f"    assert 'srupp.models' not in sys.modules\n"
             f"import {second}\n"
             f"from transformers import AutoConfig, AutoModelForCausalLM\n"
+            f"try:\n"
+            f"    AutoConfig.for_model('srupp')\n"
+            f"except ValueError:\n"
+            f"    pass\n"
+            f"else:\n"
+            f"    raise AssertionError('srupp registered without import srupp.hf')\n"
+            f"import srupp.hf\n"
             f"config = AutoConfig.for_model('srupp')\n"
             f"model = AutoModelForCausalLM.from_config(config)\n"
             f"print(type(config).__name__, type(model).__name__)\n")
@@ -262,6 +301,6 @@ def test_without_transformers_the_module_names_the_extra_to_install(monkeypatch)
     from srupp._extras import MissingExtra
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # makes the import fail
-    monkeypatch.delitem(sys.modules, "srupp.models.hf")
+    monkeypatch.delitem(sys.modules, "srupp.hf")
     with pytest.raises(MissingExtra, match=r"pip install 'srupp\[hf\]'"):
-        importlib.import_module("srupp.models.hf")
+        importlib.import_module("srupp.hf")
