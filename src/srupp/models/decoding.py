@@ -1,8 +1,8 @@
-"""Greedy and beam search for any translation model (:class:`~srupp.models.seq2seq.Seq2SeqModel`).
+"""Greedy and beam search for any translation model (:class:`~srupp.models.seq2seq.EncoderDecoder`).
 
 Both encode the batch once, then advance every unfinished sentence (times
-its beams) together, one :meth:`~Seq2SeqModel.step` call per time step,
-through the decoder state (:meth:`~Seq2SeqModel.reorder` follows the beams
+its beams) together, one :meth:`~srupp.models.seq2seq.EncoderDecoder.step` call per time step,
+through the decoder state (:meth:`~srupp.models.seq2seq.EncoderDecoder.reorder` follows the beams
 and drops finished sentences). Hypotheses start from ``config.bos_id`` and end
 with ``config.eos_id``.
 
@@ -104,7 +104,7 @@ def greedy_decode(model, src: Tensor, src_pad: Optional[Tensor] = None, *,
     """The most likely token at each step, until EOS or the maximum length.
 
     Args:
-        model: a Seq2SeqModel (run in eval mode; its mode is restored after).
+        model: an EncoderDecoder (run in eval mode; its mode is restored after).
         src: (B, S) source ids.  src_pad: (B, S) bool, True at padding, or None.
         max_len_a, max_len_b: at most floor(a·n + b) tokens before EOS, n the
             sentence's unpadded source length.
@@ -150,7 +150,7 @@ def beam_search(model, src: Tensor, src_pad: Optional[Tensor] = None, *, beam: i
     """Batched beam search; the rules are in the module docstring.
 
     Args:
-        model: a Seq2SeqModel (run in eval mode; its mode is restored after).
+        model: an EncoderDecoder (run in eval mode; its mode is restored after).
         src: (B, S) source ids.  src_pad: (B, S) bool, True at padding, or None.
         beam: live hypotheses per sentence, and finished ones it waits for.
         lenpen: score = logprob / len ** lenpen, len = generated tokens including EOS;
