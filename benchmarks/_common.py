@@ -41,7 +41,7 @@ def bare_training_step(trainer, grad_clip: Optional[float] = None) -> Callable[[
     """
     import torch
 
-    from srupp.train.evaluate import autocast_context
+    from srupp.inference import autocast_context
 
     model, opt = trainer.model, trainer.optimizer
     batches = trainer.batcher.iter_from(0)

@@ -7,7 +7,11 @@ sinusoidal positions and decodes with an unbounded KV cache (its
 ``generation_state`` with mem_len None); SRU++ keeps the recipe's attention
 window (model.mem_len, by default train.unroll). Each dtype of --dtypes runs
 every section; bf16 (``model.to(torch.bfloat16)``) only on a CPU with native
-bf16, else it is recorded as skipped.
+bf16, else it is recorded as skipped; int8 is ``model.quantize("int8")`` (int8
+weights, one scale per output channel), computing in bf16 on a CPU with native
+bf16, else in fp32, as ``srupp generate --dtype int8`` does. With --recipe-model
+SRU++ is the recipe's own model (e.g. ``recipes/enwik8-base.toml``, 108M
+parameters, random weights) and the other models are sized to its count.
 
 What is timed is the decode path only: after an untimed prefill, a loop of
 ``logits, state = model.step(tok, state); tok = logits.argmax(-1)`` (greedy;
@@ -23,14 +27,18 @@ figures are medians over --rounds.
     batched  B prompts of 16 tokens, --batched-new tokens; tokens/s = B * new / s
 
 The bound: decoding one token reads every weight once (the input embedding
-table: one row). Its bytes, copied with ``dst.copy_(src)`` (a buffer of that
-size, and one of 200 MB), give bytes/s = N / t and bound tokens/s = that / weight
-bytes; each model's batch-1 speed is reported as a fraction of both.
+table: one row; int8 layers: their int8 weights, scales and biases). Its
+bytes, copied with ``dst.copy_(src)`` (a buffer of that size, and one of
+200 MB), give bytes/s = N / t and bound tokens/s = that / weight bytes; each
+model's batch-1 speed is reported as a fraction of both.
 
 Prints one JSON object. Run it with nothing else on the machine:
 
     .venv/bin/python benchmarks/decode.py > docs/decode.json
     .venv/bin/python benchmarks/decode.py --quick      # tiny everything, a sanity run
+    .venv/bin/python benchmarks/decode.py --recipe recipes/enwik8-base.toml --recipe-model \
+        --models srupp --dtypes fp32,bf16,int8 --contexts 256 --batches 1 --new 32 \
+        --rounds 3 --context-steps 8 --batched-new 8        # paper size: bytes, not calls
 """
 
 from __future__ import annotations
@@ -50,12 +58,13 @@ from torch import nn
 from _common import median_seconds
 from srupp.models import build_model
 from srupp.models.state import TensorState
+from srupp.nn.quant import Int8Linear
 from srupp.nn.state import SRUppState
 from srupp.ops.settings import cpu_has_native_bf16
 from srupp.train.compare import MODELS, size_model
 from srupp.train.config import build_config
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": None}  # int8: as_dtype
 PROMPT, CHUNK, VOCAB = 16, 512, 256
 
 
@@ -75,8 +84,10 @@ def parse_args():
                     help=f"comma-separated, from {', '.join(MODELS)}")
     ap.add_argument("--params", type=int, default=5_000_000)
     ap.add_argument("--recipe", default="recipes/shakespeare-cpu.toml")
+    ap.add_argument("--recipe-model", action="store_true",
+                    help="SRU++ is the recipe's model as it is (--params: its count)")
     ap.add_argument("--set", nargs="*", default=[], help="recipe overrides, key=value")
-    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="from fp32, bf16, int8")
     ap.add_argument("--new", type=int, default=256, help="batch1: tokens decoded")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--contexts", type=int_list, default=[256, 1024, 4096, 16384])
@@ -113,8 +124,11 @@ def copy_bytes_per_s(nbytes: int) -> float:
 
 
 def weight_bytes(model) -> int:
-    """Bytes read per token: every parameter, but one row of an untied input embedding."""
+    """Bytes read per token: every parameter and int8 layer's buffers, but one row of an
+    untied input embedding."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total += sum(b.numel() * b.element_size() for m in model.modules()
+                 if isinstance(m, Int8Linear) for b in m.buffers())
     emb = model.embedding
     if isinstance(emb, nn.Embedding) and emb.weight is not getattr(model.output, "weight", None):
         w = emb.weight
@@ -250,6 +264,20 @@ def run_dtype(a, models, copy_large):
     return res
 
 
+def int8_activations() -> str:
+    """What int8 layers compute in: bf16 where the CPU has it natively (as srupp generate)."""
+    return "bf16" if cpu_has_native_bf16() else "fp32"
+
+
+def as_dtype(model, d):
+    """A copy of ``model`` with the weights of dtype name ``d``."""
+    model = copy.deepcopy(model)
+    if d == "int8":
+        model.quantize("int8")
+        d = int8_activations()
+    return model.to(DTYPES[d])
+
+
 def main():
     a = parse_args()
     if a.threads:
@@ -267,14 +295,20 @@ def main():
                            "batched_new": a.batched_new},
               "models": {}}
     built = {}
+    if a.recipe_model:  # the recipe's SRU++ sets the count the others are sized to
+        a.params = build_model(base.model_config(VOCAB)).num_parameters()
+        result["settings"]["params_target"] = a.params
     for n in a.models:
         extra = ["model.positions=sinusoidal"] if MODELS[n][0] == "transformer" else []
-        sized = size_model(n, base, VOCAB, a.params, overrides=extra)
-        mc = sized.cfg.model_config(VOCAB)
+        if a.recipe_model and n == "srupp":
+            mc = base.model_config(VOCAB)
+        else:
+            mc = size_model(n, base, VOCAB, a.params, overrides=extra).cfg.model_config(VOCAB)
         torch.manual_seed(0)
         built[n] = build_model(mc).eval()
         window = getattr(mc, "mem_len", None) if mc.type == "srupp" else None
-        result["models"][n] = {"type": mc.type, "params": sized.params, "d_model": mc.d_model,
+        result["models"][n] = {"type": mc.type, "params": built[n].num_parameters(),
+                               "d_model": mc.d_model,
                                "num_layers": mc.num_layers,
                                "proj_size": getattr(mc, "proj_size", None),
                                "attention_window": window}
@@ -288,8 +322,10 @@ def main():
                 result["dtypes"][d] = {"skipped": "this CPU has no native bf16 (AVX-512 BF16 "
                                                   "or AMX): bf16 would be emulated"}
                 continue
-            models = {n: copy.deepcopy(m).to(DTYPES[d]) for n, m in built.items()}
+            models = {n: as_dtype(m, d) for n, m in built.items()}
             result["dtypes"][d] = run_dtype(a, models, copy_large)
+            if d == "int8":
+                result["dtypes"][d]["activations"] = int8_activations()
     result["loadavg_after"] = [round(v, 2) for v in os.getloadavg()]
     print(json.dumps(result, indent=2))
 

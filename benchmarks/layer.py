@@ -6,7 +6,7 @@ package (``sru==3.0.0.dev6``, always fp32). Run it with nothing else on the
 machine:
 
     .venv/bin/python benchmarks/layer.py [--rounds 5] [--L 256 --B 16 --d 512 --proj 128]
-        [--ablate-recurrence]
+        [--ablate-recurrence] [--compile]
 
 By default the process first calls ``srupp.tune_cpu_allocator()`` (as the
 ``srupp`` CLI does), which applies to all contenders alike; ``--no-tune-allocator``
@@ -37,6 +37,9 @@ def main():
     ap.add_argument("--ablate-recurrence", action="store_true",
                     help="also time the srupp stack with its recurrence replaced by one "
                          "element-wise op, to see what the layer around it costs")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time the srupp stack under torch.compile (its compilation, "
+                         "the first calls, is reported apart as compile_s)")
     args = ap.parse_args()
     tuned = False
     if not args.no_tune_allocator:
@@ -55,6 +58,20 @@ def main():
     for dt in ("fp32", "bf16"):
         contenders[f"srupp_{dt}"] = (layer_training_step(mine, x, dt == "bf16"),
                                      srupp_infer(mine, dt == "bf16"))
+
+    compile_s = {}
+    if args.compile:
+        import time
+
+        compiled = torch.compile(mine)
+        for dt in ("fp32", "bf16"):
+            name = f"srupp_{dt}_compiled"
+            contenders[name] = (layer_training_step(compiled, x, dt == "bf16"),
+                                srupp_infer(compiled, dt == "bf16"))
+            t0 = time.perf_counter()
+            for run in contenders[name]:
+                run()
+            compile_s[name] = round(time.perf_counter() - t0, 1)
 
     if args.ablate_recurrence:
         # The same stack with the recurrence replaced by one element-wise op
@@ -105,6 +122,8 @@ def main():
                          "rounds": args.rounds, "reps": args.reps,
                          "allocator_tuned": tuned},
               "loadavg_1m": os.getloadavg()[0], "tokens_per_s": {}, "ratio_to_reference": {}}
+    if compile_s:
+        result["compile_s"] = compile_s
     for name, t in times.items():
         result["tokens_per_s"][name] = {k: tokens / statistics.median(v) for k, v in t.items()}
     if have_ref:

@@ -121,6 +121,16 @@ def test_step_profile():
             assert split["top_other_ops"]
     assert r["shapes"]["recipe"]["fp32"]["optimizer_ms"] > 0
 
+
+def test_equal_params():
+    r = run_benchmark("equal_params.py", "--params", "200000", "--precisions", "fp32",
+                      "--rounds", "1", "--steps", "1", "--warmup", "1",
+                      "--set", "train.batch_size=2", "train.unroll=8")
+    # both models sized to the target (within compare's 10%), and the ratio reported
+    assert all(abs(m["params"] - 200000) <= 20000 for m in r["models"].values())
+    assert r["srupp_over_sru"]["fp32_eager"] > 0
+
+
 def test_training_scale(corpus):
     r = run_benchmark("training_scale.py", RECIPE, "--steps", "2", "--rounds", "1",
                       "--set", *TINY, f"data.corpus={corpus}", "train.batch_size=4")
@@ -139,9 +149,12 @@ def test_generation(tmp_path, corpus):
 
 
 def test_decode():
-    r = run_benchmark("decode.py", "--quick")
+    r = run_benchmark("decode.py", "--quick", "--dtypes", "fp32,bf16,int8")
     names = ["srupp", "sru", "lstm", "transformer"]
     assert list(r["models"]) == names and min(m["params"] for m in r["models"].values()) > 0
+    assert list(r["dtypes"]) == ["fp32", "bf16", "int8"]
+    fp32, int8 = (r["dtypes"][d]["bounds"]["srupp"]["weight_bytes"] for d in ("fp32", "int8"))
+    assert fp32 / 4 < int8 < fp32 / 3  # a byte per weight, and the float embedding row etc.
     assert r["copy_large_buffer"]["GBps"] > 0
     for dtype, res in r["dtypes"].items():
         if "skipped" in res:

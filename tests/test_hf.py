@@ -198,7 +198,7 @@ def test_tokenizer_keeps_srupps_ids_and_text_through_auto_tokenizer(tmp_path, ki
     if kind == "sentencepiece":
         pytest.importorskip("sentencepiece", reason="needs sentencepiece: pip install "
                                                     "'srupp[subword]'")
-        options = {"vocab_size": 60, "model_type": "bpe"}
+        options = {"vocab_size": 300, "model_type": "bpe"}  # byte fallback: "é" as bytes
     tok = build_tokenizer(kind, TEXT * 20, **options)
     SRUppTokenizer(srupp_tokenizer=tok).save_pretrained(tmp_path)
     SRUppHFConfig(srupp=SRUppConfig(vocab_size=tok.vocab_size).to_dict()).save_pretrained(tmp_path)

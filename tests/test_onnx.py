@@ -285,3 +285,45 @@ def test_cli_export_needs_a_window_for_an_unbounded_memory(tmp_path, capsys):
     assert main(["export", "--checkpoint", str(folder), "--out", str(tmp_path / "out"),
                  "--mem-len", "4"]) == 0
     assert json.loads(capsys.readouterr().out)["window"] == 4
+
+
+# ----------------------------------------------------------------- int8 graphs
+
+# onnxruntime's dynamic quantization rounds each weight to int8 (one scale per output
+# channel) and each product's input to uint8 (one scale per call): on this tiny model's
+# logits, of size ~1, that moves them by a few hundredths
+INT8_ORT_TOL = 0.15
+
+
+def test_quantized_graphs_run_in_onnxruntime_close_to_float(tmp_path):
+    ort = _runtime()
+    import onnx
+
+    m = make(**VARIANTS["srupp-heads-prenorm-mixed"])
+    export_onnx(m, tmp_path / "fp32")
+    description = export_onnx(m, tmp_path / "int8", quantize="int8")
+    assert description["weights"] == "int8"
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "int8" / "step.onnx")).graph.node}
+    assert "DynamicQuantizeLinear" in ops or "MatMulInteger" in ops, ops
+    _, fp32 = _sessions(ort, tmp_path / "fp32")
+    meta, int8 = _sessions(ort, tmp_path / "int8")
+    prompt = torch.randint(0, 11, (2, 9), generator=torch.Generator().manual_seed(0))
+    a, b = (_run(s["forward"], {"tokens": prompt.numpy()}) for s in (fp32, int8))
+    assert _max_error(b["logits"], torch.as_tensor(a["logits"])) < INT8_ORT_TOL
+    states = [{n: o[f"new_{n}"] for n in meta["state"]} for o in (a, b)]
+    for t in torch.randint(0, 11, (20, 2), generator=torch.Generator().manual_seed(1)):
+        outs = [_run(s["step"], {"tokens": t.numpy(), **st}) for s, st in zip((fp32, int8),
+                                                                             states)]
+        states = [{n: o[f"new_{n}"] for n in meta["state"]} for o in outs]
+        assert _max_error(outs[1]["logits"], torch.as_tensor(outs[0]["logits"])) < INT8_ORT_TOL
+
+
+def test_quantize_arguments_of_the_export(tmp_path, capsys):
+    with pytest.raises(ValueError, match=r"unknown quantization 'int4'"):
+        export_onnx(make(mem_len=4), tmp_path / "a", quantize="int4")
+    with pytest.raises(ValueError, match="export the float model"):
+        export_onnx(make(mem_len=4).quantize(), tmp_path / "b")
+    ckpt = _saved(tmp_path, type="srupp")
+    err = one_line_error(capsys, ["export", "--checkpoint", str(ckpt), "--format", "hf",
+                                  "--out", str(tmp_path / "c"), "--quantize", "int8"])
+    assert "--quantize applies to --format onnx" in err

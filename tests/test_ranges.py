@@ -19,7 +19,8 @@ import torch
 from srupp._ranges import _numeric_fields, check, problem
 from srupp.cli import build_parser, main
 from srupp.errors import UserError
-from srupp.models import REGISTRY, SRUppConfig, build_model, config_from_dict
+from srupp.models import SRUppConfig, build_model, config_from_dict
+from srupp.models.registry import REGISTRY
 from srupp.models.lm import sample
 from srupp.train import build_config
 from srupp.train.config import DataConfig, EvalConfig, TrainConfig
@@ -37,7 +38,8 @@ OUT_OF_RANGE = {
               "eval_every": "0", "save_every": "0", "eval_max_batches": "0",
               "calibration_steps": "0", "threads": "0", "dist_timeout": "0"},
     "eval": {"unroll": "0", "mem_len": "-1", "batch_size": "0", "beam": "0", "lenpen": "-1",
-             "max_len_a": "-0.5", "max_len_b": "-1", "bleu_sentences": "0"},
+             "max_len_a": "-0.5", "max_len_b": "-1", "no_repeat_ngram_size": "-1",
+             "bleu_sentences": "0"},
     "data": {"max_oov": "1.5", "vocab_size": "0", "min_freq": "0", "test_size": "-1",
              "valid_size": "-1", "max_len": "0"},
 }
@@ -202,6 +204,7 @@ def test_temperature_zero_is_greedy(tiny_lm):
     *[({"lenpen": float(v)}, "lenpen") for v in [*NON_FINITE, "-1"]],
     *[({"max_len_a": float(v)}, "max_len_a") for v in [*NON_FINITE, "-1"]],
     ({"beam": 0}, "beam"), ({"beam": math.inf}, "beam"),
+    *[({"no_repeat_ngram_size": v}, "no_repeat_ngram_size") for v in [math.nan, math.inf, -1]],
 ])
 def test_translation_decoding_raises_value_error(kwargs, match):
     from srupp.models.decoding import beam_search, greedy_decode
@@ -216,8 +219,8 @@ def test_translation_decoding_raises_value_error(kwargs, match):
     if "beam" not in kwargs and "lenpen" not in kwargs:
         with pytest.raises(ValueError, match=rf"^{match} must be "):
             greedy_decode(model, src, **kwargs)
-    if "lenpen" in kwargs:  # checked for greedy (beam 1) too, before any decoding
-        with pytest.raises(ValueError, match=r"^lenpen must be "):
+    if "lenpen" in kwargs or "no_repeat_ngram_size" in kwargs:  # before any decoding
+        with pytest.raises(ValueError, match=rf"^{match} must be "):
             translate_lines(model, None, ["a"], beam=1, **kwargs)
 
 
@@ -229,6 +232,7 @@ FLAGS = [
     ("generate", "--top-k", "0"), ("generate", "--top-p", "1.5"), ("generate", "--seed", "-1"),
     ("generate", "--mem-len", "-1"),
     ("translate", "--beam", "0"), ("translate", "--lenpen", "-1"),
+    ("translate", "--no-repeat-ngram-size", "-1"),
     ("translate", "--batch-size", "0"), ("translate", "--max-len", "0"),
     ("translate", "--threads", "0"),
     ("classify", "--top-k", "0"), ("classify", "--batch-size", "0"),

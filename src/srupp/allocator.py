@@ -3,11 +3,8 @@
 glibc's malloc serves large requests (beyond an adaptive threshold of at most
 32 MiB) with fresh ``mmap`` pages and unmaps them on free. A training step
 allocates and frees tens of megabytes of activations, so every step the kernel
-faults in and zeroes those pages again. Measured here on the layer benchmark's
-2-layer SRU++ (``benchmarks/allocator.py``; L=256, B=16, d=512, bf16 autocast):
-12,983 minor page faults and 29 ms of system time per step, 116 ms per step;
-after :func:`tune_cpu_allocator`, 0.7 faults, 0.4 ms and 90 ms (1.29×; fp32:
-1.20×).
+faults in and zeroes those pages again; :func:`tune_cpu_allocator` keeps them
+instead (the measurements are in docs/performance.md, "The CPU allocator").
 
 This is a process-wide malloc setting (``mallopt``), so the library never
 applies it on import. The ``srupp`` command-line tool applies it at start

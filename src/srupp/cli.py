@@ -29,7 +29,7 @@ from .errors import UserError, user_input
 
 def cmd_train(args) -> int:
     from .train import Trainer, build_config, distributed
-    from .runs import read_run_config
+    from .runs import RUN_CONFIG, read_run_config
 
     distributed.die_with_launcher()  # under torchrun: never outlive the launcher
 
@@ -40,8 +40,8 @@ def cmd_train(args) -> int:
         overrides.append(f"data.corpus={args.data}")
     base = None
     if args.resume:
-        if not (out / "config.json").exists():
-            raise UserError(f"--resume: {out} holds no run to resume (no config.json)")
+        if not (out / RUN_CONFIG).exists():
+            raise UserError(f"--resume: {out} holds no run to resume (no {RUN_CONFIG})")
         base = read_run_config(out)
     cfg = build_config(args.recipe, overrides, base=base, base_name=str(out))
     dist = distributed.setup(cfg.train.device, cfg.train.dist_backend, cfg.train.dist_timeout)
@@ -111,6 +111,8 @@ def cmd_eval(args) -> int:
     cfg = _run_config(run_cfg, model.config.task, args.set)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    # the weights: int8 computes in fp32, so that the scores show the weights' rounding alone
+    activations = _weights_in(model, args.dtype, "fp32")
     if args.data:
         from .data import TABLES
 
@@ -120,24 +122,41 @@ def cmd_eval(args) -> int:
     if cfg.data.corpus is None:
         raise UserError(f"{args.checkpoint} names no data to evaluate on; give --data")
     result = cfg.task_class(cfg).evaluate_checkpoint(model, tokenizer, ckpt, args.split)
-    print(json.dumps({**result, "split": args.split, "checkpoint": str(ckpt)}))
+    print(json.dumps({**result, "split": args.split, "dtype": args.dtype,
+                      "activations": activations, "checkpoint": str(ckpt)}))
     return 0
 
 
-def cmd_generate(args) -> int:
+def _native_bf16_or_refuse(flag: str) -> None:
+    from .ops.settings import cpu_has_native_bf16
+
+    if not cpu_has_native_bf16():
+        raise UserError(f"{flag}: this CPU has no bf16 instructions (AVX-512 BF16 or AMX), so "
+                        f"bf16 would be emulated and slower; use --dtype fp32")
+
+
+def _weights_in(model, dtype: str, int8_activations: str) -> str:
+    """Convert ``model`` in place to the weights of ``--dtype`` (fp32, bf16 or int8, which
+    computes in ``int8_activations``); returns the dtype the model computes in."""
     import torch
 
+    if dtype == "int8":
+        model.quantize("int8")
+        dtype = int8_activations
+    if dtype == "bf16":
+        model.to(torch.bfloat16)  # the recurrent state c stays fp32
+    return dtype
+
+
+def cmd_generate(args) -> int:
     from .inference import generate_text
+    from .ops.settings import cpu_has_native_bf16
 
     if args.dtype == "bf16":
-        from .ops.settings import cpu_has_native_bf16
-
-        if not cpu_has_native_bf16():
-            raise UserError("--dtype bf16: this CPU has no bf16 instructions (AVX-512 BF16 or "
-                            "AMX), so bf16 would be emulated and slower; use --dtype fp32")
+        _native_bf16_or_refuse("--dtype bf16")
     _, tokenizer, model, _ = _load_for(args, "generate")
-    if args.dtype == "bf16":
-        model = model.to(torch.bfloat16)  # weights in bf16; the recurrent state c stays fp32
+    # int8 weights compute in bf16 where the CPU has bf16 instructions
+    activations = _weights_in(model, args.dtype, "bf16" if cpu_has_native_bf16() else "fp32")
     if not tokenizer.encode(args.prompt).numel():
         raise UserError("--prompt is empty: give at least one character")
     sys.stdout.write(args.prompt)
@@ -149,7 +168,8 @@ def cmd_generate(args) -> int:
     seconds = time.perf_counter() - start
     _write("\n")
     print(json.dumps({"prompt_tokens": out.prompt_tokens, "new_tokens": out.new_tokens,
-                      "dtype": args.dtype, "seconds": round(seconds, 3),
+                      "dtype": args.dtype, "activations": activations,
+                      "seconds": round(seconds, 3),
                       "tokens_per_s": round(out.new_tokens / max(seconds, 1e-9), 1)}),
           file=sys.stderr)
     return 0
@@ -165,8 +185,9 @@ def cmd_export(args) -> int:
 
     out = Path(args.out)
     if args.format == "hf":
-        if args.mem_len is not None:
-            raise UserError("--mem-len applies to --format onnx only")
+        if args.mem_len is not None or args.quantize is not None:
+            flag = "--mem-len" if args.mem_len is not None else "--quantize"
+            raise UserError(f"{flag} applies to --format onnx only")
         require("transformers", "hf", "srupp export --format hf")
         from .hf import export_run_to_hf
 
@@ -184,8 +205,12 @@ def cmd_export(args) -> int:
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} is a file; give a folder for the ONNX graphs")
     start = time.perf_counter()
-    info = export_onnx(model, out, mem_len=args.mem_len, tokenizer=tokenizer.to_dict())
+    if args.quantize is not None:
+        require("onnxruntime", "onnx", "srupp export --quantize")
+    info = export_onnx(model, out, mem_len=args.mem_len, tokenizer=tokenizer.to_dict(),
+                       quantize=args.quantize)
     print(json.dumps({"format": "onnx", "out": str(out), "checkpoint": str(ckpt),
+                      "weights": info["weights"],
                       "files": [*info["graphs"].values(), "srupp-onnx.json", "tokenizer.json"],
                       "window": info["window"], "state": info["state"],
                       "seconds": round(time.perf_counter() - start, 3)}))
@@ -239,7 +264,8 @@ def cmd_translate(args) -> int:
                                      truncate=args.truncate or cfg.data.truncate,
                                      first_line=lines + 1)
         out = translate_ids(model, sources, beam=args.beam, lenpen=args.lenpen,
-                            max_len_a=cfg.eval.max_len_a, max_len_b=cfg.eval.max_len_b)
+                            max_len_a=cfg.eval.max_len_a, max_len_b=cfg.eval.max_len_b,
+                            no_repeat_ngram_size=args.no_repeat_ngram_size)
         sys.stdout.write("".join(tokenizer.decode(o) + "\n" for o in out))
         sys.stdout.flush()
         lines += len(batch)
@@ -386,7 +412,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--checkpoint", required=True, help="run directory or checkpoint folder")
     e.add_argument("--data", help="corpus (default: the run's)")
     e.add_argument("--split", choices=["valid", "test"], default="valid")
-    _add_set(e, "e.g. eval.unroll=512 eval.mem_len=1024 eval.batch_size=1, or eval.beam=1")
+    e.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32",
+                   help="weights: fp32 (default), bf16, or int8 (one scale per output "
+                        "channel, computed in fp32)")
+    _add_set(e, "e.g. eval.unroll=512 eval.mem_len=1024 eval.batch_size=1, or eval.beam=1 "
+                "eval.no_repeat_ngram_size=3")
     e.set_defaults(func=cmd_eval)
 
     tr = sub.add_parser("translate", help="translate stdin line by line to stdout")
@@ -395,6 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--lenpen", type=_number(">= 0"), default=1.0,
                     help="length penalty >= 0: a hypothesis scores log p / length**lenpen "
                          "(0: the plain sum)")
+    tr.add_argument("--no-repeat-ngram-size", type=_number(">= 0", integer=True), default=0,
+                    metavar="N", help="never repeat an n-gram of N output tokens (0: off)")
     tr.add_argument("--batch-size", type=_AT_LEAST_1, default=32,
                     help="sentences decoded together")
     tr.add_argument("--max-len", type=_AT_LEAST_1,
@@ -426,9 +458,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=_number("[0, 2**63)", integer=True), default=0,
                    help="the sampling's seed (default 0)")
     g.add_argument("--mem-len", type=_WINDOW, help="attention window (default: the model's)")
-    g.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
-                   help="weights while decoding: fp32, or bf16 (half the bytes; needs a CPU "
-                        "with bf16 instructions)")
+    g.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32",
+                   help="weights while decoding: fp32, bf16 (half the bytes; needs a CPU "
+                        "with bf16 instructions) or int8 (a quarter; computes in bf16 where "
+                        "the CPU has bf16 instructions, else fp32)")
     g.set_defaults(func=cmd_generate)
 
     ex = sub.add_parser("export", help="write a language model as ONNX graphs (or for "
@@ -440,6 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--out", required=True, help="folder to write (created if missing)")
     ex.add_argument("--mem-len", type=_WINDOW,
                     help="onnx: the step graph's attention window (default: the model's)")
+    ex.add_argument("--quantize", choices=["int8"],
+                    help="onnx: int8 weights, one scale per output channel, by ONNX "
+                         "Runtime's quantize_dynamic (needs onnxruntime)")
     ex.set_defaults(func=cmd_export)
 
     pa = sub.add_parser("params", help="count a recipe's parameters; prints JSON")

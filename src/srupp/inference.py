@@ -253,15 +253,18 @@ def encode_sources(tokenizer, lines: Sequence[str], *, max_len: Optional[int] = 
 
 @torch.no_grad()
 def translate_ids(model, sources: Sequence[Sequence[int]], *, beam: int = 5, lenpen: float = 1.0,
-                  max_len_a: float = 1.2, max_len_b: int = 10, max_tokens: int = 4096,
-                  precision: str = "fp32") -> List[List[int]]:
+                  max_len_a: float = 1.2, max_len_b: int = 10, no_repeat_ngram_size: int = 0,
+                  max_tokens: int = 4096, precision: str = "fp32") -> List[List[int]]:
     """The translations' ids (EOS excluded) of sources given as ids; [] for an empty source.
 
     Sources are batched by length (at most ``max_tokens`` padded source
-    tokens per batch) and decoded greedily (``beam`` 1) or with beam search.
+    tokens per batch) and decoded greedily (``beam`` 1) or with beam search;
+    ``no_repeat_ngram_size`` n > 0 bans repeating an n-gram of the output
+    (:mod:`srupp.models.decoding`).
     """
     check("beam", beam, ">= 1", integer=True)
     check("lenpen", lenpen, ">= 0")  # beam_search's, checked for greedy (beam 1) too
+    check("no_repeat_ngram_size", no_repeat_ngram_size, ">= 0", integer=True)
     out: List[List[int]] = [[] for _ in sources]
     todo = [i for i, s in enumerate(sources) if s]
     device = model.device
@@ -269,10 +272,12 @@ def translate_ids(model, sources: Sequence[Sequence[int]], *, beam: int = 5, len
         ids, pad = pad_batch([sources[todo[k]] for k in idx], device)
         with autocast_context(precision, device.type):
             if beam == 1:
-                hyps = greedy_decode(model, ids, pad, max_len_a=max_len_a, max_len_b=max_len_b)
+                hyps = greedy_decode(model, ids, pad, max_len_a=max_len_a, max_len_b=max_len_b,
+                                     no_repeat_ngram_size=no_repeat_ngram_size)
             else:
                 hyps = beam_search(model, ids, pad, beam=beam, lenpen=lenpen,
-                                   max_len_a=max_len_a, max_len_b=max_len_b)
+                                   max_len_a=max_len_a, max_len_b=max_len_b,
+                                   no_repeat_ngram_size=no_repeat_ngram_size)
         for k, h in zip(idx, hyps):
             out[todo[k]] = h.tokens
     return out
@@ -280,21 +285,23 @@ def translate_ids(model, sources: Sequence[Sequence[int]], *, beam: int = 5, len
 
 def translate_lines(model, tokenizer, lines: Sequence[str], *, beam: int = 5,
                     lenpen: float = 1.0, max_len_a: float = 1.2, max_len_b: int = 10,
-                    max_tokens: int = 4096, max_len: Optional[int] = None,
-                    truncate: bool = False, precision: str = "fp32",
-                    first_line: int = 1) -> List[str]:
+                    no_repeat_ngram_size: int = 0, max_tokens: int = 4096,
+                    max_len: Optional[int] = None, truncate: bool = False,
+                    precision: str = "fp32", first_line: int = 1) -> List[str]:
     """Translate ``lines`` (in order); an empty line gives an empty translation.
 
     See :func:`encode_sources` (the length limit) and :func:`translate_ids`
-    (batching and search); the translations are detokenised.
+    (batching, search, ``no_repeat_ngram_size``); the translations are detokenised.
     """
     check("beam", beam, ">= 1", integer=True)  # named before any text is encoded
     check("lenpen", lenpen, ">= 0")
+    check("no_repeat_ngram_size", no_repeat_ngram_size, ">= 0", integer=True)
     sources = encode_sources(tokenizer, lines, max_len=max_len, truncate=truncate,
                              first_line=first_line)
     return [tokenizer.decode(ids) for ids in translate_ids(
         model, sources, beam=beam, lenpen=lenpen, max_len_a=max_len_a, max_len_b=max_len_b,
-        max_tokens=max_tokens, precision=precision)]
+        no_repeat_ngram_size=no_repeat_ngram_size, max_tokens=max_tokens,
+        precision=precision)]
 
 
 # --------------------------------------------------------------------------- classification
@@ -304,6 +311,8 @@ def translate_lines(model, tokenizer, lines: Sequence[str], *, beam: int = 5,
 def predict(model, items: Sequence[Sequence[int]], *, max_tokens: int = 4096,
             precision: str = "fp32") -> torch.Tensor:
     """Class probabilities (N, C) of texts given as token ids, in their order."""
+    if not items:
+        return torch.empty(0, model.config.num_labels)
     was_training = model.training
     model.eval()
     device = model.device
@@ -324,8 +333,9 @@ def encode_texts(tokenizer, lines: Sequence[str], *, max_len: int, truncate: boo
                  where: str = "the input") -> List[List[int]]:
     """The ids of texts to classify, at most ``max_len`` each (see :func:`fit_length`).
 
-    An empty line is classified as an empty text: its ``<eos>`` alone for
-    word tokenizers, id 0 for the others.
+    An empty line is classified as an empty text: its ``<eos>`` alone for the
+    tokenizers that end each line with one (word, SentencePiece), id 0 for the
+    byte- and character-level ones.
     """
     ids = [x or [0] for x in encode_lines(tokenizer, lines)]
     return fit_length(ids, max_len, truncate=truncate, where=where, keep_last=False)

@@ -53,6 +53,7 @@ from torch import Tensor, nn
 from ._extras import require
 from ._files import atomic_path, atomic_write_json
 from .models import CausalLM
+from .nn.quant import Int8Linear, check_quantization
 from .nn.reference import attention_u, post_norm, pre_norm, projected_u, skip_term, sru_step
 from .nn.srupp import SRUppCell
 from .ops.reference import sru_recurrence_reference
@@ -86,6 +87,9 @@ def check_exportable(model: nn.Module) -> None:
         reason = _REFUSED.get(kind, "no ONNX graphs are written for it")
         raise ValueError(f"ONNX export covers the srupp and sru language models, not "
                          f"model.type={kind}: {reason}")
+    if any(isinstance(m, Int8Linear) for m in model.modules()):
+        raise ValueError("this model is quantized; export the float model, and quantize "
+                         "the graphs with quantize=\"int8\" (srupp export --quantize int8)")
     if config.adaptive_cutoffs is not None:
         raise ValueError("ONNX export does not cover adaptive embeddings and softmax "
                          "(model.adaptive_cutoffs): which cluster a token falls in decides "
@@ -295,7 +299,8 @@ class StepGraph(_Graph):
 # --------------------------------------------------------------------------- export
 
 def export_onnx(model: nn.Module, out_dir, *, mem_len: Optional[int] = None,
-                tokenizer: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+                tokenizer: Optional[Dict[str, Any]] = None,
+                quantize: Optional[str] = None) -> Dict[str, Any]:
     """Write ``forward.onnx``, ``step.onnx`` and ``srupp-onnx.json`` into ``out_dir``.
 
     Args:
@@ -304,6 +309,8 @@ def export_onnx(model: nn.Module, out_dir, *, mem_len: Optional[int] = None,
         mem_len: the step graph's attention window; None takes the model's ``mem_len``.
         tokenizer: the tokenizer's ``to_dict()``, written as ``tokenizer.json`` so that
             the folder stands on its own (examples/onnx_generate.py reads it).
+        quantize: "int8" stores the graphs' weight matrices as int8, one scale per
+            output channel (:func:`quantize_graphs`); None keeps them float32.
     Returns:
         The description written to ``srupp-onnx.json``: sizes, window, the state's
         names and shapes, the graphs' file names.
@@ -313,6 +320,9 @@ def export_onnx(model: nn.Module, out_dir, *, mem_len: Optional[int] = None,
     check_torch_exports()
     require("onnx", "onnx", "ONNX export")
     require("onnxscript", "onnx", "ONNX export")  # torch.onnx's exporter builds graphs with it
+    if quantize is not None:
+        check_quantization(quantize)
+        require("onnxruntime", "onnx", "ONNX quantization")
     # a private fp32 copy on the CPU, without gradients: exporting never touches the
     # caller's model, and a model on a GPU exports the same graphs (onnxruntime runs
     # them wherever it runs; the example inputs below are CPU tensors)
@@ -339,6 +349,9 @@ def export_onnx(model: nn.Module, out_dir, *, mem_len: Optional[int] = None,
             inputs=["tokens", *names], outputs=["logits", *(f"new_{n}" for n in names)],
             dynamic=step_dynamic)
 
+    if quantize is not None:
+        quantize_graphs([out_dir / GRAPH_FILES[g] for g in ("forward", "step")])
+
     c = model.config
     layers = _stack(model).layers
     D = layers[0].output_size
@@ -353,12 +366,30 @@ def export_onnx(model: nn.Module, out_dir, *, mem_len: Optional[int] = None,
         "state": names, "state_shapes": {n: shapes[n] for n in names},
         "state_dtypes": {n: "int64" if n == "lengths" else "float32" for n in names},
         "outputs": "logits",
+        "weights": quantize or "float32",
         "tokenizer": "tokenizer.json" if tokenizer is not None else None,
     }
     if tokenizer is not None:
         atomic_write_json(out_dir / "tokenizer.json", tokenizer)
     atomic_write_json(out_dir / DESCRIPTION, description)
     return description
+
+
+def quantize_graphs(paths: List[Path]) -> None:
+    """Store each ONNX graph's weight matrices as int8, in place, with ONNX Runtime's own tool.
+
+    ``onnxruntime.quantization.quantize_dynamic``: the MatMul/Gemm nodes whose
+    weight is a constant get int8 weights with one scale per output channel
+    (symmetric), and quantize their input per call (dynamic quantization); the
+    embedding lookup, the attention over the memory and the recurrence stay
+    float32. Inputs and outputs keep their names, shapes and dtypes.
+    """
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    for path in paths:
+        with atomic_path(path) as tmp:
+            quantize_dynamic(str(path), str(tmp), per_channel=True,
+                             weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul", "Gemm"])
 
 
 #: The oldest torch whose exporter gives graphs that run any batch and length.

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, List, Union
+from typing import Any, Dict, Iterable, List, Optional, Union
 
 from ._format import check_format_version, without_format_version
 from .errors import UserError
@@ -42,8 +42,11 @@ PathLike = Union[str, Path]
 POINTERS = ("last", "best")
 MODEL_FILE = "model.safetensors"
 RUN_CONFIG = "config.json"
+MODEL_CONFIG = "config.json"   # in a checkpoint folder: the model's config
 TOKENIZER = "tokenizer.json"
 LABELS = "labels.json"
+TRAINER_STATE = "trainer.pt"
+CARRIED_STATE = "state.safetensors"
 
 
 def read_json(path: PathLike, what: str) -> Any:
@@ -70,10 +73,34 @@ def read_pointer(ptr: PathLike) -> dict:
     return saved
 
 
+def pointer_path(run_dir: PathLike, pointer: str = "last") -> Path:
+    """The file of ``pointer`` ("last" or "best") in ``run_dir``."""
+    return Path(run_dir) / f"{pointer}.json"
+
+
+def has_checkpoint(run_dir: PathLike) -> bool:
+    """True when ``run_dir`` holds a run that saved a checkpoint (its last.json exists)."""
+    return pointer_path(run_dir, "last").exists()
+
+
 def pointer_step(run_dir: PathLike, pointer: str = "last") -> Any:
     """The step ``pointer`` names in ``run_dir``, or None without that pointer."""
-    ptr = Path(run_dir) / f"{pointer}.json"
+    ptr = pointer_path(run_dir, pointer)
     return read_pointer(ptr).get("step") if ptr.exists() else None
+
+
+def referenced_checkpoints(run_dir: PathLike) -> Optional[set]:
+    """The checkpoint folders the pointers name; None when a pointer cannot be read
+    (a caller deleting folders must then keep them all)."""
+    names = set()
+    for p in POINTERS:
+        ptr = pointer_path(run_dir, p)
+        if ptr.exists():
+            try:
+                names.add(read_pointer(ptr)["dir"])
+            except UserError:
+                return None
+    return names
 
 
 def resolve_checkpoint(path: PathLike, prefer: str = "best") -> Path:
@@ -87,7 +114,7 @@ def resolve_checkpoint(path: PathLike, prefer: str = "best") -> Path:
     if not path.is_dir():
         raise UserError(f"{path} is not a run directory or checkpoint folder")
     for p in (prefer, *POINTERS):
-        ptr = path / f"{p}.json"
+        ptr = pointer_path(path, p)
         if ptr.exists():
             d = path / read_pointer(ptr)["dir"]
             if not is_checkpoint(d):
@@ -112,10 +139,16 @@ def read_run_config(run_dir: PathLike) -> dict:
 def run_config(ckpt: PathLike) -> dict:
     """The run config of the run a checkpoint folder belongs to ({} for a folder on its own)."""
     run_dir = Path(ckpt).parent
-    if (run_dir / RUN_CONFIG).exists() and any((run_dir / f"{p}.json").exists()
+    if (run_dir / RUN_CONFIG).exists() and any(pointer_path(run_dir, p).exists()
                                                for p in POINTERS):
         return read_run_config(run_dir)
     return {}
+
+
+def read_run_files(run_dir: PathLike, names: Iterable[str]) -> Dict[str, Any]:
+    """``{name: JSON}`` of files saved beside the run config (a task's tokenizer.json,
+    labels.json), for a resumed run."""
+    return {name: read_json(Path(run_dir) / name, name.split(".")[0]) for name in names}
 
 
 def tokenizer_json(ckpt: PathLike) -> dict:

@@ -172,15 +172,17 @@ SP_TRAIN = "\n".join(
 def test_sentencepiece_missing_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "sentencepiece", None)  # makes the import fail
     with pytest.raises(ValueError, match=r"pip install 'srupp\[subword\]'") as e:
-        build_tokenizer("sentencepiece", SP_TRAIN, vocab_size=50)
+        build_tokenizer("sentencepiece", SP_TRAIN, vocab_size=300)
     assert "\n" not in str(e.value)
 
 
 @needs_sp
 @pytest.mark.parametrize("model_type", ["unigram", "bpe"])
 def test_sentencepiece_round_trip_and_save(model_type):
-    tok = build_tokenizer("sentencepiece", SP_TRAIN, vocab_size=30, model_type=model_type)
-    assert isinstance(tok, SentencePieceTokenizer)
+    """Without byte fallback (as tokenizers saved before srupp had it): unseen is <unk>."""
+    tok = build_tokenizer("sentencepiece", SP_TRAIN, vocab_size=30, model_type=model_type,
+                          byte_fallback=False)
+    assert isinstance(tok, SentencePieceTokenizer) and not tok.byte_fallback
     assert tok.vocab_size == 30
     ids = tok.encode(SP_TRAIN)
     assert ids.dtype == torch.int64
@@ -188,12 +190,46 @@ def test_sentencepiece_round_trip_and_save(model_type):
     assert tok.decode(ids) == SP_TRAIN
     assert tok.oov_rate(SP_TRAIN) == 0.0
     assert tok.oov_rate("the cat Ω sat") > 0.0
+    assert "⁇" in tok.decode(tok.encode("the cat Ω sat"))
     assert tok.encode("").numel() == 0
     d = json.loads(json.dumps(tok.to_dict()))
     assert d["type"] == "sentencepiece" and isinstance(d["model"], str)
     back = tokenizer_from_dict(d)
-    assert back == tok
+    assert back == tok and not back.byte_fallback
     assert back.encode(SP_TRAIN).tolist() == ids.tolist()
+
+
+UNSEEN = "¡Qué â ß 你好!"  # not one of these characters is in SP_TRAIN (ASCII letters)
+
+
+@needs_sp
+@pytest.mark.parametrize("model_type", ["unigram", "bpe"])
+def test_sentencepiece_byte_fallback_round_trips_unseen_characters(model_type):
+    # 285: the 256 byte pieces, <unk>, <eos>, SP_TRAIN's 24 characters and 1 more piece
+    tok = build_tokenizer("sentencepiece", SP_TRAIN, vocab_size=285, model_type=model_type)
+    assert tok.byte_fallback and tok.vocab_size == 285
+    ids = tok.encode(UNSEEN + "\nthe cat sat\n")
+    assert tok.unk_id not in ids.tolist()
+    assert tok.decode(ids) == UNSEEN + "\nthe cat sat\n"
+    assert "⁇" not in tok.decode(ids)
+    assert tok.oov_rate(UNSEEN) == 0.0
+    back = tokenizer_from_dict(json.loads(json.dumps(tok.to_dict())))
+    assert back.byte_fallback and back.decode(back.encode(UNSEEN)) == UNSEEN + "\n"
+    # a byte piece alone that is not a whole character (a model's slip) is U+FFFD, not ⁇
+    first_byte = 2 + "你".encode()[0]  # byte pieces are ids 2..257
+    assert tok.decode([first_byte]) == "\ufffd"
+
+
+@needs_sp
+def test_sentencepiece_byte_fallback_needs_room_for_the_bytes():
+    with pytest.raises(ValueError) as e:
+        build_tokenizer("sentencepiece", SP_TRAIN, vocab_size=100)
+    assert "too small for byte fallback" in str(e.value) and "byte_fallback=False" in str(e.value)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"required_chars.*byte pieces count in it"):
+        build_tokenizer("sentencepiece", SP_TRAIN, vocab_size=270)
+    with pytest.raises(ValueError, match="byte_fallback must be True or False"):
+        build_tokenizer("sentencepiece", SP_TRAIN, byte_fallback="yes")
 
 
 @needs_sp

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from srupp.cli import main
-from srupp.models import (CausalLM, TensorState, build_model, config_from_dict, load_model,
-                          state_from_dict)
+from srupp.models import CausalLM, TensorState, build_model, config_from_dict, load_model
 from srupp.models.config import TransformerConfig
+from srupp.models.state import state_from_dict
 from srupp.train import Trainer
 
 from lm_helpers import baseline_config, greedy_by_recomputing, metrics

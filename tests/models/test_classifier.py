@@ -5,11 +5,11 @@ import pytest
 import torch
 from torch.func import functional_call
 
-import srupp.models as models
 from srupp.models import (CausalLM, ClassifierConfig, SequenceClassifier, SRUppClassifierConfig,
                           build_model, config_from_dict, load_model)
 from srupp.models.classifier import POOLINGS, attention_pool, max_pool, mean_pool
 from srupp.models.config import SRUppConfig
+from srupp.models.registry import task_models
 
 from models_on_device import across_shapes
 
@@ -54,7 +54,7 @@ def ragged_batch(device=None):
 # --------------------------------------------------------------------------- registry, saving
 
 def test_each_type_is_registered_under_classify():
-    registered = models.task_models("classify")
+    registered = task_models("classify")
     assert list(registered) == TYPES
     assert all(head is SequenceClassifier for _, head in registered.values())
     assert registered["srupp"][0] is SRUppClassifierConfig

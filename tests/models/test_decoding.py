@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from srupp.models.decoding import Hypothesis, beam_search, greedy_decode, max_target_length
+from srupp.models.decoding import (Hypothesis, beam_search, greedy_decode, max_target_length,
+                                   repeated_ngram_tokens)
 from srupp.models import EncoderDecoder, EncoderOutput, SRUppSeq2SeqConfig
 
 PAD, EOS, A, B = 0, 1, 2, 3
@@ -118,10 +119,61 @@ def test_max_length_forces_eos_and_eos_ends_hypotheses(search):
     assert [h.tokens for h in run(TableModel(stops))] == [[A, A]] * 3
 
 
+def test_repeated_ngram_tokens_are_those_that_complete_an_ngram_seen_before():
+    assert repeated_ngram_tokens([A, B, A], 2) == [B]           # (A, B) again
+    assert repeated_ngram_tokens([A, B, A, B], 3) == [A]        # (A, B, A) again
+    assert repeated_ngram_tokens([A, B, A], 1) == [A, B, A]     # every token seen
+    assert repeated_ngram_tokens([A, B], 3) == []               # no full 3-gram yet
+    assert repeated_ngram_tokens([A, A], 0) == []               # off
+
+
+def _has_repeated_ngram(tokens, n):
+    ngrams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return len(set(ngrams)) < len(ngrams)
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_no_repeat_ngram_size_bans_repeats_per_hypothesis(search):
+    """A model that always prefers A (then B, then EOS) repeats A until the maximum length;
+    with no_repeat_ngram_size=n no n-gram of the output comes twice."""
+    prefers_a = lambda prefix: [.1, .6, .3]  # noqa: E731
+    src = torch.tensor([[5, 6, 7], [5, 6, 0]])
+    pad = src == 0
+
+    def run(**kw):
+        if search == "greedy":
+            return greedy_decode(TableModel(prefers_a), src, pad, **kw)
+        return beam_search(TableModel(prefers_a), src, pad, beam=2, lenpen=1.0, **kw)
+
+    free = run()
+    assert free == run(no_repeat_ngram_size=0)                  # 0: off, nothing changes
+    assert all(_has_repeated_ngram(h.tokens, 2) for h in free)
+    for n in (1, 2):
+        hyps = run(no_repeat_ngram_size=n)
+        assert all(not _has_repeated_ngram(h.tokens, n) for h in hyps), (n, hyps)
+        assert all(h.logprob > float("-inf") for h in hyps)     # ended by EOS, never banned
+        if search == "greedy":
+            # n=1: A, then B (A is taken), then only EOS is left;
+            # n=2: A A, then B (A A is taken), A, then only EOS (A A and A B are taken)
+            want = [A, B] if n == 1 else [A, A, B, A]
+            assert [h.tokens for h in hyps] == [want, want]
+            assert hyps[0].logprob == (lp(.6, .3, .1) if n == 1 else lp(.6, .6, .3, .6, .1))
+    # beam 1 is greedy search, with the ban too
+    one = beam_search(TableModel(prefers_a), src, pad, beam=1, no_repeat_ngram_size=2)
+    assert [(h.tokens, h.logprob) for h in one] == \
+        [(h.tokens, h.logprob) for h in greedy_decode(TableModel(prefers_a), src, pad,
+                                                      no_repeat_ngram_size=2)]
+
+
 def test_search_arguments_are_checked():
     model = TableModel(lambda prefix: [.5, .25, .24])
     with pytest.raises(ValueError, match="beam must be >= 1, got 0"):
         beam_search(model, torch.tensor([[2]]), beam=0)
+    for search in (greedy_decode, beam_search):
+        with pytest.raises(ValueError, match="no_repeat_ngram_size must be >= 0, got -1"):
+            search(model, torch.tensor([[2]]), no_repeat_ngram_size=-1)
+        with pytest.raises(TypeError, match="no_repeat_ngram_size must be an integer"):
+            search(model, torch.tensor([[2]]), no_repeat_ngram_size=1.5)
     with pytest.raises(ValueError, match=r"src must be a \(B, S\) long tensor"):
         greedy_decode(model, torch.tensor([[2.0]]))
     with pytest.raises(ValueError, match="src_pad must be a bool tensor shaped like src"):
@@ -163,6 +215,11 @@ def test_beam_one_is_greedy_in_eval_mode(design, device):
     assert m.training                                    # the mode is given back
     beam1 = beam_search(m, src, pad, beam=1, max_len_b=4)
     assert [(h.tokens, h.logprob) for h in beam1] == [(h.tokens, h.logprob) for h in greedy]
+    no_repeats = [beam_search(m, src, pad, beam=1, max_len_b=4, no_repeat_ngram_size=1),
+                  greedy_decode(m, src, pad, max_len_b=4, no_repeat_ngram_size=1)]
+    assert [(h.tokens, h.logprob) for h in no_repeats[0]] == \
+        [(h.tokens, h.logprob) for h in no_repeats[1]]
+    assert all(len(set(h.tokens)) == len(h.tokens) for h in no_repeats[1])
     assert greedy == greedy_decode(m.eval(), src, pad, max_len_b=4)
     assert all(isinstance(h, Hypothesis) and h.score == h.logprob for h in greedy)
     assert len({tuple(h.tokens) for h in greedy}) > 1     # the outputs differ: a real check

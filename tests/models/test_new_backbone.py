@@ -106,6 +106,7 @@ def test_a_backbone_registered_here_trains_for_every_task(toy, tmp_path, capsys)
            "eval.batch_size=2", "model.num_layers=1")
     pairs = _tsv(tmp_path / "pairs.tsv", ("de", "en"), [(s, s) for s in sentences])
     run = _train(capsys, tmp_path, "translate", pairs, "data.vocab_size=40",
+                 "data.byte_fallback=false",
                  "model.encoder_layers=1", "model.decoder_layers=1", "train.max_tokens=128",
                  "eval.bleu_sentences=2", "eval.max_len_b=2", "data.test_size=4",
                  "data.valid_size=4")

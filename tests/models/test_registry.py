@@ -9,10 +9,11 @@ import torch
 
 import srupp.models.base as base
 from srupp.errors import UserError
-from srupp.models import (REGISTRY, CausalLM, EncoderDecoder, SequenceClassifier, build_model,
+from srupp.models import (CausalLM, EncoderDecoder, SequenceClassifier, build_model,
                           config_from_dict, load_model, parameter_counts)
 from srupp.models.config import (GRUConfig, LSTMConfig, SRUConfig, SRUppClassifierConfig,
                                  SRUppConfig, TransformerConfig)
+from srupp.models.registry import REGISTRY
 
 MODELS = REGISTRY["lm"]
 CONFIGS = {"srupp": SRUppConfig, "sru": SRUConfig, "lstm": LSTMConfig, "gru": GRUConfig,

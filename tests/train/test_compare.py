@@ -10,6 +10,7 @@ import pytest
 
 from srupp._extras import MissingExtra
 from srupp.cli import main
+from srupp.models.registry import parameter_counts
 from srupp.train import compare as compare_mod
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,7 +35,7 @@ def test_compare_writes_results_and_skips_finished_models(tmp_path, corpus, monk
     res = json.loads((out / "results.json").read_text())
     assert {m["name"]: m["lr"] for m in res["models"]} == {
         "srupp": 8e-3, "lstm": 1e-3, "transformer": 8e-3}
-    assert set(res) == {"metric", "models"} and res["metric"] == "bpc"
+    assert set(res) == {"task", "metric", "models"} and res["metric"] == "bpc"
     assert [m["name"] for m in res["models"]] == ["srupp", "lstm", "transformer"]
     for m in res["models"]:
         assert set(m) == KEYS
@@ -313,7 +314,7 @@ COMMON = {"name", "params", "tokens", "tokens_per_s", "train_seconds", "final",
 
 
 def check_common(res, out, metric):
-    assert set(res) == {"metric", "models"} and res["metric"] == metric
+    assert set(res) == {"task", "metric", "models"} and res["metric"] == metric
     assert [m["name"] for m in res["models"]] == ["srupp", "lstm"]
     for m in res["models"]:
         summary = json.loads((out / m["name"] / "summary.json").read_text())
@@ -339,7 +340,8 @@ def eval_json(capsys, run_dir, *sets):
 def test_compare_translation(tmp_path, capsys):
     data = translation_table(tmp_path / "pairs.tsv")
     recipe = tmp_path / "mt.toml"  # the task comes from the recipe (the positional RECIPE)
-    recipe.write_text('task = "translate"\n[data]\nvocab_size = 60\n[eval]\nbeam = 2\n'
+    recipe.write_text('task = "translate"\n[data]\nvocab_size = 60\nbyte_fallback = false\n'
+                      '[eval]\nbeam = 2\n'
                       'bleu_sentences = 5\n[model]\nencoder_layers = 1\ndecoder_layers = 1\n')
     out = tmp_path / "cmp"
     assert run_sentence(data, out, str(recipe)) == 0
@@ -418,7 +420,7 @@ def test_sizing_hits_the_target_for_every_sentence_model(task):
         s = compare_mod.size_model(name, base, 500, 60_000, num_labels=labels)
         assert abs(s.params - 60_000) <= 6_000, name
         m = s.cfg.model
-        assert s.params == compare_mod.count_parameters(s.cfg, 500, labels)
+        assert s.params == parameter_counts(s.cfg.model_config(500, labels))["params"]
         if name == "transformer":
             assert m["d_model"] % m["num_heads"] == 0
         else:  # bidirectional encoders split d over two directions
@@ -448,7 +450,8 @@ def test_time_to_a_level_knows_which_way_is_better(tmp_path):
            "final": 30.0, "time_to_best_baseline": None, "time_to_transformer_final": 1.0,
            "bleu": 30.0, "chrf": 50.0, "sentences_per_s_beam1": 9.0,
            "sentences_per_s_beam5": 3.0, "lr": 1e-3}
-    compare_mod.write_markdown(tmp_path / "r.md", {"metric": "bleu", "models": [row]})
+    compare_mod.write_markdown(tmp_path / "r.md",
+                               {"task": "translate", "metric": "bleu", "models": [row]})
     md = (tmp_path / "r.md").read_text()
     assert "**bleu** (higher is better)" in md and "greedy" in md and "(>=)" in md
     assert "| sentences_per_s_beam1 | sentences_per_s_beam5 |" in md

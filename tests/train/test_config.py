@@ -114,14 +114,15 @@ def test_model_errors_name_config_keys(overrides, match):
         build_config(None, overrides)
 
 
-def test_a_run_saved_with_fields_of_other_types_still_resumes():
-    """Before per-type configs a gru run could hold SRU++ keys, which its model never read."""
-    saved = build_config(None, ["model.type=gru"]).to_dict()
-    saved["model"].update(proj_size=8, num_heads=2, d_model=16)
+def test_a_saved_run_config_is_read_as_saved():
+    """A saved gru run holds only gru keys; one naming another type's key is an error."""
+    saved = build_config(None, ["model.type=gru", "model.d_model=16"]).to_dict()
     cfg = build_config(None, ["train.max_steps=5"], base=saved)
     assert cfg.model == {"type": "gru", "d_model": 16}
     assert cfg.model_config(256).d_model == 16
-    with pytest.raises(UserError, match="model.num_heads applies"):  # given again: an error
-        build_config(None, ["model.num_heads=2"], base=saved)
+    with pytest.raises(UserError, match="model.num_heads applies"):
+        build_config(None, base={**saved, "model": {**saved["model"], "num_heads": 2}})
     with pytest.raises(UserError, match="unknown config key 'model.d_modle'"):
-        build_config(None, base={"model": {"type": "gru", "d_modle": 16}})
+        build_config(None, base={"task": "lm", "model": {"type": "gru", "d_modle": 16}})
+    with pytest.raises(UserError, match="names no task"):
+        build_config(None, base={"model": {"type": "gru"}})

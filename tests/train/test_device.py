@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from srupp.train import device as device_mod
-from srupp.train.device import synchronize, to_device
-from srupp.inference import pad_batch
+from srupp.train.device import synchronize
+from srupp.inference import pad_batch, to_device
 
 
 @pytest.fixture

@@ -16,7 +16,8 @@ import time
 import pytest
 
 from srupp.cli import main
-from srupp.inference import checked_labels, classify_lines, load_run, translate_lines
+from srupp.errors import UserError
+from srupp.inference import checked_labels, classify_lines, load_run, predict, translate_lines
 from srupp.train import Trainer, build_config
 
 from lm_helpers import metrics
@@ -24,7 +25,8 @@ from lm_helpers import metrics
 DE = "haus katze hund baum auto buch tisch stuhl fenster tuer".split()
 EN = "house cat dog tree car book table chair window door".split()
 
-TRANSLATE = ["task=translate", "data.vocab_size=40", "model.d_model=16", "model.proj_size=8",
+# vocab 300: byte fallback's 256 byte pieces, <unk>, <eos>, the 21 letters and space, 20 merges
+TRANSLATE = ["task=translate", "data.vocab_size=300", "model.d_model=16", "model.proj_size=8",
              "model.encoder_layers=1", "model.decoder_layers=1", "model.dropout=0.1",
              "train.max_tokens=128", "train.warmup_steps=3", "train.lr=1e-2",
              "train.log_every=2", "train.save_every=4", "train.eval_every=4",
@@ -108,12 +110,44 @@ def test_translation_end_to_end(tmp_path, pairs, capsys, monkeypatch):
     loaded = load_run(run)
     assert translate_lines(loaded.model, loaded.tokenizer, ["haus katze", "", "buch tisch auto"],
                            beam=2, max_len_b=4) == lines[:3]
+    # the tokenizer has byte fallback: characters the data never had are bytes, not <unk>
+    assert loaded.tokenizer.byte_fallback
+    assert loaded.tokenizer.unk_id not in loaded.tokenizer.encode("¡haus â katze!").tolist()
+    # --no-repeat-ngram-size is translate_lines' no_repeat_ngram_size
+    with _stdin(monkeypatch, tmp_path, "haus katze\nbuch tisch auto\n"):
+        rc, out, err = _run(capsys, "translate", "--checkpoint", str(run), "--beam", "2",
+                            "--no-repeat-ngram-size", "1")
+    assert rc == 0, err
+    assert out.split("\n")[:2] == translate_lines(
+        loaded.model, loaded.tokenizer, ["haus katze", "buch tisch auto"], beam=2,
+        max_len_b=4, no_repeat_ngram_size=1)
 
     rc, out, err = _run(capsys, "eval", "--checkpoint", str(run), "--split", "test")
     assert rc == 0, err
     res = json.loads(out)
     assert {"bleu", "chrf", "signature", "tokens_per_s", "sentences"} <= set(res)
     assert res["sentences"] == 8 and res["signature"].startswith("nrefs:1")
+    assert res["no_repeat_ngram_size"] == 0
+    rc, out, err = _run(capsys, "eval", "--checkpoint", str(run), "--split", "test",
+                        "--set", "eval.no_repeat_ngram_size=2")
+    assert rc == 0, err
+    assert json.loads(out)["no_repeat_ngram_size"] == 2
+
+
+def test_a_vocabulary_too_small_for_byte_fallback_names_the_fix():
+    with pytest.raises(UserError) as e:
+        build_config(None, ["task=translate", "data.vocab_size=40"])
+    message = str(e.value)
+    assert message.startswith("data.vocab_size=40 is too small for sentencepiece's byte "
+                              "fallback") and "set data.byte_fallback=false" in message
+    assert not build_config(None, ["task=translate", "data.vocab_size=40",
+                                   "data.byte_fallback=false"]).data.byte_fallback
+    with pytest.raises(UserError, match="data.byte_fallback applies to the sentencepiece"):
+        build_config(None, ["data.byte_fallback=false"])  # a byte-level LM
+    # a saved run keeps its choice
+    saved = build_config(None, ["task=translate", "data.vocab_size=40",
+                                "data.byte_fallback=false"]).to_dict()
+    assert not build_config(None, [], base=saved).data.byte_fallback
 
 
 def test_classification_end_to_end(tmp_path, texts, capsys, monkeypatch):
@@ -318,6 +352,20 @@ def test_an_empty_validation_split_stops_before_training(tmp_path, pairs, capsys
     _one_line_error(capsys, ["train", "--data", str(pairs), "--out", str(tmp_path / "r"),
                              "--set", *TRANSLATE, "data.valid_size=0"],
                     "the valid split of")
+
+
+def test_no_texts_to_classify_and_an_empty_test_split(tmp_path, texts, capsys):
+    """No lines give no probabilities; eval of an empty split is one line and exit 2."""
+    run = tmp_path / "run"
+    rc, out, err = _run(capsys, "train", "--data", str(texts), "--out", str(run),
+                        "--no-progress", "--set", *CLASSIFY, "train.max_steps=2",
+                        "data.test_size=0")
+    assert rc == 0, err
+    loaded = load_run(run)
+    assert classify_lines(loaded.model, loaded.tokenizer, []).shape == (0, 2)
+    assert predict(loaded.model, []).shape == (0, 2)
+    _one_line_error(capsys, ["eval", "--checkpoint", str(run), "--split", "test"],
+                    "the test split of")
 
 
 def test_resume_refuses_other_data_of_the_same_lengths(tmp_path, texts, capsys):

@@ -477,14 +477,25 @@ class SentencePieceTokenizer(_LineTokenizer):
     newline does not start an extra line), each line is encoded on its own and
     followed by ``<eos>``; ``decode`` turns ``<eos>`` back into ``"\\n"``.
     SentencePiece normalises each line (NFKC, runs of spaces collapsed,
-    leading and trailing spaces dropped) and decodes unknown pieces as
-    ``" ⁇ "``.
+    leading and trailing spaces dropped).
+
+    Byte fallback (the default when building): the model also holds the 256
+    UTF-8 bytes as pieces (ids 2..257), and a character no piece covers is
+    encoded as its bytes, so no text encodes to ``<unk>`` and ``decode``
+    gives the characters back (bytes that are not valid UTF-8, e.g. a model
+    that output half a character, decode to U+FFFD). A model built without
+    byte fallback (``byte_fallback=False``)
+    encodes such characters as ``<unk>``, which decodes as ``" ⁇ "``.
 
     The serialized model is kept in :meth:`to_dict` (base64), so it is saved
     with the model that uses it. Needs ``pip install sentencepiece``.
     """
 
     type_name = "sentencepiece"
+
+    #: No smaller vocab_size holds byte fallback: the 256 byte pieces, <unk>, <eos>, and
+    #: a piece for each character of the training text (at least one).
+    MIN_VOCAB_BYTE_FALLBACK: ClassVar[int] = 256 + 2 + 1
 
     def __init__(self, model_proto: bytes):
         spm = _import_sentencepiece()
@@ -507,6 +518,11 @@ class SentencePieceTokenizer(_LineTokenizer):
     @property
     def vocab_size(self) -> int:
         return int(self._sp.get_piece_size())
+
+    @property
+    def byte_fallback(self) -> bool:
+        """Whether characters outside the pieces are encoded as UTF-8 byte pieces."""
+        return bool(self._sp.IsByte(self._sp.PieceToId("<0x00>")))
 
     def _encode_list(self, text: str) -> list[int]:
         _check_text(text)
@@ -538,16 +554,28 @@ class SentencePieceTokenizer(_LineTokenizer):
 
     @classmethod
     def build(cls, train_text: str, **options: Any) -> "SentencePieceTokenizer":
-        """Options: ``vocab_size`` (default 8000, the specials included) and
-        ``model_type`` (``"unigram"`` default, ``"bpe"``, ``"char"``, ``"word"``).
-        Trains in memory, one sentence per non-blank line of ``train_text``."""
-        _check_options("sentencepiece", options, ("vocab_size", "model_type"))
+        """Options: ``vocab_size`` (default 8000, the specials and, with byte
+        fallback, the 256 byte pieces included), ``model_type`` (``"unigram"``
+        default, ``"bpe"``, ``"char"``, ``"word"``) and ``byte_fallback``
+        (default ``True``). Trains in memory, one sentence per non-blank line
+        of ``train_text``."""
+        _check_options("sentencepiece", options, ("vocab_size", "model_type", "byte_fallback"))
         vocab_size = _check_int("vocab_size", options.get("vocab_size", 8000), 3,
                                 "sentencepiece", "use at least 3")
         model_type = options.get("model_type", "unigram")
         if model_type not in _SP_MODEL_TYPES:
             raise ValueError(f"sentencepiece model_type {model_type!r} is unknown; choose one of: "
                              f"{', '.join(_SP_MODEL_TYPES)}")
+        byte_fallback = options.get("byte_fallback", True)
+        if not isinstance(byte_fallback, bool):
+            raise ValueError(f"sentencepiece tokenizer option byte_fallback must be True or "
+                             f"False, got {byte_fallback!r}")
+        if byte_fallback and vocab_size < cls.MIN_VOCAB_BYTE_FALLBACK:
+            raise ValueError(f"sentencepiece vocab_size={vocab_size} is too small for byte "
+                             f"fallback, whose 256 byte pieces count in the vocabulary: use at "
+                             f"least {cls.MIN_VOCAB_BYTE_FALLBACK - 1} plus the number of "
+                             f"distinct characters of the training text, or byte_fallback=False "
+                             f"(unseen characters then decode as ⁇)")
         _check_text(train_text)
         spm = _import_sentencepiece()
         sentences = [line for line in _lines(train_text) if line.strip()]
@@ -558,15 +586,16 @@ class SentencePieceTokenizer(_LineTokenizer):
         try:
             spm.SentencePieceTrainer.train(
                 sentence_iterator=iter(sentences), model_writer=model,
-                vocab_size=vocab_size, model_type=model_type,
+                vocab_size=vocab_size, model_type=model_type, byte_fallback=byte_fallback,
                 unk_id=cls.unk_id, eos_id=cls.eos_id, bos_id=-1, pad_id=-1,
                 input_sentence_size=0, max_sentence_length=1 << 20,
                 minloglevel=2)
         except RuntimeError as e:
             msg = " ".join(str(e).split())
             msg = msg.split("] ", 1)[-1]  # drop sentencepiece's "INTERNAL: file.cc(n) [check]"
+            counted = " (byte fallback's 256 byte pieces count in it)" if byte_fallback else ""
             raise ValueError(f"sentencepiece could not train on the training text: {msg}; "
-                             "adjust vocab_size") from None
+                             f"adjust vocab_size{counted}") from None
         return cls(model.getvalue())
 
 

@@ -12,23 +12,23 @@ A config's ``task`` picks the head and its ``type`` the backbone
 from .backbones import BACKBONES, Backbone, EncoderOutput, register_backbone
 from .base import SavedModel
 from .classifier import ClassifierOutput, SequenceClassifier
-from .config import (TASKS, ClassifierConfig, LMConfig, Seq2SeqConfig, SRUppClassifierConfig,
-                     SRUppConfig, SRUppSeq2SeqConfig, config_class, config_from_dict)
-from .decoding import Hypothesis, beam_search, greedy_decode, max_target_length
+from .config import (TASK_NAMES, ClassifierConfig, LMConfig, Seq2SeqConfig,
+                     SRUppClassifierConfig, SRUppConfig, SRUppSeq2SeqConfig, config_class,
+                     config_from_dict)
+from .decoding import Hypothesis, beam_search, greedy_decode
 from .lm import CausalLM, LMOutput, sample
-from .registry import (REGISTRY, build_model, load_config, load_model, model_class,
-                       parameter_counts, task_models)
+from .registry import build_model, load_model, parameter_counts
 from .seq2seq import EncoderDecoder, Seq2SeqOutput
-from .state import TensorState, load_state, load_state_metadata, save_state, state_from_dict
+from .state import TensorState, load_state, load_state_metadata, save_state
 
 __all__ = [
     "CausalLM", "EncoderDecoder", "SequenceClassifier", "SavedModel",
     "LMOutput", "Seq2SeqOutput", "ClassifierOutput", "EncoderOutput",
     "LMConfig", "Seq2SeqConfig", "ClassifierConfig",
     "SRUppConfig", "SRUppSeq2SeqConfig", "SRUppClassifierConfig",
-    "TASKS", "REGISTRY", "config_class", "config_from_dict", "task_models", "model_class",
-    "build_model", "load_model", "load_config", "parameter_counts",
+    "TASK_NAMES", "config_class", "config_from_dict",
+    "build_model", "load_model", "parameter_counts",
     "BACKBONES", "Backbone", "register_backbone",
-    "TensorState", "state_from_dict", "save_state", "load_state", "load_state_metadata",
-    "sample", "Hypothesis", "beam_search", "greedy_decode", "max_target_length",
+    "TensorState", "save_state", "load_state", "load_state_metadata",
+    "sample", "Hypothesis", "beam_search", "greedy_decode",
 ]

@@ -7,7 +7,6 @@ without being told what it is (:func:`srupp.models.load_model`).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import uuid
@@ -23,6 +22,8 @@ from torch import nn
 from .._files import atomic_path, atomic_write_json
 from .._format import check_format_version, with_format_version
 from ..errors import UserError
+from ..runs import MODEL_CONFIG, MODEL_FILE, read_json
+from ..nn.quant import Int8Linear, check_quantization, quantize_linears
 from .backbones import BACKBONES, Backbone
 from .config import config_from_dict
 
@@ -52,8 +53,34 @@ class SavedModel(nn.Module):
         return next(self.parameters()).device
 
     def num_parameters(self) -> int:
-        """Every parameter, embeddings and output included (tied weights counted once)."""
-        return sum(p.numel() for p in self.parameters())
+        """Every parameter, embeddings and output included (tied weights counted once);
+        the int8 weights and biases of a quantized model count as parameters too."""
+        int8 = sum(m.weight.numel() + (0 if m.bias is None else m.bias.numel())
+                   for m in self.modules() if isinstance(m, Int8Linear))
+        return sum(p.numel() for p in self.parameters()) + int8
+
+    @property
+    def quantized(self) -> bool:
+        """Whether :meth:`quantize` has converted this model."""
+        return any(isinstance(m, Int8Linear) for m in self.modules())
+
+    def quantize(self, kind: str = "int8") -> "SavedModel":
+        """Convert this model in place to int8 weights for inference; returns it.
+
+        Every linear layer (the backbone's projections, the output layer) keeps
+        its weight as int8 with one scale per output feature, and computes in the
+        dtype of its input (fp32 or bf16): :mod:`srupp.nn.quant`. Embedding
+        lookups, layer norms, the recurrence and an adaptive softmax keep their
+        float weights. The model ends in eval mode with its remaining parameters
+        frozen; training it, or saving it, is refused: quantize after loading.
+
+        Args:
+            kind: "int8", the only choice (:data:`srupp.nn.quant.QUANTIZATIONS`).
+        """
+        check_quantization(kind)
+        if self.quantized:
+            raise ValueError("this model is already quantized")
+        return quantize_linears(self, kind, skip=getattr(self, "embedding", None))
 
     def save_pretrained(self, directory: Union[str, os.PathLike]) -> None:
         """Write ``config.json`` and ``model.safetensors`` into ``directory``.
@@ -62,12 +89,15 @@ class SavedModel(nn.Module):
         a save interrupted between the two leaves a pair that
         :meth:`from_pretrained` refuses, never one it loads mixed.
         """
+        if self.quantized:
+            raise ValueError("a quantized model is not saved: save the float model, and "
+                             "quantize it after loading")
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         save_id = uuid.uuid4().hex
-        with atomic_path(d / "model.safetensors") as tmp:
+        with atomic_path(d / MODEL_FILE) as tmp:
             save_model(self, str(tmp), metadata={"save_id": save_id})
-        atomic_write_json(d / "config.json",
+        atomic_write_json(d / MODEL_CONFIG,
                           with_format_version({**self.config.to_dict(), "save_id": save_id}))
 
     @classmethod
@@ -84,7 +114,7 @@ class SavedModel(nn.Module):
             raise ValueError(f"{d} holds a {config.task} model, which {cls.__name__} cannot "
                              f"load; use srupp.models.load_model")
         model = cls(config, device=device)
-        weights = d / "model.safetensors"
+        weights = d / MODEL_FILE
         try:
             with safe_open(str(weights), "pt") as f:
                 weights_id = (f.metadata() or {}).get("save_id")
@@ -93,7 +123,7 @@ class SavedModel(nn.Module):
                                 f"saves (a save was interrupted); save again")
             load_weights(model, str(weights), device=str(device or "cpu"))
         except FileNotFoundError:
-            raise UserError(f"{d} has no model.safetensors") from None
+            raise UserError(f"{d} has no {MODEL_FILE}") from None
         except (SafetensorError, RuntimeError, OSError) as e:
             raise UserError(f"{weights} is truncated or corrupt "
                             f"({str(e).splitlines()[0]})") from None
@@ -118,13 +148,10 @@ def init_embedding(embedding: nn.Module, output: Optional[nn.Linear] = None) -> 
 
 def read_config(directory: Path) -> Tuple[Any, Optional[str]]:
     """The config saved in ``directory`` and its save id (which its weights must carry)."""
-    path = Path(directory) / "config.json"
-    try:
-        d = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path.parent} has no config.json: not a saved srupp model") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} is corrupt ({e})") from None
+    path = Path(directory) / MODEL_CONFIG
+    if not path.exists():
+        raise UserError(f"{path.parent} has no {MODEL_CONFIG}: not a saved srupp model")
+    d = read_json(path, "model config")
     if not isinstance(d, dict):
         raise UserError(f"{path} is corrupt (not a JSON object)")
     check_format_version(d, path)

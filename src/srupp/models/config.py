@@ -20,14 +20,14 @@ from .._ranges import check_fields
 from ..nn.adaptive import check_cutoffs
 from .backbones import BACKBONES, TASK_ROLES
 
-TASKS = tuple(TASK_ROLES)  # "lm", "translate", "classify"
+TASK_NAMES = tuple(TASK_ROLES)  # "lm", "translate", "classify"
 
 
 @dataclass
 class ModelConfig:
     """What every config does: validation and (de)serialisation. Not built directly."""
 
-    task: ClassVar[str] = ""              # what the model does (TASKS)
+    task: ClassVar[str] = ""              # what the model does (TASK_NAMES)
     type: ClassVar[str] = ""              # the backbone (srupp.models.backbones.BACKBONES)
     suffix: ClassVar[str] = ""            # of the config class names: SRUpp + suffix + Config
 
@@ -153,7 +153,7 @@ _COMPOSED: Dict[tuple, type] = {}
 def task_types(task: str) -> List[str]:
     """The backbones that serve ``task`` (every role it needs), in registry order."""
     if task not in TASK_ROLES:
-        raise ValueError(f"task must be one of {', '.join(TASKS)}; got {task!r}")
+        raise ValueError(f"task must be one of {', '.join(TASK_NAMES)}; got {task!r}")
     return [t for t, b in BACKBONES.items() if set(TASK_ROLES[task]) <= set(b.roles)]
 
 

@@ -25,6 +25,13 @@ Beam search (fairseq's rules):
   the sum of their log-probabilities (``lenpen=0``: the raw sum; larger
   ``lenpen`` favours longer outputs).
 
+No repeated n-grams (fairseq's ``--no-repeat-ngram-size``): with
+``no_repeat_ngram_size=n`` (0: off), a hypothesis may not produce an n-gram
+of target tokens that it already contains. At each step, per hypothesis, the
+tokens that would complete such an n-gram get log-probability -inf, in greedy
+and in beam search alike. Only generated tokens count (not the start token),
+and EOS is never banned, so a hypothesis can always end.
+
 Every decision for a sentence reads only that sentence's scores, so a batch
 gives each sentence what it gets decoded alone (up to float rounding of the
 batched products). With ``beam=1`` beam search takes the same steps as
@@ -35,7 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -43,7 +50,8 @@ from torch import Tensor
 from .._ranges import check
 from .base import describe
 
-__all__ = ["Hypothesis", "max_target_length", "greedy_decode", "beam_search"]
+__all__ = ["Hypothesis", "max_target_length", "repeated_ngram_tokens", "greedy_decode",
+           "beam_search"]
 
 
 @dataclass
@@ -67,8 +75,40 @@ def _length_penalised(logprob: float, length: int, lenpen: float) -> float:
     return logprob / length ** lenpen
 
 
-def _prepare(model, src: Tensor, src_pad: Optional[Tensor], a: float, b: int
-             ) -> Tuple[List[int], int, int]:
+def repeated_ngram_tokens(tokens: Sequence[int], n: int) -> List[int]:
+    """The tokens that, appended to ``tokens``, would repeat an n-gram already in them.
+
+    The next token completes the n-gram (last n-1 tokens, next token); it is
+    banned when an earlier n-gram starts with those same n-1 tokens. With n=1
+    every token already generated is banned. A scan per step: hypotheses are short.
+    """
+    if n <= 0 or len(tokens) < n:
+        return []
+    last = list(tokens[len(tokens) - n + 1:])                     # [] for n=1
+    return [tokens[i + n - 1] for i in range(len(tokens) - n + 1)
+            if list(tokens[i:i + n - 1]) == last]
+
+
+def _ban_repeated_ngrams(logp: Tensor, prefixes: Sequence[Sequence[int]], n: int) -> Tensor:
+    """``logp`` (rows, V) with -inf at the tokens that would repeat an n-gram of each
+    row's prefix; EOS is never one of them (a prefix never holds EOS)."""
+    if n <= 0:
+        return logp
+    rows, cols = [], []
+    for row, prefix in enumerate(prefixes):
+        banned = repeated_ngram_tokens(prefix, n)
+        rows += [row] * len(banned)
+        cols += banned
+    if not rows:
+        return logp
+    logp = logp.clone()
+    logp[torch.tensor(rows, device=logp.device), torch.tensor(cols, device=logp.device)] = \
+        float("-inf")
+    return logp
+
+
+def _prepare(model, src: Tensor, src_pad: Optional[Tensor], a: float, b: int,
+             no_repeat_ngram_size: int) -> Tuple[List[int], int, int]:
     """Check the arguments; the maximum length of each sentence, bos and eos ids."""
     if not isinstance(src, Tensor) or src.dim() != 2 or src.dtype != torch.long:
         raise ValueError(f"src must be a (B, S) long tensor of token ids, got {describe(src)}")
@@ -80,6 +120,7 @@ def _prepare(model, src: Tensor, src_pad: Optional[Tensor], a: float, b: int
                          f"{tuple(src.shape)}, True at padding; got {describe(src_pad)}")
     check("max_len_a", a, ">= 0")
     check("max_len_b", b, "", integer=True)
+    check("no_repeat_ngram_size", no_repeat_ngram_size, ">= 0", integer=True)
     S = src.shape[1]
     lengths = [S] * src.shape[0] if src_pad is None else (~src_pad).sum(1).tolist()
     return [max_target_length(n, a, b) for n in lengths], model.config.bos_id, model.config.eos_id
@@ -100,7 +141,8 @@ class _EvalMode:
 
 @torch.no_grad()
 def greedy_decode(model, src: Tensor, src_pad: Optional[Tensor] = None, *,
-                  max_len_a: float = 1.2, max_len_b: int = 10) -> List[Hypothesis]:
+                  max_len_a: float = 1.2, max_len_b: int = 10,
+                  no_repeat_ngram_size: int = 0) -> List[Hypothesis]:
     """The most likely token at each step, until EOS or the maximum length.
 
     Args:
@@ -108,10 +150,12 @@ def greedy_decode(model, src: Tensor, src_pad: Optional[Tensor] = None, *,
         src: (B, S) source ids.  src_pad: (B, S) bool, True at padding, or None.
         max_len_a, max_len_b: at most floor(a·n + b) tokens before EOS, n the
             sentence's unpadded source length.
+        no_repeat_ngram_size: n > 0 bans repeating an n-gram of the output (0: off).
     Returns:
         B hypotheses, in the order of ``src`` (score = logprob).
     """
-    max_len, bos, eos = _prepare(model, src, src_pad, max_len_a, max_len_b)
+    max_len, bos, eos = _prepare(model, src, src_pad, max_len_a, max_len_b,
+                                 no_repeat_ngram_size)
     with _EvalMode(model):
         state = model.init_decoder(model.encode(src, src_pad))
         B = src.shape[0]
@@ -122,6 +166,8 @@ def greedy_decode(model, src: Tensor, src_pad: Optional[Tensor] = None, *,
         logprob = torch.zeros(B, device=src.device)              # (A,) fp32, as beam search
         for t in range(max(max_len) + 1):
             logp, state = model.step(inp, state)                 # (A, V)
+            logp = _ban_repeated_ngrams(logp, [tokens[s] for s in active],
+                                        no_repeat_ngram_size)
             forced = torch.tensor([t >= max_len[s] for s in active], device=logp.device)
             nxt = torch.where(forced, torch.full_like(inp, eos), logp.argmax(dim=-1))  # (A,)
             logprob = logprob + logp.gather(1, nxt.unsqueeze(1)).squeeze(1)
@@ -145,8 +191,8 @@ def greedy_decode(model, src: Tensor, src_pad: Optional[Tensor] = None, *,
 
 @torch.no_grad()
 def beam_search(model, src: Tensor, src_pad: Optional[Tensor] = None, *, beam: int = 5,
-                lenpen: float = 1.0, max_len_a: float = 1.2,
-                max_len_b: int = 10) -> List[Hypothesis]:
+                lenpen: float = 1.0, max_len_a: float = 1.2, max_len_b: int = 10,
+                no_repeat_ngram_size: int = 0) -> List[Hypothesis]:
     """Batched beam search; the rules are in the module docstring.
 
     Args:
@@ -158,12 +204,14 @@ def beam_search(model, src: Tensor, src_pad: Optional[Tensor] = None, *, beam: i
             outputs even more than the raw sum does).
         max_len_a, max_len_b: at most floor(a·n + b) tokens before EOS, n the
             sentence's unpadded source length.
+        no_repeat_ngram_size: n > 0 bans repeating an n-gram of the output (0: off).
     Returns:
         B hypotheses, the best finished one of each sentence, in the order of ``src``.
     """
     check("beam", beam, ">= 1", integer=True)
     check("lenpen", lenpen, ">= 0")
-    max_len, bos, eos = _prepare(model, src, src_pad, max_len_a, max_len_b)
+    max_len, bos, eos = _prepare(model, src, src_pad, max_len_a, max_len_b,
+                                 no_repeat_ngram_size)
     K, B, device = beam, src.shape[0], src.device
     with _EvalMode(model):
         state = model.init_decoder(model.encode(src, src_pad))   # once per sentence,
@@ -178,6 +226,7 @@ def beam_search(model, src: Tensor, src_pad: Optional[Tensor] = None, *, beam: i
         inp = torch.full((B * K,), bos, dtype=torch.long, device=device)
         for t in range(max(max_len) + 1):
             logp, state = model.step(inp, state)                 # (A·K, V)
+            logp = _ban_repeated_ngrams(logp, prefixes, no_repeat_ngram_size)
             A, V = len(active), logp.shape[-1]
             logp = logp.view(A, K, V)
             forced = torch.tensor([t >= max_len[s] for s in active], device=logp.device)

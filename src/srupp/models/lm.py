@@ -133,7 +133,7 @@ class CausalLM(SavedModel):
         """Sample continuations of a batch of prompts.
 
         The prompts are left-padded and prefilled in one pass; then one token
-        per step is decoded through the :class:`SRUppState`, never recomputing
+        per step is decoded through the backbone's state, never recomputing
         the prefix.
 
         Args:

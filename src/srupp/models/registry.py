@@ -16,7 +16,7 @@ import torch
 
 from .base import SavedModel, read_config
 from .classifier import SequenceClassifier
-from .config import TASKS, config_class, config_from_dict, task_types
+from .config import TASK_NAMES, config_class, config_from_dict, task_types
 from .lm import CausalLM
 from .seq2seq import EncoderDecoder
 
@@ -36,10 +36,10 @@ class _Registry(Mapping):
         return task_models(task)
 
     def __iter__(self):
-        return iter(TASKS)
+        return iter(TASK_NAMES)
 
     def __len__(self):
-        return len(TASKS)
+        return len(TASK_NAMES)
 
 
 REGISTRY = _Registry()

@@ -2,8 +2,10 @@
 
 Lei (2021), "When Attention Meets Fast Recurrence" (the attention that makes U),
 and Lei et al. (2018), "Simple Recurrent Units" (the element-wise recurrence).
-One layer, batch-first, with x̃ what U is computed from and m the memory (the
-layer's earlier x̃)::
+One layer, with x̃ what U is computed from and m the memory (the layer's
+earlier x̃); the shapes are the step functions', which are batch-first, while
+:func:`srupp_layer_reference` takes and returns time-major (L, B, ·) tensors,
+as the fast layer does::
 
     x̃ = pre_norm(x)                                      (B, L, n_in)
     U = attention_u(W1 x̃, W1 [m; x̃])  or  projected_u(x̃)  (B, L, k·D)

@@ -32,7 +32,8 @@ unavailable), except that float64 inputs still go to the reference.
 Around the recurrence, the layers' projections and attention have their own
 fast paths with plain references beside them: :mod:`srupp.ops.matmul`
 (``linear``: oneDNN for large fp32 CPU products) and :mod:`srupp.ops.attention`
-(``attend``: explicit bf16 matrix products on CPU for short windows). One
+(``attend``: explicit bf16 matrix products on CPU for short windows), and
+:mod:`srupp.ops.quant` (``linear_int8``: int8 weights for decoding). One
 settings object, :func:`backends`, holds the three choices
 (:mod:`srupp.ops.settings`).
 """
@@ -48,6 +49,7 @@ from .reference import compute_dtype, sru_recurrence_reference
 from .attention import (attend, attention_causal_matmul, attention_matmul, attention_reference,
                         get_attention_backend, set_attention_backend, use_attention_backend)
 from .settings import Backends, backends, cpu_has_native_bf16
+from .quant import dequantize, linear_int8, linear_int8_reference, quantize_per_channel
 
 __all__ = [
     "sru_recurrence", "sru_recurrence_reference", "compute_dtype", "warm_up",
@@ -57,4 +59,5 @@ __all__ = [
     "attend", "attention_reference", "attention_matmul", "attention_causal_matmul",
     "set_attention_backend", "get_attention_backend", "use_attention_backend",
     "cpu_has_native_bf16",
+    "quantize_per_channel", "dequantize", "linear_int8", "linear_int8_reference",
 ]

@@ -35,6 +35,7 @@ writes it, so the tests catch an element it forgets.
 
 from __future__ import annotations
 
+import hashlib
 import platform
 import sys
 import threading
@@ -99,7 +100,10 @@ def build(verbose: bool = False):
     # -march=native may use AVX512-BF16 instructions: name the build after them too,
     # so a cache shared with a machine that lacks them is not reused there
     bf16 = "_bf16" if isa == "avx512" and cpu_has_native_bf16() else ""
-    return _load(name=f"srupp_cpu_kernels_{isa}{bf16}", sources=[str(_SOURCE)],
+    # and after the source: two checkouts (or versions) sharing the cache never
+    # overwrite each other's build
+    source = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]
+    return _load(name=f"srupp_cpu_kernels_{isa}{bf16}_{source}", sources=[str(_SOURCE)],
                  extra_cflags=_flags(isa), extra_ldflags=ldflags, verbose=verbose)
 
 

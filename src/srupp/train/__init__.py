@@ -6,7 +6,7 @@ training loop. Applying a trained model to new text is :mod:`srupp.inference`'s.
 """
 
 from .config import TASKS, RunConfig, build_config
-from .evaluate import evaluate, metric_for
+from .lm import evaluate, metric_for
 from .trainer import Trainer
 
 __all__ = ["TASKS", "RunConfig", "Trainer", "build_config", "evaluate", "metric_for"]

@@ -14,7 +14,7 @@ checkpoint intact. Folders no pointer names are removed after each save.
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -25,7 +25,8 @@ import torch
 from .._files import atomic_write_json, torch_save, write_error
 from .._format import check_format_version, with_format_version
 from ..errors import UserError
-from ..runs import POINTERS, read_json
+from ..runs import (CARRIED_STATE, MODEL_CONFIG, TRAINER_STATE, pointer_path, pointer_step,
+                    read_json, referenced_checkpoints)
 
 
 def save_checkpoint(run_dir: Path, step: int, model, carried_state, trainer_state: Dict[str, Any],
@@ -48,12 +49,12 @@ def save_checkpoint(run_dir: Path, step: int, model, carried_state, trainer_stat
 
     name = f"ckpt-{step:06d}"
     final = run_dir / name
-    referenced = _referenced(run_dir)
+    referenced = referenced_checkpoints(run_dir)
     created, pointed = False, []
     try:
         trainer_state = with_format_version(trainer_state)
         if final.exists() and (referenced is None or name in referenced):
-            torch_save(trainer_state, final / "trainer.pt")
+            torch_save(trainer_state, final / TRAINER_STATE)
         else:
             tmp = run_dir / f".{name}.tmp"
             try:
@@ -63,26 +64,26 @@ def save_checkpoint(run_dir: Path, step: int, model, carried_state, trainer_stat
                 for file_name, content in (files or {}).items():
                     atomic_write_json(tmp / file_name, content)
                 if carried_state is not None:
-                    save_state(carried_state, tmp / "state.safetensors")
-                torch_save(trainer_state, tmp / "trainer.pt")
+                    save_state(carried_state, tmp / CARRIED_STATE)
+                torch_save(trainer_state, tmp / TRAINER_STATE)
                 shutil.rmtree(final, ignore_errors=True)  # a stale folder no pointer names
                 os.replace(tmp, final)
                 created = True
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)  # only left by a save that failed
         for p in pointers:
-            atomic_write_json(run_dir / f"{p}.json",
+            atomic_write_json(pointer_path(run_dir, p),
                               with_format_version({"dir": name, "step": step, **(info or {})}))
             pointed.append(p)
     except BaseException as e:
-        kept = _referenced(run_dir)
+        kept = referenced_checkpoints(run_dir)
         if created and kept is not None and name not in kept:  # no pointer names it yet
             shutil.rmtree(final, ignore_errors=True)
         err = write_error(e, run_dir)
         if err is None:
             raise
         raise _not_saved(err, run_dir, step, pointed) from e
-    keep = _referenced(run_dir)
+    keep = referenced_checkpoints(run_dir)
     if keep is not None:  # never delete on doubt
         for d in run_dir.glob("ckpt-*"):
             if d.name not in keep:
@@ -94,11 +95,11 @@ def save_checkpoint(run_dir: Path, step: int, model, carried_state, trainer_stat
 
 def _not_saved(err: OSError, run_dir: Path, step: int, pointed: list) -> OSError:
     """``err``, saying what was not saved and where a resumed run continues."""
-    try:
-        last = json.loads((run_dir / "last.json").read_text())["step"]
-        kept = f"--resume continues from step {last}"
-    except (OSError, ValueError, KeyError, TypeError):
-        kept = "no checkpoint was saved before it"
+    last = None
+    with contextlib.suppress(OSError, UserError):
+        last = pointer_step(run_dir, "last")
+    kept = (f"--resume continues from step {last}" if last is not None
+            else "no checkpoint was saved before it")
     what = f"checkpoint of step {step} not saved"
     if pointed:  # the folder is complete and named; a later pointer failed
         what = f"step {step} saved, {', '.join(pointed)}.json updated, the rest not"
@@ -106,26 +107,13 @@ def _not_saved(err: OSError, run_dir: Path, step: int, pointed: list) -> OSError
                    err.filename, None, err.filename2)
 
 
-def _referenced(run_dir: Path) -> Optional[set]:
-    """The folders "last" and "best" name; None when a pointer cannot be read."""
-    names = set()
-    for p in POINTERS:
-        ptr = run_dir / f"{p}.json"
-        if ptr.exists():
-            try:
-                names.add(json.loads(ptr.read_text())["dir"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                return None
-    return names
-
-
 def load_trainer_state(ckpt: Path) -> Dict[str, Any]:
     """What a resumed run needs beyond the weights: ``ckpt``'s ``trainer.pt``."""
-    f = Path(ckpt) / "trainer.pt"
+    f = Path(ckpt) / TRAINER_STATE
     try:
         state = torch.load(f, weights_only=True, map_location="cpu")
     except FileNotFoundError:
-        raise UserError(f"{ckpt} has no trainer.pt; cannot resume from it") from None
+        raise UserError(f"{ckpt} has no {TRAINER_STATE}; cannot resume from it") from None
     except Exception as e:  # truncated zip, bad pickle opcode...
         raise UserError(f"{f} is truncated or corrupt "
                         f"({str(e).splitlines()[0][:200]})") from None
@@ -139,7 +127,7 @@ def load_carried_state(ckpt: Path):
     """The SRUppState or TensorState a checkpoint carries, or None when it has none."""
     from ..models.state import load_state
 
-    f = ckpt / "state.safetensors"
+    f = ckpt / CARRIED_STATE
     if not f.exists():
         return None
     try:
@@ -175,7 +163,7 @@ def check_same_shape(run_dir: Path, ckpt: Path, model_config) -> None:
     Names each model key that does, with the saved value and the new one;
     keys that change no shape (dropout, mem_len, ...) may change on resume.
     """
-    path = ckpt / "config.json"
+    path = ckpt / MODEL_CONFIG
     saved = read_json(path, "model config")
     new = model_config.to_dict()
     if not isinstance(saved, dict):

@@ -25,11 +25,10 @@ import torch
 
 from ..data import LengthBatcher, build_tokenizer, load_table, tokenizer_from_dict
 from ..errors import UserError, user_input
-from ..inference import checked_labels, encode_lines, fit_length, length_batches, pad_batch, predict
-from ..runs import labels_from_json
-from .device import to_device
+from ..inference import (autocast_context, checked_labels, encode_lines, fit_length,
+                         length_batches, pad_batch, predict, to_device)
+from ..runs import LABELS, TOKENIZER, labels_from_json
 from .distributed import SINGLE, Dist
-from .evaluate import autocast_context
 from .tasks import (SPEED_REPEATS, SentenceTask, Task, content_crc32, loss_sum, median_rate,
                     time_to_note)
 
@@ -42,7 +41,7 @@ class ClassificationTask(SentenceTask):
     command = "classify"
     metric = "macro_f1"
     higher_is_better = True
-    file_names = ("tokenizer.json", "labels.json")
+    file_names = (TOKENIZER, LABELS)
     default_tokenizer = "word"
     compare_columns = ("accuracy", "macro_f1", *Task.compare_columns, "texts_per_s")
 
@@ -69,8 +68,8 @@ class ClassificationTask(SentenceTask):
         self.check_splits(self.splits)
         with user_input():
             if saved is not None:
-                self.tokenizer = tokenizer_from_dict(saved["tokenizer.json"])
-                self.labels = labels_from_json(saved["labels.json"], "labels.json of this run")
+                self.tokenizer = tokenizer_from_dict(saved[TOKENIZER])
+                self.labels = labels_from_json(saved[LABELS], f"{LABELS} of this run")
             else:
                 self.tokenizer = build_tokenizer(
                     d.tokenizer, "\n".join(r[0] for r in self.splits.train),
@@ -95,7 +94,7 @@ class ClassificationTask(SentenceTask):
             return list(zip(ids, label_indices(self.labels, [r[1] for r in rows], where)))
 
     def files(self) -> Dict[str, Any]:
-        return {"tokenizer.json": self.tokenizer.to_dict(), "labels.json": {"labels": self.labels}}
+        return {TOKENIZER: self.tokenizer.to_dict(), LABELS: {"labels": self.labels}}
 
     def loss(self, model, batch, carried, device, precision):
         mine, counts = self.rank_share(batch.indices)
@@ -126,6 +125,11 @@ class ClassificationTask(SentenceTask):
         with user_input():
             rows = load_table(d.corpus, (d.text, d.label), stratify=stratify,
                               test_size=d.test_size, valid_size=d.valid_size).split(split)
+        if not rows:  # scores of no texts are undefined
+            fix = f" or set data.{split}_size above 0" if split in ("valid", "test") else ""
+            raise UserError(f"the {split} split of {d.corpus} is empty; evaluate another "
+                            f"--split{fix}")
+        with user_input():
             gold = label_indices(labels, [r[1] for r in rows], f"the {split} split of {d.corpus}")
             ids = fit_length(encode_lines(tokenizer, [r[0] for r in rows]), d.max_len,
                              truncate=d.truncate, where=f"the {split} split", keep_last=False)

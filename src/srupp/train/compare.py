@@ -45,18 +45,20 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Type
+from typing import Any, Dict, List, Optional, Sequence
 
 from .._extras import require
 from .._files import atomic_write_json, atomic_write_text
 from ..errors import UserError
-from ..models import build_model
-from .config import RunConfig, build_config
-from .config import TASKS
+from ..models.backbones import BACKBONES
+from ..models.registry import parameter_counts
+from ..runs import has_checkpoint, read_json
+from .config import TASKS, RunConfig, build_config, drop_other_types_keys
+from .lm import LMTask
 from .lock import LOCK_FILE, locked_run_dir
+from .metrics import MetricsLog
 from .plots import plot_curves
-from .tasks import LMTask, Task
-from .trainer import Trainer, make_task
+from .trainer import Trainer
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -70,6 +72,7 @@ MODELS = LMTask.compare_models  # the language models, which the tuned rates nam
 # {corpus: {model name or type: peak learning rate}}, with their provenance
 TUNED_LR_FILE = "compare-tuned-lr.toml"
 SETTINGS_FILE = "compare.json"  # compare's mark on a model directory it created
+SUMMARY_FILE = "summary.json"  # a model's result, written once its training finished
 WIDTH_STEP = 8
 MAX_WIDTH = 8192
 TOLERANCE = 0.10
@@ -133,12 +136,6 @@ def parse_models(spec: Optional[str], task: str = "lm") -> List[str]:
     return names
 
 
-def _heads_for(d: int) -> int:
-    """d/64 rounded, moved to the nearest divisor of d (at least 1)."""
-    target = max(1, round(d / 64))
-    return min((h for h in range(1, d + 1) if d % h == 0), key=lambda h: (abs(h - target), h))
-
-
 def shape_overrides(name: str, d: int, base: RunConfig) -> Dict[str, Any]:
     """The model fields of ``name`` at width ``d`` for ``base``'s task.
 
@@ -150,12 +147,7 @@ def shape_overrides(name: str, d: int, base: RunConfig) -> Dict[str, Any]:
     fields: Dict[str, Any] = {"type": mtype, "d_model": d}
     if depth is not None:
         fields.update(dict.fromkeys(task.depth_fields, depth))
-    if mtype == "transformer":
-        fields["num_heads"] = _heads_for(d)
-    elif mtype == "srupp":
-        fields["proj_size"] = max(1, d // 4)  # d' = d/4, as in the paper
-        heads = int(base.model.get("num_heads", 1))
-        fields["num_heads"] = heads if fields["proj_size"] % heads == 0 else 1
+    fields.update(BACKBONES[mtype].compare_fields(d, base.model))
     fields.update(extra)
     return fields
 
@@ -188,9 +180,11 @@ def split_overrides(overrides: List[str], names: List[str]) -> tuple:
 
 def model_run_config(base: RunConfig, fields: Dict[str, Any],
                      overrides: Optional[List[str]] = None) -> RunConfig:
-    """``base`` with the model fields replaced, then the model's own overrides."""
+    """``base`` with the model fields replaced (the recipe's keys of another type
+    dropped), then the model's own overrides."""
     tree = base.to_dict()
     tree["model"] = {**tree["model"], **fields}
+    drop_other_types_keys(tree["model"], base.task)
     return build_config(None, list(overrides or []), base=tree)
 
 
@@ -199,16 +193,6 @@ class Sized:
     name: str
     cfg: RunConfig
     params: int
-
-
-def count_parameters(cfg: RunConfig, vocab: int, num_labels: Optional[int] = None) -> int:
-    """The parameters of ``cfg``'s model (any task), built on the meta device
-    so that nothing is allocated."""
-    import torch
-
-    config = cfg.model_config(vocab, num_labels)
-    with torch.device("meta"):
-        return build_model(config).num_parameters()
 
 
 def size_model(name: str, base: RunConfig, vocab: int, target: int,
@@ -228,7 +212,8 @@ def size_model(name: str, base: RunConfig, vocab: int, target: int,
         if d not in cache:
             try:
                 cfg = model_run_config(base, shape_overrides(name, d, base), overrides)
-                cache[d] = Sized(name, cfg, count_parameters(cfg, vocab, num_labels))
+                cache[d] = Sized(name, cfg,
+                                 parameter_counts(cfg.model_config(vocab, num_labels))["params"])
             except ValueError:  # UserError too: a width this model refuses (odd, say)
                 cache[d] = None
         return cache[d]
@@ -257,16 +242,8 @@ def size_model(name: str, base: RunConfig, vocab: int, target: int,
 
 def _valid_curve(run_dir: Path, key: str) -> List[tuple]:
     """[(training seconds, step, metric), ...] from a run's metrics.jsonl."""
-    path = run_dir / "metrics.jsonl"
-    out = []
-    for ln in path.read_text().splitlines() if path.exists() else []:
-        try:
-            r = json.loads(ln)
-        except json.JSONDecodeError:
-            continue
-        if key in r:
-            out.append((float(r["train_seconds"]), int(r.get("step", 0)), float(r[key])))
-    return out
+    return [(float(r["train_seconds"]), int(r.get("step", 0)), float(r[key]))
+            for r in MetricsLog(run_dir).rows() if key in r]
 
 
 def run_settings(sized: Sized, target: int, overrides: List[str]) -> Dict[str, Any]:
@@ -321,9 +298,9 @@ def plan_run_dir(run_dir: Path, settings: Dict[str, Any]) -> str:
     except (ValueError, UnicodeDecodeError) as e:
         raise UserError(f"{marker} is unreadable ({e}); choose another --out, or delete "
                         f"{run_dir} to train {settings['name']} again") from None
-    if (run_dir / "summary.json").exists():
+    if (run_dir / SUMMARY_FILE).exists():
         state = "done"
-    elif (run_dir / "last.json").exists():
+    elif has_checkpoint(run_dir):
         state = "resume"
     else:
         return "restart"  # compare's own, never checkpointed: nothing to keep
@@ -342,7 +319,7 @@ def run_one(sized: Sized, run_dir: Path, settings: Dict[str, Any], state: str,
     Returns its summary.json content.
     """
 
-    summary_path = run_dir / "summary.json"
+    summary_path = run_dir / SUMMARY_FILE
     if state == "new":
         try:
             run_dir.mkdir(parents=True)
@@ -359,13 +336,13 @@ def run_one(sized: Sized, run_dir: Path, settings: Dict[str, Any], state: str,
                 return _train_one(sized, run_dir, settings, state, progress)
     print(f"srupp: {sized.name}: finished before with the same settings, skipping "
           f"({summary_path})", file=sys.stderr)
-    return json.loads(summary_path.read_text())
+    return read_json(summary_path, "compare's summary")
 
 
 def _train_one(sized: Sized, run_dir: Path, settings: Dict[str, Any], state: str,
                progress: bool) -> Dict[str, Any]:
     """run_one's training, with the directory locked."""
-    summary_path = run_dir / "summary.json"
+    summary_path = run_dir / SUMMARY_FILE
     if state == "restart":  # compare.json shows compare created it; no checkpoint in it
         for child in run_dir.iterdir():
             if child.name == LOCK_FILE:  # held: stays (see srupp.train.lock)
@@ -409,11 +386,6 @@ def _fmt(v: Any) -> str:
 COMMON_COLUMNS = ("name", "params", "tokens", "tokens_per_s", "train_seconds", "final")
 
 
-def task_of_metric(metric: str) -> Type[Task]:
-    """The task whose results are measured in ``metric`` (bpc and ppl: language models)."""
-    return next((t for t in TASKS.values() if t.metric == metric), LMTask)
-
-
 def first_time_at(curve: Sequence[tuple], level: Optional[float],
                   higher_is_better: bool = False) -> Optional[float]:
     """The training seconds of the first point of ``curve`` ((seconds, step, value), ...)
@@ -437,7 +409,7 @@ def write_markdown(path: Path, results: Dict[str, Any], base: Optional[RunConfig
     """``results`` as a table under a line that says what the metric is; ``base``
     (the compared run config) names the translation evaluation's settings."""
     metric = results["metric"]
-    task = task_of_metric(metric)
+    task = TASKS[results["task"]]
     cols = [*COMMON_COLUMNS, *task.compare_columns, "lr"]
     lines = [task.compare_note(metric, base), "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -461,7 +433,7 @@ def _sizing_data(base: RunConfig) -> tuple:
     on both columns of the training split, classification's on the training
     texts, with the training labels.
     """
-    task = make_task(base)
+    task = base.task_class(base)
     task.load(None)
     labels = getattr(task, "labels", None)
     return task.tokenizer.vocab_size, None if labels is None else len(labels), task.metric
@@ -545,7 +517,7 @@ def compare(data: str, budget: float, params: int, models: Optional[str] = None,
                     if c not in row})
         row["lr"] = s.get("lr")
         rows.append(row)
-    results = {"metric": metric, "models": rows}
+    results = {"task": base.task, "metric": metric, "models": rows}
     atomic_write_json(out / "results.json", results)
     write_markdown(out / "results.md", results, base)
     # each model's mean (the sentence tasks' steps read varying numbers of tokens)

@@ -28,10 +28,13 @@ from typing import (Any, Dict, List, Optional, Type, Union, get_args, get_origin
                     get_type_hints)
 
 from .._ranges import check_fields
+from ..data import SentencePieceTokenizer
 from ..errors import UserError
-from ..models import BACKBONES, REGISTRY, config_from_dict
+from ..models import BACKBONES, config_from_dict
+from ..models.registry import REGISTRY
 from .classify import ClassificationTask
-from .tasks import LMTask, Task
+from .lm import LMTask
+from .tasks import Task
 from .translate import TranslationTask
 
 if sys.version_info >= (3, 11):
@@ -59,6 +62,8 @@ class DataConfig:
     min_freq: int = 1                 # word level: rarer training words become <unk>
     lowercase: bool = False           # word level: fold case (PTB-style)
     subword_type: Optional[str] = None  # sentencepiece bpe|unigram (None: lm unigram, else bpe)
+    byte_fallback: bool = True        # sentencepiece: unseen characters as UTF-8 byte pieces, never
+                                      # <unk> (⁇ in output); the 256 pieces count in vocab_size
     src: str = "de"                   # translate: the source column of the TSV
     tgt: str = "en"                   # translate: the target column
     text: str = "text"                # classify: the text column
@@ -76,6 +81,8 @@ class DataConfig:
         opts = {} if self.vocab_size is None else {"vocab_size": self.vocab_size}
         if self.tokenizer == "sentencepiece" and self.subword_type not in (None, "unigram"):
             opts["model_type"] = self.subword_type
+        if self.tokenizer == "sentencepiece":
+            opts["byte_fallback"] = self.byte_fallback
         if self.tokenizer == "word":
             opts.update(min_freq=self.min_freq, lowercase=self.lowercase)
         return opts
@@ -94,6 +101,17 @@ class DataConfig:
             raise UserError(f"data.vocab_size applies to word and sentencepiece tokenizers, "
                             f"not {self.tokenizer!r} ones (their vocabulary is fixed by "
                             f"the data); unset it")
+        if not self.byte_fallback and self.tokenizer != "sentencepiece":
+            raise UserError("data.byte_fallback applies to the sentencepiece tokenizer only; "
+                            "unset it")
+        least = SentencePieceTokenizer.MIN_VOCAB_BYTE_FALLBACK
+        if (self.tokenizer == "sentencepiece" and self.byte_fallback
+                and self.vocab_size is not None and self.vocab_size < least):
+            raise UserError(f"data.vocab_size={self.vocab_size} is too small for sentencepiece's "
+                            f"byte fallback, whose 256 byte pieces count in it: use at least "
+                            f"{least - 1} plus the number of distinct characters of the data, "
+                            f"or set data.byte_fallback=false (unseen characters then come "
+                            f"out as ⁇)")
 
 
 @dataclass
@@ -160,11 +178,12 @@ class EvalConfig:
     lenpen: float = 1.0               # translate: length penalty (score / length**lenpen)
     max_len_a: float = 1.2            # translate: hypotheses end by a·source length + b tokens
     max_len_b: int = 10
+    no_repeat_ngram_size: int = 0     # translate: n > 0 bans repeating an output n-gram (0: off)
     bleu_sentences: int = 200         # translate: greedy BLEU on this many during training
 
     _ranges = {"unroll": ">= 1", "mem_len": ">= 0", "batch_size": ">= 1", "beam": ">= 1",
                "lenpen": ">= 0", "max_len_a": ">= 0", "max_len_b": ">= 0",
-               "bleu_sentences": ">= 1"}
+               "no_repeat_ngram_size": ">= 0", "bleu_sentences": ">= 1"}
 
     def __post_init__(self):
         _check_numbers("eval", self)
@@ -300,14 +319,14 @@ def _probe_vocab(tree: Dict[str, Dict[str, Any]]) -> int:
     return 256
 
 
-def _drop_other_types_keys(model: Dict[str, Any], task: str,
-                           keep: frozenset = frozenset()) -> None:
+def drop_other_types_keys(model: Dict[str, Any], task: str,
+                          keep: frozenset = frozenset()) -> None:
     """Drop model keys that do not apply to model.type, except those in ``keep``.
 
-    Used for a saved run's config (runs saved before the per-type configs
-    could hold the fields of other model types, which their model never read)
-    and for a recipe's keys once ``--set model.type=...`` changed the type.
-    Keys left in ``keep`` (given with ``--set``) are errors (config_from_dict's).
+    For a recipe's keys once the type changed (``--set model.type=...``, or
+    one of ``srupp compare``'s models): an SRU++ recipe's proj_size means
+    nothing to an LSTM. Keys left in ``keep`` (given with ``--set``) are
+    errors (config_from_dict's).
     """
     mtype, models = model.get("type", "srupp"), REGISTRY.get(task, {})
     if mtype in models:
@@ -352,12 +371,14 @@ def build_config(recipe: Optional[Union[str, Path]] = None,
     asked = None  # (task, where it was asked for, implicit): the recipe's or --set's
     if base:
         base = dict(base)
-        task = base_task = base.pop("task", "lm")
+        if "task" not in base:  # every saved config names its task
+            raise UserError(f"{base_name}'s config.json is corrupt (it names no task); "
+                            f"the run is damaged")
+        task = base_task = base.pop("task")
         for s, vals in base.items():
             if s not in SECTIONS:
                 raise _unknown(s)
             tree[s].update(vals)
-        _drop_other_types_keys(tree["model"], task)
     if recipe is not None:
         path = Path(recipe)
         if not path.is_file():
@@ -396,7 +417,7 @@ def build_config(recipe: Optional[Union[str, Path]] = None,
     if "type" in set_model_keys:
         # --set model.type=lstm on an SRU++ recipe: the recipe's SRU++-only keys
         # no longer apply; keys given with --set still must
-        _drop_other_types_keys(tree["model"], task, keep=frozenset(set_model_keys))
+        drop_other_types_keys(tree["model"], task, keep=frozenset(set_model_keys))
     if task not in TASKS:
         raise UserError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
     if asked is not None and base_task is not None and asked[0] != base_task:

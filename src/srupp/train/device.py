@@ -1,4 +1,4 @@
-"""Where training meets the device: batches moved to it, and waiting for it.
+"""Where training meets the device: waiting for it.
 
 On CUDA the host only queues work; it waits for the GPU when it reads a
 result (``.item()``, ``float(t)``, ``.tolist()``, ``.cpu()``) or copies from
@@ -10,8 +10,6 @@ purpose only where it needs the time or a value (:func:`synchronize`).
 from __future__ import annotations
 
 import torch
-
-from ..inference import to_device  # noqa: F401  (batches built on the host, moved here)
 
 
 def synchronize(device) -> None:

@@ -9,18 +9,12 @@ Both read metrics in their units: bits per character (``bpc``), perplexity
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Dict, List, Sequence
 
 from .._extras import require
 from .._files import atomic_path
-
-# a language model's loss (nats per token) in its metric's unit, and the axis label
-LOSS_UNITS = {
-    "bpc": (lambda loss: loss / math.log(2), "bits per character"),
-    "ppl": (lambda loss: math.exp(min(loss, 700.0)), "perplexity per token"),
-}
+from .lm import LOSS_UNITS
 
 
 def pyplot(what: str):

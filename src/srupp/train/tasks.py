@@ -6,7 +6,7 @@ budget, precision, checkpoints and exact resume, progress, metrics and
 curves. Three tasks, chosen by the recipe's top-level ``task`` key (the
 registry is :data:`srupp.train.config.TASKS`):
 
-    lm         language modelling (this module): streams of tokens, state carried
+    lm         :mod:`srupp.train.lm`: streams of tokens, state carried
     translate  :mod:`srupp.train.translate`: sentence pairs, BLEU
     classify   :mod:`srupp.train.classify`: labelled texts, accuracy and macro-F1
 
@@ -16,7 +16,6 @@ so nothing outside the task modules asks which task a run is.
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 import zlib
@@ -26,12 +25,10 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 import numpy as np
 import torch
 
-from ..data import StreamBatcher, build_tokenizer, load_corpus, tokenizer_from_dict
 from ..errors import UserError, user_input
 from ..inference import fit_length
-from .device import to_device
+from ..runs import TOKENIZER
 from .distributed import SINGLE, Dist
-from .evaluate import autocast_context, evaluate, metric_for
 
 if TYPE_CHECKING:
     from .config import RunConfig
@@ -83,7 +80,7 @@ class Task:
     title = ""      # what its runs and models are called in messages
     command = ""    # the srupp command that applies its models to new text
     # the files saved with the run and with every checkpoint, beside the model
-    file_names: Tuple[str, ...] = ("tokenizer.json",)
+    file_names: Tuple[str, ...] = (TOKENIZER,)
     metric = "loss"
     higher_is_better = False
     carries_state = False  # the LM carries its recurrent state from batch to batch
@@ -157,9 +154,9 @@ class Task:
         """The validation results the run's summary reports (as ``valid_<key>``)."""
         return ("loss", self.metric)
 
-    def bar_value(self, loss: float) -> str:
-        """The training loss as the progress bar shows it."""
-        return f"{loss:.3f}"
+    def bar_value(self, loss: float) -> Dict[str, str]:
+        """What the progress bar shows beside the training loss ({name: value})."""
+        return {}
 
     # ---------------------------------------------------------------- srupp eval
 
@@ -200,146 +197,10 @@ def time_to_note(higher_is_better: bool) -> str:
 def loss_sum(loss: torch.Tensor, n: int) -> torch.Tensor:
     """The sum of ``n`` losses whose mean is ``loss``, left on the device.
 
-    float64, so that it equals ``loss.item() * n`` exactly (how the logged
-    sums were taken before they stayed on the device); the trainer reads the
-    sums only when it logs, saves or refreshes the progress bar.
+    float64, so that it equals ``loss.item() * n`` exactly; the trainer reads
+    the sums only when it logs, saves or refreshes the progress bar.
     """
     return loss.detach().double() * n
-
-
-# --------------------------------------------------------------------------- language modelling
-
-PROMPT_TOKENS = 64   # compare's generation speed: a validation prompt of this many tokens
-NEW_TOKENS = 256     # ... then this many new tokens at batch 1
-
-
-class LMTask(Task):
-    """Language modelling: bits per character or perplexity on a token stream."""
-
-    name = "lm"
-    title = "language-model"
-    command = "generate"
-    carries_state = True
-    default_corpus = "shakespeare"
-    compare_models = {
-        "srupp": ("srupp", None, {}),
-        "sru": ("sru", 4, {}),
-        "lstm": ("lstm", 2, {}),
-        "gru": ("gru", 2, {}),
-        # no segment memory: each window stands alone with learned positions
-        # (GPT-style), as with memory its absolute positions never repeat
-        # (docs/results.md compares the two). max_positions covers the training
-        # window and the generation test (PROMPT_TOKENS + NEW_TOKENS) without
-        # spending parameters on positions that are never used.
-        "transformer": ("transformer", 4, {"mem_len": 0, "max_positions": 512}),
-        "srupp-attn-every-2": ("srupp", None, {"attention_every_n_layers": 2}),
-        "srupp-attn-last-1": ("srupp", None, {"attention_last_n_layers": 1}),
-    }
-    default_compare_models = ("srupp", "sru", "lstm", "gru", "transformer")
-    compare_columns = (*Task.compare_columns, "generate_tokens_per_s")
-    packaged_compare_defaults = True
-
-    @classmethod
-    def model_fields(cls, cfg, num_labels):
-        # the attention window defaults to one training segment
-        return {"mem_len": cfg.train.unroll} if cfg.model.get("mem_len") is None else {}
-
-    def load(self, saved: Optional[Dict[str, Any]]) -> None:
-        cfg = self.cfg
-        with user_input():
-            self.corpus = load_corpus(cfg.data.corpus)
-        if saved is not None:
-            with user_input():
-                self.tokenizer = tokenizer_from_dict(saved["tokenizer.json"])
-            check_tokenizer_fits(self.tokenizer, self.corpus.valid, cfg.data.max_oov,
-                                 f"the validation split of {cfg.data.corpus}")
-        else:
-            with user_input():
-                self.tokenizer = build_tokenizer(cfg.data.tokenizer, self.corpus.train,
-                                                 **cfg.data.tokenizer_options())
-        self.model_config = cfg.model_config(self.tokenizer.vocab_size)
-        self.metric = metric_for(self.tokenizer)
-        self.train_ids = self.tokenizer.encode(self.corpus.train)
-        self.valid_ids = self.tokenizer.encode(self.corpus.valid)
-        world = self.dist.world_size
-        if cfg.train.batch_size % world:
-            raise UserError(f"train.batch_size={cfg.train.batch_size} is the global number of "
-                            f"streams and must be divisible by the {world} processes; choose "
-                            f"a multiple of {world}")
-        # the global streams, cut in W contiguous shares: the same streams as one process
-        self.batcher = StreamBatcher(self.train_ids, cfg.train.batch_size // world,
-                                     cfg.train.unroll, rank=self.dist.rank, world_size=world)
-
-    def files(self) -> Dict[str, Any]:
-        return {"tokenizer.json": self.tokenizer.to_dict()}
-
-    def loss(self, model, batch, carried, device, precision):
-        if batch.epoch_start:
-            carried = None  # the streams start again from their beginning
-        x, y = to_device(batch.inputs, device), to_device(batch.targets, device)
-        with autocast_context(precision, device.type):
-            out = model(x, carried, targets=y)
-        n = y.numel()
-        return out.loss, loss_sum(out.loss, n), n, n, out.state.detach()
-
-    def validate(self, model, precision, *, final, max_batches):
-        e = self.cfg.eval
-        # the streams split across ranks when they divide; else every rank scores all
-        dist = self.dist
-        world = dist.world_size if e.batch_size % dist.world_size == 0 else 1
-        res = evaluate(model, self.valid_ids, batch_size=e.batch_size // world,
-                       unroll=e.unroll or self.cfg.train.unroll, mem_len=e.mem_len,
-                       precision=precision, max_batches=max_batches,
-                       rank=dist.rank if world > 1 else 0, world_size=world)
-        if world > 1:
-            total, count = dist.sum([res["loss"] * res["tokens"], res["tokens"]])
-            loss = total / max(count, 1)
-            res.update(loss=loss, bpc=loss / math.log(2), ppl=math.exp(min(loss, 700.0)),
-                       tokens=int(count))
-        out = {"bpc": res["bpc"]} if self.metric == "bpc" else {}
-        out.update(ppl=res["ppl"], loss=res["loss"], tokens=res["tokens"])
-        return out
-
-    def summary_keys(self):
-        return ("loss", "ppl", "bpc") if self.metric == "bpc" else ("loss", "ppl")
-
-    def bar_value(self, loss: float) -> str:
-        return (f"{loss / math.log(2):.3f}" if self.metric == "bpc"
-                else f"{math.exp(min(loss, 700.0)):.1f}")
-
-    def evaluate_checkpoint(self, model, tokenizer, ckpt, split):
-        cfg = self.cfg
-        with user_input():
-            text = load_corpus(cfg.data.corpus).split(split)
-        oov = check_tokenizer_fits(tokenizer, text, cfg.data.max_oov, f"the {split} split")
-        res = evaluate(model, tokenizer.encode(text), batch_size=cfg.eval.batch_size,
-                       unroll=cfg.eval.unroll or cfg.train.unroll, mem_len=cfg.eval.mem_len,
-                       precision="fp32")
-        metric = metric_for(tokenizer)  # bits per character, or perplexity per token
-        return {metric: res[metric], "loss": res["loss"], "tokens": res["tokens"],
-                "seconds": res["seconds"], "oov_rate": oov}
-
-    def compare_results(self, result, step, tokens_seen):
-        t = self.cfg.train
-        return {"tokens": step * t.batch_size * t.unroll * t.grad_accum,
-                # valid_ppl always; valid_bpc only for byte and char tokenizers
-                **{k: result[k] for k in ("valid_bpc", "valid_ppl") if k in result}}
-
-    def speed(self, model, device, precision, repeats=SPEED_REPEATS):
-        """Tokens/s decoding NEW_TOKENS at batch 1 after a PROMPT_TOKENS validation prompt."""
-        model.eval()
-        prompt = (self.valid_ids[:PROMPT_TOKENS].tolist()
-                  or self.train_ids[:PROMPT_TOKENS].tolist())
-
-        def work() -> int:
-            gen = torch.Generator(device=device).manual_seed(0)
-            return len(model.generate([prompt], NEW_TOKENS, temperature=1.0, generator=gen)[0])
-
-        return {"generate_tokens_per_s": median_rate(work, device, repeats)}
-
-    @classmethod
-    def compare_note(cls, metric, cfg):
-        return f"Validation metric: **{metric}** (lower is better); {time_to_note(False)}"
 
 
 # --------------------------------------------------------------------------- sentence tasks
@@ -360,7 +221,9 @@ class SentenceTask(Task):
     default_subword_type = "bpe"  # the usual subwords of translation
     # SRU++ and the Transformer keep the recipe's depth; the recurrent baselines
     # their classic depth: 2 layers (2 + 2 when translating, Luong et al. 2015
-    # style; bidirectional when classifying). There is no GRU for these tasks.
+    # style; bidirectional when classifying). The GRU trains for these tasks too
+    # (model.type=gru), but is no compare baseline here: the LSTM stands for the
+    # gated RNNs, and each extra model costs a whole --budget.
     compare_models = {
         "srupp": ("srupp", None, {}),
         "sru": ("sru", 2, {}),

@@ -36,7 +36,8 @@ from ..errors import UserError
 from ..models import build_model
 from ..models.state import state_from_dict
 from ..ops import cpu_has_native_bf16, warm_up
-from ..runs import RUN_CONFIG, pointer_step, read_json, read_run_config, resolve_checkpoint
+from ..runs import (MODEL_FILE, RUN_CONFIG, TRAINER_STATE, has_checkpoint, pointer_step,
+                    read_run_config, read_run_files, resolve_checkpoint)
 from .checkpoint import (check_same_shape, load_carried_state, load_trainer_state,
                          save_checkpoint)
 from .config import RunConfig
@@ -44,15 +45,9 @@ from .device import synchronize
 from .distributed import SINGLE, Dist
 from .lock import LOCK_FILE, trainer_lock
 from .metrics import MetricsLog
-from .plots import LOSS_UNITS, run_curves
+from .plots import run_curves
 from .schedule import StepSchedule
 from .signals import StopRequests
-from .tasks import Task
-
-
-def make_task(cfg: RunConfig, dist: Dist = SINGLE) -> Task:
-    """The task ``cfg.task`` names, for this process's share of the data."""
-    return cfg.task_class(cfg, dist)
 
 
 class Trainer:
@@ -122,10 +117,10 @@ class Trainer:
                 try:
                     self.finished_at = self._finished_at(saved_state)
                 except (KeyError, TypeError, ValueError, AttributeError) as e:
-                    raise UserError(f"{ckpt / 'trainer.pt'} does not fit this run "
+                    raise UserError(f"{ckpt / TRAINER_STATE} does not fit this run "
                                     f"({type(e).__name__}: {e})") from None
                 self.finished = self.finished_at is not None  # nothing to train or write
-            elif (self.run_dir / "last.json").exists():
+            elif has_checkpoint(self.run_dir):
                 raise UserError(f"{self.run_dir} already holds a run; pass --resume to "
                                 f"continue it or choose another --out")
             # every rank has checked the directory before rank 0 creates it
@@ -212,11 +207,10 @@ class Trainer:
                 saved_state: Optional[Dict[str, Any]] = None) -> None:
         t = cfg.train
         # ---- data, tokenizer (and labels)
-        self.task = make_task(cfg, self.dist)
+        self.task = cfg.task_class(cfg, self.dist)
         saved = None
         if ckpt is not None:
-            saved = {name: read_json(self.run_dir / name, name.split(".")[0])
-                     for name in self.task.file_names}
+            saved = read_run_files(self.run_dir, self.task.file_names)
         if self.dist.enabled and saved is None:
             # rank 0 builds the tokenizer (and labels); the others take its files, so
             # that every rank has the same vocabulary however the builder behaves
@@ -295,14 +289,6 @@ class Trainer:
     def tokenizer(self):
         return self.task.tokenizer
 
-    @property
-    def train_ids(self):  # language modelling only
-        return self.task.train_ids
-
-    @property
-    def valid_ids(self):
-        return self.task.valid_ids
-
     def _param_groups(self):
         if not self.cfg.train.no_decay_bias_norm:
             return [{"params": list(self.model.parameters())}]
@@ -350,7 +336,6 @@ class Trainer:
             mine["shards"] = local_shards(self.model, self.optimizer)
         return {"ranks": self.dist.gather_objects(mine)}
 
-
     def _restore(self, ckpt: Path, state: Optional[Dict[str, Any]] = None) -> None:
         from safetensors.torch import load_model
 
@@ -367,9 +352,9 @@ class Trainer:
                             f"resume it with the same setting")
         try:
             if not self.sharded:  # FSDP: each rank's shards come from trainer.pt, below
-                load_model(self.model, str(ckpt / "model.safetensors"), device=str(self.device))
+                load_model(self.model, str(ckpt / MODEL_FILE), device=str(self.device))
         except Exception as e:
-            raise UserError(f"{ckpt / 'model.safetensors'} is truncated or corrupt or does "
+            raise UserError(f"{ckpt / MODEL_FILE} is truncated or corrupt or does "
                             f"not fit the config ({str(e).splitlines()[0][:200]})") from None
         try:
             if self.sharded:
@@ -386,7 +371,7 @@ class Trainer:
             self.batcher.load_state_dict(state["ranks"][self.dist.rank]["data"]
                                          if self.dist.enabled else state["data"])
         except (KeyError, ValueError, RuntimeError) as e:
-            raise UserError(f"{ckpt / 'trainer.pt'} does not fit this run ({e})") from None
+            raise UserError(f"{ckpt / TRAINER_STATE} does not fit this run ({e})") from None
         if self.scaler.is_enabled() and state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
         for k in ("step", "train_seconds", "tokens_seen", "best_loss", "best_metric"):
@@ -394,7 +379,7 @@ class Trainer:
         self.schedule.load_state_dict(state)
         if not self.finished and self.schedule.budget_raised(state["budget"]):
             self._extend_budget()
-        self.interval = {**_new_interval(), **state["interval"]}
+        self.interval = dict(state["interval"])
         if self.dist.enabled:
             mine = state["ranks"][self.dist.rank]
             torch.set_rng_state(mine["rng"])
@@ -410,7 +395,6 @@ class Trainer:
         self.carried = None if carried is None else carried.to(self.device)
         if self.dist.is_main and not self.finished:
             self.metrics.truncate(self.step, state["metrics_lines"])
-
 
     # --------------------------------------------------------------- logging
     def _log(self, record: Dict[str, Any]) -> None:
@@ -631,11 +615,9 @@ class Trainer:
                         loss = float(loss)
                         left = (f"{max(0.0, t.max_seconds - self.train_seconds):.0f}s"
                                 if t.max_seconds else "-")
-                        # a language model's loss in its unit (bpc, ppl) beside it
-                        shown = ({self.metric: self.task.bar_value(loss)}
-                                 if self.metric in LOSS_UNITS else {})
-                        bar.set_postfix(loss=f"{loss:.3f}", **shown, tok_s=f"{tok_s:.0f}",
-                                        left=left, refresh=False)
+                        # the task's own (a language model's loss in bpc or ppl) beside it
+                        bar.set_postfix(loss=f"{loss:.3f}", **self.task.bar_value(loss),
+                                        tok_s=f"{tok_s:.0f}", left=left, refresh=False)
                     if self.step % t.log_every == 0:
                         iv = self.interval
                         self._log({"step": self.step,

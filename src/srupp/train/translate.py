@@ -16,7 +16,8 @@ log-likelihood per target token, and tokens/s counts target tokens.
 Validation during training: the loss, and BLEU and chrF of greedy
 translations of the first ``eval.bleu_sentences`` validation sentences, so
 that it does not eat the budget; the final evaluation translates the whole
-split with beam search (``eval.beam``, ``eval.lenpen``). The decoding itself
+split with beam search (``eval.beam``, ``eval.lenpen``). Both decode with
+``eval.no_repeat_ngram_size`` (0, off, by default). The decoding itself
 is :mod:`srupp.inference`'s (``translate_lines``), which ``srupp translate`` calls.
 """
 
@@ -30,10 +31,10 @@ import torch
 from .._extras import require
 from ..data import LengthBatcher, build_tokenizer, load_table, tokenizer_from_dict
 from ..errors import UserError, user_input
-from ..inference import (encode_lines, encode_sources, length_batches, pad_batch, translate_ids,
-                         translate_lines)
+from ..inference import (autocast_context, encode_lines, encode_sources, length_batches,
+                         pad_batch, translate_ids, translate_lines)
+from ..runs import TOKENIZER
 from .distributed import SINGLE, Dist
-from .evaluate import autocast_context
 from .tasks import (SPEED_REPEATS, SentenceTask, Task, content_crc32, loss_sum, median_rate,
                     time_to_note)
 
@@ -80,7 +81,7 @@ class TranslationTask(SentenceTask):
         self.check_splits(self.splits)
         with user_input():
             if saved is not None:
-                self.tokenizer = tokenizer_from_dict(saved["tokenizer.json"])
+                self.tokenizer = tokenizer_from_dict(saved[TOKENIZER])
             else:
                 joint = "\n".join(text for pair in self.splits.train for text in pair)
                 self.tokenizer = build_tokenizer("sentencepiece", joint, **d.tokenizer_options())
@@ -104,7 +105,7 @@ class TranslationTask(SentenceTask):
         return list(zip(src, tgt))
 
     def files(self) -> Dict[str, Any]:
-        return {"tokenizer.json": self.tokenizer.to_dict()}
+        return {TOKENIZER: self.tokenizer.to_dict()}
 
     def loss(self, model, batch, carried, device, precision):
         mine, counts = self.rank_share(batch.indices)
@@ -151,8 +152,8 @@ class TranslationTask(SentenceTask):
             scores = translation_scores(
                 model, self.tokenizer, sources, [r[1] for r in rows],
                 beam=e.beam if final else 1, lenpen=e.lenpen, max_len_a=e.max_len_a,
-                max_len_b=e.max_len_b, max_tokens=self.cfg.train.max_tokens,
-                precision=precision, dist=self.dist)
+                max_len_b=e.max_len_b, no_repeat_ngram_size=e.no_repeat_ngram_size,
+                max_tokens=self.cfg.train.max_tokens, precision=precision, dist=self.dist)
         finally:
             model.train(was_training)
         return {"bleu": scores["bleu"], "chrf": scores["chrf"], **res,
@@ -160,7 +161,6 @@ class TranslationTask(SentenceTask):
 
     def summary_keys(self):
         return ("loss", "bleu", "chrf")
-
 
     def evaluate_checkpoint(self, model, tokenizer, ckpt, split):
         d, e = self.cfg.data, self.cfg.eval
@@ -171,9 +171,12 @@ class TranslationTask(SentenceTask):
                                      truncate=d.truncate)
         res = translation_scores(model, tokenizer, sources, [r[1] for r in rows],
                                  beam=e.beam, lenpen=e.lenpen, max_len_a=e.max_len_a,
-                                 max_len_b=e.max_len_b, max_tokens=self.cfg.train.max_tokens)
+                                 max_len_b=e.max_len_b,
+                                 no_repeat_ngram_size=e.no_repeat_ngram_size,
+                                 max_tokens=self.cfg.train.max_tokens)
         res.pop("hypotheses")
-        return {**res, "beam": e.beam, "lenpen": e.lenpen}
+        return {**res, "beam": e.beam, "lenpen": e.lenpen,
+                "no_repeat_ngram_size": e.no_repeat_ngram_size}
 
     def speed(self, model, device, precision, repeats=SPEED_REPEATS):
         """Sentences/s translating the first SPEED_SENTENCES validation sources, per beam
@@ -192,6 +195,7 @@ class TranslationTask(SentenceTask):
             def work(beam: int = beam) -> int:
                 translate_lines(model, self.tokenizer, sources, beam=beam, lenpen=e.lenpen,
                                 max_len_a=e.max_len_a, max_len_b=e.max_len_b,
+                                no_repeat_ngram_size=e.no_repeat_ngram_size,
                                 max_tokens=cfg.train.max_tokens, max_len=d.max_len,
                                 truncate=d.truncate, precision=precision)
                 return len(sources)

@@ -70,6 +70,16 @@ class Backbone(nn.Module):
         -> (h (B, L, d), new state)."""
         raise NotImplementedError
 
+    def reset_parameters(self) -> None:
+        """Initialise every weight; the task heads call it once built, after their own."""
+        raise NotImplementedError
+
+    @classmethod
+    def compare_fields(cls, d_model: int, model: Dict[str, Any]) -> Dict[str, Any]:
+        """``srupp compare``: the fields this backbone sets when sized to width ``d_model``
+        from a recipe whose model fields are ``model`` (heads that divide the width...)."""
+        return {}
+
     def step(self, x: Tensor, state: Any) -> Tuple[Tensor, Any]:
         """One position per row, for decoding: x (B, d) -> (h (B, d), new state)."""
         h, state = self(x.unsqueeze(1), state)

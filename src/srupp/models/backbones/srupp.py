@@ -16,7 +16,7 @@
 - ``"sublayer"``: after each SRU++ layer (an :class:`~srupp.nn.SRUppCell` with
   its own state), a pre-norm cross-attention sub-layer
   h ← h + Wo·attn(q = Wq LN(h), K = Wk enc, V = Wv enc) of width d′ and
-  ``num_heads`` heads (:class:`CrossAttention`); its K and V are computed once
+  ``num_heads`` heads (:class:`~.cross_attention.CrossAttention`); its K and V are computed once
   per sentence (:class:`CrossAttentionState`).
 
 Shapes: B batch, L length, S source length, d model width, d′ attention width.
@@ -25,17 +25,16 @@ Shapes: B batch, L length, S source length, d model width, d′ attention width.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import ClassVar, List, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...nn import SRUpp, SRUppCell, SRUppState
-from ...nn.linear import Linear
 from ...nn.srupp import check_attention_layout
 from ...nn.state import KVCache
 from .base import Backbone, EncoderOutput
+from .cross_attention import CrossAttention
 
 CROSS_ATTENTION = ("memory", "sublayer")
 
@@ -99,51 +98,6 @@ class SRUppSeq2SeqFields(SRUppFields):
         if self.cross_attention not in CROSS_ATTENTION:
             raise ValueError(f"cross_attention must be 'memory' or 'sublayer', "
                              f"got {self.cross_attention!r}")
-
-
-class CrossAttention(nn.Module):
-    """h + dropout(Wo·attn(q = Wq LN(h), K = Wk enc, V = Wv enc)): a layer reads the source.
-
-    Pre-norm on the query side (the encoder output is already the input of
-    every layer's keys); width d′ with H heads, like the SRU++ attention.
-    """
-
-    def __init__(self, d_model: int, proj_size: int, num_heads: int, *, dropout: float,
-                 attn_dropout: float, device=None, dtype=None):
-        super().__init__()
-        factory = {"device": device, "dtype": dtype}
-        self.num_heads = num_heads
-        self.attn_dropout = attn_dropout
-        self.layer_norm = nn.LayerNorm(d_model, **factory)
-        self.query = Linear(d_model, proj_size, bias=False, **factory)
-        self.key_value = Linear(d_model, 2 * proj_size, bias=False, **factory)
-        self.out = Linear(proj_size, d_model, bias=False, **factory)
-        self.dropout = nn.Dropout(dropout)
-        self.reset_parameters()
-
-    def reset_parameters(self):
-        for lin in (self.query, self.key_value, self.out):
-            nn.init.xavier_uniform_(lin.weight)
-        self.layer_norm.reset_parameters()
-
-    def _heads(self, t: Tensor) -> Tensor:
-        """(B, L, d′) -> (B, H, L, d′/H)."""
-        B, L, _ = t.shape
-        return t.view(B, L, self.num_heads, -1).transpose(1, 2)
-
-    def keys_values(self, enc: Tensor) -> Tuple[Tensor, Tensor]:
-        """enc (B, S, d) -> K, V (B, H, S, d′/H): once per sentence."""
-        k, v = self.key_value(enc).chunk(2, dim=-1)                     # (B, S, d′) each
-        return self._heads(k), self._heads(v)
-
-    def forward(self, h: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
-        """h (B, L, d); k, v from :meth:`keys_values`; mask (:func:`source_mask`) -> (B, L, d)."""
-        B, L, _ = h.shape
-        q = self._heads(self.query(self.layer_norm(h)))                 # (B, H, L, d′/H)
-        o = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-            dropout_p=self.attn_dropout if self.training else 0.0)     # (B, H, L, d′/H)
-        return h + self.dropout(self.out(o.transpose(1, 2).reshape(B, L, -1)))
 
 
 def source_mask(pad: Optional[Tensor]) -> Optional[Tensor]:
@@ -239,9 +193,22 @@ class SRUppBackbone(Backbone):
                 SRUppCell(d, d, p, causal=True, mem_len=None,
                           highway_dropout=c.dropout if i + 1 < n else 0.0, **shared)
                 for i in range(n))
-            self.cross = nn.ModuleList(
-                CrossAttention(d, p, c.num_heads, dropout=c.dropout,
-                               attn_dropout=c.attn_dropout, **self.factory) for _ in range(n))
+            self.cross = nn.ModuleList(self._cross_attention(d, p) for _ in range(n))
+
+    def _cross_attention(self, d: int, width: int) -> CrossAttention:
+        """A "sublayer" cross-attention, initialised as soon as made."""
+        c = self.config
+        cross = CrossAttention(d, width, c.num_heads, bias=False, dropout=c.dropout,
+                               attn_dropout=c.attn_dropout, **self.factory)
+        cross.reset_parameters()
+        return cross
+
+    @classmethod
+    def compare_fields(cls, d_model: int, model: Dict[str, Any]) -> Dict[str, Any]:
+        """d′ = d/4, as in the paper; the recipe's heads when they divide d′, else one."""
+        proj_size = max(1, d_model // 4)
+        heads = int(model.get("num_heads", 1))
+        return {"proj_size": proj_size, "num_heads": heads if proj_size % heads == 0 else 1}
 
     def reset_parameters(self):
         modules = [self.rnn] if self.cross is None else [*self.rnn, *self.cross]
@@ -289,7 +256,7 @@ class SRUppBackbone(Backbone):
                 for i, (layer, m) in enumerate(zip(self.rnn.layers, memory)):
                     if m is not None:
                         t = layer.transform
-                        kv = t.linear2(t.linear1(m.to(t.linear1.weight.dtype)))  # (B, S, 2·d′)
+                        kv = t.linear2(t.linear1(m.to(layer.weight_c.dtype)))  # (B, S, 2·d′)
                         state.kv_cache[i] = KVCache.of(kv, t.kv_weights)
             return state
         layers = [SRUppState(c=torch.zeros(1, B, cell.output_size, dtype=cell.state_dtype,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,7 @@ from ...ops import attend
 from ...ops.attention import attention_sdpa_causal
 from ..state import TensorState
 from .base import Backbone, EncoderOutput
+from .cross_attention import CrossAttention
 
 
 @dataclass
@@ -102,24 +103,20 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(d, **factory)
         self.qkv = Linear(d, 3 * d, **factory)
         self.proj = Linear(d, d, **factory)
-        if cross:
-            self.ln_cross = nn.LayerNorm(d, **factory)
-            self.cross_q = Linear(d, d, **factory)
-            self.cross_kv = Linear(d, 2 * d, **factory)
-            self.cross_proj = Linear(d, d, **factory)
-        self.cross = cross
+        # the decoder's: reads the source (K and V in the state, made once per sentence)
+        self.cross = (CrossAttention(d, d, num_heads, bias=True, dropout=dropout,
+                                     attn_dropout=attn_dropout, **factory) if cross else None)
         self.ln2 = nn.LayerNorm(d, **factory)
         self.fc1 = Linear(d, ffn, **factory)
         self.fc2 = Linear(ffn, d, **factory)
         self.drop = nn.Dropout(dropout)
 
     def reset_parameters(self, res_std: float, std: float = 0.02):
-        scales = [(self.qkv, std), (self.fc1, std), (self.proj, res_std), (self.fc2, res_std)]
-        if self.cross:
-            scales += [(self.cross_q, std), (self.cross_kv, std), (self.cross_proj, res_std)]
-        for lin, s in scales:
+        for lin, s in ((self.qkv, std), (self.fc1, std), (self.proj, res_std), (self.fc2, res_std)):
             nn.init.normal_(lin.weight, 0.0, s)
             nn.init.zeros_(lin.bias)
+        if self.cross is not None:
+            self.cross.reset_parameters(std, out_std=res_std)
         for m in self.children():
             if isinstance(m, nn.LayerNorm):
                 m.reset_parameters()
@@ -143,14 +140,11 @@ class Block(nn.Module):
             a = attend(q, k, v, attn_mask=attn_mask, is_causal=causal and causal_offset == 0)
         elif causal:  # as an offset, not a mask tensor: SDPA's fused kernels take it
             a = attention_sdpa_causal(q, k, v, causal_offset, dropout_p=p)
-        else:
+        else:  # padded or non-causal: SDPA itself, as the cross-attention (see there why)
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
         x = x + self.drop(self.proj(a.transpose(1, 2).reshape(B, L, d)))
-        if self.cross:
-            src_k, src_v, src_mask = source
-            q = self.cross_q(self.ln_cross(x)).view(B, L, H, d // H).transpose(1, 2)
-            a = F.scaled_dot_product_attention(q, src_k, src_v, attn_mask=src_mask, dropout_p=p)
-            x = x + self.drop(self.cross_proj(a.transpose(1, 2).reshape(B, L, d)))
+        if self.cross is not None:
+            x = self.cross(x, *source)
         x = x + self.drop(self.fc2(F.gelu(self.fc1(self.ln2(x)))))
         return x, k, v
 
@@ -173,6 +167,14 @@ class TransformerBackbone(Backbone):
         self.ln_f = nn.LayerNorm(c.d_model, **self.factory)
         self.pos_embedding = (nn.Embedding(c.max_positions, c.d_model, **self.factory)
                               if self.positions == "learned" else None)
+
+    @classmethod
+    def compare_fields(cls, d_model: int, model: Dict[str, Any]) -> Dict[str, Any]:
+        """d/64 heads (GPT-2's head width), moved to the nearest divisor of d (at least 1)."""
+        target = max(1, round(d_model / 64))
+        heads = min((h for h in range(1, d_model + 1) if d_model % h == 0),
+                    key=lambda h: (abs(h - target), h))
+        return {"num_heads": heads}
 
     def reset_parameters(self):
         """GPT-2's N(0, 0.02), residual projections scaled by 1/√(2·layers), zero biases;
@@ -210,9 +212,7 @@ class TransformerBackbone(Backbone):
         state = self.generation_state(enc.states.shape[0], None if steps else 0)
         tensors, dims = dict(state.tensors), dict(state.batch_dims)
         for i, b in enumerate(self.blocks):
-            k, v = b.cross_kv(enc.states).unflatten(-1, (2, b.num_heads, -1)).permute(
-                2, 0, 3, 1, 4)                                           # (B, H, S, hd) each
-            tensors[f"src_k.{i}"], tensors[f"src_v.{i}"] = k, v
+            tensors[f"src_k.{i}"], tensors[f"src_v.{i}"] = b.cross.keys_values(enc.states)
         if enc.pad is not None:
             tensors["src_mask"] = ~enc.pad[:, None, None, :]            # (B, 1, 1, S)
         return TensorState(tensors, {k: dims.get(k, 0) for k in tensors})
@@ -261,7 +261,7 @@ class TransformerBackbone(Backbone):
         keep = window is None or window > 0
         for i, block in enumerate(self.blocks):
             source = ((state[f"src_k.{i}"], state[f"src_v.{i}"], state.get("src_mask"))
-                      if block.cross else None)
+                      if block.cross is not None else None)
             x, k, v = block(x, state.get(f"k.{i}"), state.get(f"v.{i}"), attn_mask,
                             causal_offset, source)
             if keep:

@@ -1,7 +1,7 @@
 // srupp's C++ CPU kernels (srupp/ops/cpu_kernels.py builds and loads them):
 // - the fused SRU element-wise recurrence, forward and backward (sru_fwd, sru_bwd);
-// - decoding: few-row projections (linear_rows) and one query's attention
-//   (attend_one_query), further down;
+// - decoding: few-row projections (linear_rows), the same with int8 weights
+//   (linear_int8_rows) and one query's attention (attend_one_query), further down;
 // - the cache of large output blocks (empty_cache, set_cache_limit, ...).
 //
 // Math and argument conventions: srupp/ops/reference.py, the oracle (its docstring has the
@@ -1018,6 +1018,171 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> sru_bwd_cpu(
   return {gU, gx, g_wc, g_bias, gc0};
 }
 
+// ---------------------------------------------------------------------------------
+// int8 weights for decoding (srupp/ops/quant.py): y (R, O) = (x (R, I) @ Wq (O, I)^T) *
+// scale (O) [+ bias (O)], Wq int8 with one scale per output feature (symmetric).
+//
+// Decoding reads every weight once per token, so one byte per weight instead of two or
+// four is what makes it faster; the arithmetic must keep up with the bytes. Each task
+// owns a range of output features and walks their rows of Wq once: 16 int8 weights are
+// widened to fp32 in registers (vpmovsxbd + vcvtdq2ps) and multiplied into every row of
+// x (x is converted to fp32 once; its rows stay in L1); the scale multiplies the sum
+// once at the end. The activations stay fp32 or bf16 (weight-only quantization):
+// VNNI's integer dot products would need int8 activations too, which changes the
+// numbers. The plain loop below serves CPUs without AVX-512 (and the tests).
+
+namespace int8_rows {
+
+template <typename T>
+void store_row(T* y, int64_t o, float v) { y[o] = static_cast<T>(v); }
+
+// One group of up to 8 rows of x, plain C++: the reference order of the sums is free.
+template <typename T>
+void plain(const float* x, int64_t R, const int8_t* w, int64_t I, const float* scale,
+           const float* bias, T* y, int64_t O, int64_t o0, int64_t o1) {
+  for (int64_t o = o0; o < o1; ++o) {
+    const int8_t* wr = w + o * I;
+    for (int64_t r = 0; r < R; ++r) {
+      const float* xr = x + r * I;
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      int64_t i = 0;
+      for (; i + 4 <= I; i += 4)
+        for (int k = 0; k < 4; ++k) acc[k] += static_cast<float>(wr[i + k]) * xr[i + k];
+      for (; i < I; ++i) acc[0] += static_cast<float>(wr[i]) * xr[i];
+      float v = ((acc[0] + acc[1]) + (acc[2] + acc[3])) * scale[o];
+      if (bias != nullptr) v += bias[o];
+      store_row(y + r * O, o, v);
+    }
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+constexpr bool kAvx512 = true;
+
+// R rows of x at once (R fixed at compile time keeps the accumulators in registers);
+// U independent accumulators per row hide the FMA latency when R is small.
+template <int R, typename T>
+void avx512(const float* x, const int8_t* w, int64_t I, const float* scale, const float* bias,
+            T* y, int64_t O, int64_t o0, int64_t o1) {
+  constexpr int U = R >= 4 ? 1 : (R >= 2 ? 2 : 4);
+  constexpr int64_t kStep = 16 * U;
+  const int tail = static_cast<int>(I % 16);
+  const __mmask16 tail_mask = static_cast<__mmask16>((1u << tail) - 1);
+  auto widen = [](const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  };
+  for (int64_t o = o0; o < o1; ++o) {
+    const int8_t* wr = w + o * I;
+    __m512 acc[R][U];
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + kStep <= I; i += kStep) {
+      for (int u = 0; u < U; ++u) {
+        const __m512 wv = widen(wr + i + 16 * u);
+        for (int r = 0; r < R; ++r)
+          acc[r][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + r * I + i + 16 * u), acc[r][u]);
+      }
+    }
+    for (; i + 16 <= I; i += 16) {
+      const __m512 wv = widen(wr + i);
+      for (int r = 0; r < R; ++r)
+        acc[r][0] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + r * I + i), acc[r][0]);
+    }
+    if (tail) {  // zeros beyond I multiply to zero
+      const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(tail_mask, wr + i)));
+      for (int r = 0; r < R; ++r)
+        acc[r][0] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(tail_mask, x + r * I + i), acc[r][0]);
+    }
+    for (int r = 0; r < R; ++r) {
+      __m512 s = acc[r][0];
+      for (int u = 1; u < U; ++u) s = _mm512_add_ps(s, acc[r][u]);
+      float v = _mm512_reduce_add_ps(s) * scale[o];
+      if (bias != nullptr) v += bias[o];
+      store_row(y + r * O, o, v);
+    }
+  }
+}
+
+template <typename T>
+void avx512_rows(const float* x, int64_t R, const int8_t* w, int64_t I, const float* scale,
+                 const float* bias, T* y, int64_t O, int64_t o0, int64_t o1) {
+  switch (R) {
+    case 1: avx512<1>(x, w, I, scale, bias, y, O, o0, o1); break;
+    case 2: avx512<2>(x, w, I, scale, bias, y, O, o0, o1); break;
+    case 3: avx512<3>(x, w, I, scale, bias, y, O, o0, o1); break;
+    case 4: avx512<4>(x, w, I, scale, bias, y, O, o0, o1); break;
+    case 5: avx512<5>(x, w, I, scale, bias, y, O, o0, o1); break;
+    case 6: avx512<6>(x, w, I, scale, bias, y, O, o0, o1); break;
+    case 7: avx512<7>(x, w, I, scale, bias, y, O, o0, o1); break;
+    default: avx512<8>(x, w, I, scale, bias, y, O, o0, o1); break;
+  }
+}
+#else
+constexpr bool kAvx512 = false;
+#endif
+
+template <typename T>
+void run(const float* x, int64_t R, const int8_t* w, int64_t I, const float* scale,
+         const float* bias, T* y, int64_t O, bool use_plain) {
+  // a task reads at least ~64 KiB of Wq, so that 2 threads split a 256 x 256 product
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(I, 1));
+  at::parallel_for(0, O, grain, [&](int64_t o0, int64_t o1) {
+    for (int64_t r0 = 0; r0 < R; r0 += 8) {  // groups of 8 rows: each reads Wq once more
+      const int64_t n = std::min<int64_t>(8, R - r0);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+      if (!use_plain) {
+        avx512_rows(x + r0 * I, n, w, I, scale, bias, y + r0 * O, O, o0, o1);
+        continue;
+      }
+#endif
+      plain(x + r0 * I, n, w, I, scale, bias, y + r0 * O, O, o0, o1);
+    }
+  });
+}
+
+}  // namespace int8_rows
+
+// x (R, I) fp32 or bf16, contiguous; weight (O, I) int8, contiguous; scale (O,) and bias
+// (O,) or None, fp32 or bf16. Returns y (R, O) in x's dtype. plain=True takes the plain
+// loop even where AVX-512 is built in (for the tests).
+Tensor linear_int8_rows_cpu(const Tensor& x, const Tensor& weight, const Tensor& scale,
+                            const std::optional<Tensor>& bias, bool plain) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "srupp linear_int8_rows: x (R, I) and weight (O, I) expected, got ", x.sizes(),
+              " and ", weight.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "srupp linear_int8_rows: x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous(),
+              "srupp linear_int8_rows: weight must be a contiguous int8 tensor");
+  TORCH_CHECK(scale.numel() == weight.size(0),
+              "srupp linear_int8_rows: scale must have one value per output feature");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK(bias->numel() == weight.size(0),
+                "srupp linear_int8_rows: bias must have one value per output feature");
+  }
+  const int64_t R = x.size(0), I = x.size(1), O = weight.size(0);
+  const Tensor xf = x.to(at::kFloat).contiguous();
+  const Tensor sf = scale.to(at::kFloat).contiguous();
+  const Tensor bf = has_bias ? bias->to(at::kFloat).contiguous() : Tensor();
+  Tensor y = at::empty({R, O}, x.options());
+  const int8_t* w = weight.data_ptr<int8_t>();
+  const float* b = has_bias ? bf.data_ptr<float>() : nullptr;
+  const bool use_plain = plain || !int8_rows::kAvx512;
+  if (x.scalar_type() == at::kFloat) {
+    int8_rows::run<float>(xf.data_ptr<float>(), R, w, I, sf.data_ptr<float>(), b,
+                          y.data_ptr<float>(), O, use_plain);
+  } else {
+    int8_rows::run<BFloat16>(xf.data_ptr<float>(), R, w, I, sf.data_ptr<float>(), b,
+                             y.data_ptr<BFloat16>(), O, use_plain);
+  }
+  return y;
+}
+
+// Whether linear_int8_rows runs its AVX-512 loop (else the plain one).
+bool linear_int8_rows_avx512() { return int8_rows::kAvx512; }
+
 std::string capability() {
 #if defined(CPU_CAPABILITY_AVX512)
   return "avx512";
@@ -1037,6 +1202,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "softmax(scale q K^T) V for one query per (batch, head) (decoding)");
   m.def("linear_rows_bf16_native", &linear_rows_bf16_native,
         "whether linear_rows' bf16 products use AVX512-BF16 dot products");
+  m.def("linear_int8_rows", &linear_int8_rows_cpu,
+        "(x @ int8 weight^T) * scale (+ bias) for a few rows (decoding)");
+  m.def("linear_int8_rows_avx512", &linear_int8_rows_avx512,
+        "whether linear_int8_rows runs its AVX-512 loop");
   m.def("empty_cache", []() { return static_cast<int64_t>(BlockCache::get().release()); },
         "free the cached output blocks; returns the bytes released");
   m.def("set_cache_limit", [](int64_t bytes) { BlockCache::get().set_cap(static_cast<size_t>(std::max<int64_t>(0, bytes))); },

@@ -1,0 +1,98 @@
+"""int8 weights (srupp.ops.quant): quantization, the C++ kernel against the plain reference,
+the dispatcher's paths, and its errors."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from srupp.ops import cpu_kernels
+from srupp.ops.quant import (INT8_FEW_ROWS, dequantize, linear_int8, linear_int8_reference,
+                             linear_int8_rows, quantize_per_channel)
+
+needs_kernel = pytest.mark.skipif(not cpu_kernels.is_available(),
+                                  reason="the C++ extension is not built")
+
+# The kernel sums x · Wq in fp32 in another order than the reference (fp32: a few ulps of
+# sums of up to ~200 terms of O(1)), and rounds its output to x's dtype once (bf16: one
+# rounding, 2^-8 relative, of outputs of O(1..10)).
+KERNEL_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5),
+              torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
+
+
+def _case(M, K, N, dtype, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g).to(dtype)
+    q, scale = quantize_per_channel(torch.randn(N, K, generator=g) / K ** 0.5)
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    return x, q, scale.to(dtype), b
+
+
+def test_quantize_per_channel_is_symmetric_and_within_half_a_step():
+    w = torch.randn(5, 37)
+    w[2] = 0.0                                  # a zero row: scale 1, zeros
+    q, scale = quantize_per_channel(w)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (5,)
+    assert int(q.abs().max()) == 127 and int(q.min()) >= -127
+    assert float(scale[2]) == 1.0 and not q[2].any()
+    err = (dequantize(q, scale) - w).abs()
+    assert bool((err <= scale[:, None] / 2 + 1e-7).all())
+
+
+def test_quantize_rejects_bad_weights():
+    with pytest.raises(TypeError, match="floating-point weight"):
+        quantize_per_channel(torch.ones(3, 4, dtype=torch.int8))
+    with pytest.raises(TypeError, match=r"\(N, K\)"):
+        quantize_per_channel(torch.ones(3))
+    with pytest.raises(ValueError, match="inf or nan"):
+        quantize_per_channel(torch.tensor([[1.0, float("inf")]]))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("plain", [False, True])
+@pytest.mark.parametrize("M,K,N", [(1, 64, 48), (2, 100, 33), (3, 16, 7), (8, 256, 40),
+                                   (9, 7, 5), (17, 130, 19)])
+def test_kernel_matches_reference(M, K, N, dtype, plain):
+    for bias in (True, False):
+        x, q, scale, b = _case(M, K, N, dtype, bias)
+        y = linear_int8_rows(x, q, scale, b, plain)
+        assert y.dtype == dtype and y.shape == (M, N)
+        torch.testing.assert_close(y, linear_int8_reference(x, q, scale, b), **KERNEL_TOL[dtype])
+
+
+@needs_kernel
+def test_custom_op_passes_opcheck():
+    x, q, scale, b = _case(2, 32, 8, torch.float32)
+    torch.library.opcheck(linear_int8_rows, (x, q, scale, b, False),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_int8_both_paths_match_reference(dtype):
+    # few rows: the kernel (where built); many rows: dequantize + GEMM
+    for shape in [(3,), (2, 4), (4, INT8_FEW_ROWS)]:
+        x, q, scale, b = _case(1, 24, 10, dtype)
+        x = torch.randn(*shape, 24).to(dtype)
+        y = linear_int8(x, q, scale, b)
+        assert y.shape == (*shape, 10) and y.dtype == dtype
+        # the GEMM path rounds the dequantized weight to bf16 once more
+        torch.testing.assert_close(y, linear_int8_reference(x, q, scale, b),
+                                   **KERNEL_TOL[dtype])
+
+
+def test_reference_is_float_linear_of_the_dequantized_weight():
+    x, q, scale, b = _case(4, 12, 6, torch.float32)
+    torch.testing.assert_close(linear_int8_reference(x, q, scale, b),
+                               F.linear(x, q.float() * scale[:, None], b))
+
+
+def test_linear_int8_errors_name_the_fix():
+    x, q, scale, b = _case(2, 8, 4, torch.float32)
+    with pytest.raises(TypeError, match="quantize_per_channel"):
+        linear_int8(x, q.float(), scale)
+    with pytest.raises(ValueError, match=r"\(\.\.\., 8\)"):
+        linear_int8(torch.randn(2, 9), q, scale)
+    with pytest.raises(ValueError, match="one value per output feature"):
+        linear_int8(x, q, scale[:3])
+    with pytest.raises(ValueError, match="no_grad"):
+        linear_int8(x.requires_grad_(), q, scale)
