@@ -124,6 +124,18 @@ def test_metadata_and_replacing_a_file(tmp_path):
     assert load_state(path).memory_length == 3
 
 
+def test_loaded_tensors_are_aligned_like_fresh_ones(tmp_path):
+    """A file packs its tensors at any byte offset; loading gives each its own aligned
+    memory, so kernels sum in the order they did before saving (bit-exact resume)."""
+    # 12-byte tensors: whatever the header's size, some land off a 64-byte boundary
+    state = TensorState({f"t{i}": torch.randn(3, 1) for i in range(8)}, {})
+    path = tmp_path / "state.safetensors"
+    save_state(state, path)
+    loaded = load_state(path)
+    assert all(torch.equal(loaded[k], state[k]) for k in state.tensors)
+    assert [k for k in state.tensors if loaded[k].data_ptr() % 64] == []
+
+
 # ------------------------------------------------- resuming in a fresh process
 # Loads the model and the state from their files only, onto the device the parent decodes
 # on, then decodes greedily. On CUDA it computes fp32 in IEEE fp32, as the parent does under

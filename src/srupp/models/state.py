@@ -224,7 +224,11 @@ def _read_state_file(path: Path, *, with_tensors: bool
                 raise ValueError(f"{path} holds a state of class {name!r}, which this "
                                  f"version of srupp cannot read (it reads "
                                  f"{', '.join(STATE_CLASSES)})")
-            tensors = {k: f.get_tensor(k) for k in f.keys()} if with_tensors else None
+            # clone: a tensor read from the file may sit at any byte offset, and kernels
+            # that take another path for unaligned data would then sum in another order
+            # than the uninterrupted run did (resume would not be bit for bit)
+            tensors = ({k: f.get_tensor(k).clone() for k in f.keys()} if with_tensors
+                       else None)
     except (SafetensorError, OSError, RuntimeError) as e:  # not safetensors, cut short...
         raise ValueError(f"{path} is not a safetensors file, or it is truncated or corrupt "
                          f"({_first_line(e)})") from None

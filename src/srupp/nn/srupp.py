@@ -174,14 +174,14 @@ class SRUppAttention(nn.Module):
             U (B, L, k·D), and [K | V] (B, M+L, 2·d′) for the caller to cache.
         """
         B, L, _ = x.shape
+        q = self.linear1(x)                                              # (B, L, d′)
         if kv_memory is not None:
-            q = self.linear1(x)                                          # (B, L, d′)
             kv = append_steps(kv_memory, self.linear2(q))               # (B, M+L, 2·d′)
         else:
-            M = 0 if memory is None else memory.shape[1]
-            x_all = x if memory is None else torch.cat([memory.to(x.dtype), x], dim=1)
-            z = self.linear1(x_all)                                      # (B, S, d′)
-            q = z[:, M:]                                                 # (B, L, d′)
+            # W1 maps each position alone, so memory and x are projected apart and
+            # joined at width d′: joining the inputs first would copy (B, M+L, n_in).
+            z = q if memory is None else torch.cat(
+                [self.linear1(memory.to(x.dtype)), q], dim=1)           # (B, S, d′)
             kv = self.linear2(z)                                         # (B, S, 2·d′)
         k, v = kv.chunk(2, dim=-1)                                       # (B, S, d′) each
         H = self.num_heads
