@@ -127,3 +127,48 @@ def reference_call(ref, x, causal, train: bool) -> Callable[[], None]:
         if train:
             h.sum().backward()
     return run
+
+
+def lm_training_step(cfg, vocab: int, bf16: bool, *, compiled: bool = False,
+                     optimizer_range: Optional[str] = None):
+    """(step, model): ``cfg``'s language model on random tokens: forward under the
+    precision, backward, clip, RAdam step, state carried from step to step.
+
+    ``compiled`` runs the forward through ``torch.compile``; ``optimizer_range``
+    names a profiler range around the clip and the optimizer step.
+    """
+    import contextlib
+
+    import torch
+    from torch.profiler import record_function
+
+    from srupp.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(cfg.model_config(vocab))
+    model.train()
+    t = cfg.train
+    opt = torch.optim.RAdam(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
+                            decoupled_weight_decay=True)
+    forward = torch.compile(model) if compiled else model
+    B, L = t.batch_size, t.unroll
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, vocab, (B, L + 1), generator=g) for _ in range(4)]
+    state, i = None, 0
+
+    def step():
+        nonlocal state, i
+        b = batches[i % len(batches)]
+        i += 1
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = forward(b[:, :-1], state, targets=b[:, 1:])
+        out.loss.backward()
+        state = out.state.detach()
+        with (record_function(optimizer_range) if optimizer_range
+              else contextlib.nullcontext()):
+            if t.grad_clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return step, model

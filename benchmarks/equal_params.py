@@ -28,8 +28,8 @@ import statistics
 import time
 
 import torch
+from _common import lm_training_step
 
-from srupp.models import build_model
 from srupp.train import build_config
 from srupp.train.compare import size_model
 
@@ -47,37 +47,6 @@ def base_for(name: str, recipe: str, sets):
     tree = base.to_dict()
     tree["model"] = {k: v for k, v in tree["model"].items() if k not in SRUPP_ONLY}
     return build_config(None, [], base=tree)
-
-
-def training_step(cfg, vocab: int, bf16: bool, compiled: bool):
-    """(step, parameters): ``cfg``'s model on random tokens; forward under the
-    precision, backward, clip, RAdam step, state carried."""
-    torch.manual_seed(0)
-    model = build_model(cfg.model_config(vocab))
-    model.train()
-    params = sum(p.numel() for p in model.parameters())
-    t = cfg.train
-    opt = torch.optim.RAdam(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
-                            decoupled_weight_decay=True)
-    forward = torch.compile(model) if compiled else model
-    B, L = t.batch_size, t.unroll
-    g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, vocab, (B, L + 1), generator=g) for _ in range(4)]
-    state, i = None, 0
-
-    def step():
-        nonlocal state, i
-        b = batches[i % len(batches)]
-        i += 1
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            out = forward(b[:, :-1], state, targets=b[:, 1:])
-        out.loss.backward()
-        state = out.state.detach()
-        if t.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return step, params
 
 
 def main():
@@ -114,8 +83,9 @@ def main():
         for mode in modes:
             for name in MODELS:
                 key = f"{name}_{precision}_{mode}"
-                step, params[name] = training_step(sized[name].cfg, vocab, precision == "bf16",
-                                                   mode == "compiled")
+                step, model = lm_training_step(sized[name].cfg, vocab, precision == "bf16",
+                                               compiled=mode == "compiled")
+                params[name] = sum(p.numel() for p in model.parameters())
                 t0 = time.perf_counter()
                 for _ in range(args.warmup):
                     step()

@@ -43,7 +43,7 @@ import time
 
 import torch
 from _common import (add_layer_shape_args, layer_model_and_input, layer_training_step,
-                     median_seconds)
+                     lm_training_step, median_seconds)
 from torch.profiler import ProfilerActivity, profile, record_function
 
 CATEGORIES = ("gemm", "attention", "recurrence", "other")
@@ -129,7 +129,6 @@ def split(step, steps: int) -> dict:
 def recipe_step(args, bf16: bool):
     """(step, description): the recipe's model on random tokens, forward under the
     precision, backward, clip, RAdam step, state carried."""
-    from srupp.models import build_model
     from srupp.train import build_config
 
     cfg = build_config(args.recipe, list(args.set))
@@ -138,31 +137,9 @@ def recipe_step(args, bf16: bool):
         if cfg.data.tokenizer not in (None, "byte"):
             raise SystemExit(f"data.tokenizer={cfg.data.tokenizer}: give --vocab")
         vocab = 256
-    torch.manual_seed(0)
-    model = build_model(cfg.model_config(vocab))
-    model.train()
+    step, model = lm_training_step(cfg, vocab, bf16, optimizer_range=OPTIMIZER_RANGE)
     t = cfg.train
-    opt = torch.optim.RAdam(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
-                            decoupled_weight_decay=True)
     B, L = t.batch_size, t.unroll
-    g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, vocab, (B, L + 1), generator=g) for _ in range(4)]
-    state, i = None, 0
-
-    def step():
-        nonlocal state, i
-        b = batches[i % len(batches)]
-        i += 1
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            out = model(b[:, :-1], state, targets=b[:, 1:])
-        out.loss.backward()
-        state = out.state.detach()
-        with record_function(OPTIMIZER_RANGE):
-            if t.grad_clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
     desc = {"recipe": args.recipe, "sets": list(args.set), "batch_size": B, "unroll": L,
             "vocab": vocab, "parameters": sum(p.numel() for p in model.parameters()),
             "model": {k: cfg.model.get(k) for k in ("d_model", "proj_size", "num_layers")},
