@@ -130,3 +130,16 @@ def ieee_fp32_on_cuda(request):
     finally:
         for obj, name, before in reversed(changed):
             setattr(obj, name, before)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny shapes: a second thread only adds waits,
+    and on a busy machine its spinning made such files several times slower. Use with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``; the count is put back after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -8,6 +8,7 @@ import json
 
 import torch
 
+from srupp.models import CausalLM, SRUppConfig
 from srupp.train import build_config
 
 # a tiny corpus: four lines of a sonnet
@@ -57,3 +58,16 @@ def one_line_error(capsys, args):
     assert err.startswith("srupp: error: ") and err.count("\n") == 1, err
     assert "Traceback" not in err
     return err
+
+
+def tiny_srupp_lm(device=None, **kw):
+    """A tiny SRU++ language model in eval mode whose attention has a say (α starts at 0),
+    built on the CPU (the same weights whatever the device), then moved to ``device``."""
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=11, d_model=8, proj_size=4, num_layers=2, dropout=0.0, mem_len=64)
+    cfg.update(kw)
+    m = CausalLM(SRUppConfig(**cfg)).eval()
+    with torch.no_grad():
+        for layer in m.backbone.rnn.layers:
+            layer.transform.alpha.fill_(0.7)
+    return m.to(device)

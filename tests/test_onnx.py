@@ -32,13 +32,7 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes: a second thread only adds waits."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes (tests/conftest.py)
 
 
 def make(device=None, **kw):

@@ -20,14 +20,7 @@ EXTRA = {"srupp": {"proj_size": 8, "num_heads": 2}, "sru": {}, "lstm": {}, "gru"
 V = 30
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared machine spinning threads
-    made this file 5x slower; the thread count is put back afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes (tests/conftest.py)
 
 
 def tiny(kind, device=None, **kw):

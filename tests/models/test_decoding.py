@@ -14,13 +14,7 @@ from srupp.models import EncoderDecoder, EncoderOutput, SRUppSeq2SeqConfig
 PAD, EOS, A, B = 0, 1, 2, 3
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes: a second thread only adds waits on a busy machine (see test_seq2seq)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes (tests/conftest.py)
 
 
 class TableModel(EncoderDecoder):

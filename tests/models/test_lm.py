@@ -7,22 +7,13 @@ import torch.nn.functional as F
 from srupp.errors import UserError
 from srupp.models import CausalLM, SRUppConfig, config_from_dict, sample
 
-from lm_helpers import greedy_by_recomputing
+from lm_helpers import greedy_by_recomputing, tiny_srupp_lm
 from models_on_device import across_shapes, generators
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
 
-def make(device=None, **kw):
-    """The tiny model, built on the CPU (the same weights whatever the device), moved to device."""
-    torch.manual_seed(0)
-    cfg = dict(vocab_size=11, d_model=8, proj_size=4, num_layers=2, dropout=0.0, mem_len=64)
-    cfg.update(kw)
-    m = CausalLM(SRUppConfig(**cfg)).eval()
-    with torch.no_grad():  # give attention a say (α starts at 0)
-        for layer in m.backbone.rnn.layers:
-            layer.transform.alpha.fill_(0.7)
-    return m.to(device)
+make = tiny_srupp_lm  # the tiny model of every test here
 
 
 def test_loss_is_cross_entropy_and_counts_every_parameter(device):

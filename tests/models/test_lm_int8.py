@@ -6,8 +6,9 @@ import copy
 import pytest
 import torch
 
-from srupp.models import CausalLM, SRUppConfig
 from srupp.nn.quant import Int8Linear
+
+from lm_helpers import tiny_srupp_lm
 
 # int8 against fp32 logits: each weight moves by at most scale / 2 = max|w_row| / 254;
 # through this tiny model's four layers the logits (of size ~1) move by about 1e-2.
@@ -18,14 +19,7 @@ PATH_TOL = dict(rtol=1e-4, atol=1e-4)
 
 
 def make(**kw):
-    torch.manual_seed(0)
-    cfg = dict(vocab_size=11, d_model=16, proj_size=8, num_layers=2, dropout=0.0, mem_len=64)
-    cfg.update(kw)
-    m = CausalLM(SRUppConfig(**cfg)).eval()
-    with torch.no_grad():  # give attention a say (α starts at 0)
-        for layer in m.backbone.rnn.layers:
-            layer.transform.alpha.fill_(0.7)
-    return m
+    return tiny_srupp_lm(**{"d_model": 16, "proj_size": 8, **kw})
 
 
 def test_quantize_converts_backbone_and_output_and_keeps_embedding():

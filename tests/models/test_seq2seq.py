@@ -16,14 +16,7 @@ DESIGNS = ["memory", "sublayer"]
 V, D = 20, 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These shapes are far too small to gain from threads, and on a busy machine a second
-    thread's waits made each op 100× slower (measured: 1.1 s against 4 ms a training step)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes (tests/conftest.py)
 
 
 def make(design="memory", dtype=None, device=None, **kw):

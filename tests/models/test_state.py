@@ -18,13 +18,7 @@ OWN = {"srupp": dict(proj_size=4), "transformer": dict(num_heads=2)}  # fields o
 TOL = dict(rtol=1e-5, atol=1e-6)  # K/V recomputed from memory after loading: last bits may move
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes: a second thread only adds waits (and the child runs with one too)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes (tests/conftest.py)
 
 
 def make(kind, device=None):
