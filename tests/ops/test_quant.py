@@ -60,13 +60,6 @@ def test_kernel_matches_reference(M, K, N, dtype, plain):
         torch.testing.assert_close(y, linear_int8_reference(x, q, scale, b), **KERNEL_TOL[dtype])
 
 
-@needs_kernel
-def test_custom_op_passes_opcheck():
-    x, q, scale, b = _case(2, 32, 8, torch.float32)
-    torch.library.opcheck(linear_int8_rows, (x, q, scale, b, False),
-                          test_utils=("test_schema", "test_faketensor"))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_int8_both_paths_match_reference(dtype):
     # few rows: the kernel (where built); many rows: dequantize + GEMM

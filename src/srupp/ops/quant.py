@@ -16,12 +16,9 @@ quantized:
 * up to :data:`INT8_FEW_ROWS` rows (decoding: batch × 1 token) on CPU, without
   gradient: the C++ extension's ``linear_int8_rows`` kernel. It widens 16 int8
   weights at a time to fp32 in registers and multiplies them into every row
-  of x. Eager code calls the extension directly: a decoding step makes a dozen
-  such calls of a few microseconds each, and the dispatcher's round trip
-  through a custom op would add about as much again. The same kernel is the
-  ``srupp::linear_int8_rows`` custom op (:func:`linear_int8_rows`, with a fake
-  kernel), for code that ``torch.compile`` captures;
-  PyTorch's own ``aten._weight_int8pack_mm`` computes the same thing, but reads
+  of x (:func:`linear_int8_rows`). It is called directly, not as a custom op:
+  a decoding step makes a dozen such calls of a few microseconds each, and a
+  dispatcher round trip would add about as much again. PyTorch's own ``aten._weight_int8pack_mm`` computes the same thing, but reads
   the weights far below the memory bandwidth at these shapes
   (docs/performance.md, "int8 weights");
 * everything else (a prompt's prefill, evaluation over long segments, other
@@ -98,7 +95,6 @@ def linear_int8_reference(x: Tensor, qweight: Tensor, scale: Tensor,
     return F.linear(x.float(), dequantize(qweight, scale), b).to(x.dtype)
 
 
-@torch.library.custom_op("srupp::linear_int8_rows", mutates_args=())
 def linear_int8_rows(x: Tensor, qweight: Tensor, scale: Tensor, bias: Optional[Tensor],
                      plain: bool = False) -> Tensor:
     """The extension's kernel: x (M, K) fp32 or bf16, contiguous -> (M, N) in x's dtype.
@@ -111,11 +107,6 @@ def linear_int8_rows(x: Tensor, qweight: Tensor, scale: Tensor, bias: Optional[T
         raise RuntimeError(f"the C++ CPU extension is not available "
                            f"({cpu_kernels.build_error()})")
     return kernel(x, qweight, scale, bias, bool(plain))
-
-
-@linear_int8_rows.register_fake
-def _linear_int8_rows_fake(x, qweight, scale, bias, plain=False):
-    return x.new_empty((x.shape[0], qweight.shape[0]))
 
 
 def _kernel():
@@ -167,10 +158,8 @@ def linear_int8(x: Tensor, qweight: Tensor, scale: Tensor,
     _check(x, qweight, scale, bias)
     if tracing():
         return linear_int8_reference(x, qweight, scale, bias)
-    if int8_kernel_applies(x):
-        if x.dim() == 2 and x.is_contiguous():                          # (M, K): decoding
-            return _kernel()(x, qweight.contiguous(), scale, bias, False)
-        x2 = x.reshape(-1, x.shape[-1]).contiguous()                    # (M, K)
+    if int8_kernel_applies(x):                                          # decoding
+        x2 = x.reshape(-1, x.shape[-1]).contiguous()    # (M, K): no copy when x is already
         y = _kernel()(x2, qweight.contiguous(), scale, bias, False)    # (M, N)
         return y.view(*x.shape[:-1], qweight.shape[0])
     w = dequantize(qweight, scale, x.dtype)                             # (N, K)
