@@ -248,13 +248,24 @@ def test_two_launchers_meet_at_a_rendezvous(tmp_path, corpus):
     sets = TINY + [f"data.corpus={corpus}", "train.batch_size=4", "train.max_steps=4",
                    "train.log_every=2", "train.save_every=4", "train.eval_every=4",
                    "train.precision=bf16"]
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
-         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=srupp-test",
-         "--local-addr=127.0.0.1", "--max-restarts=0", "--rdzv-conf", "join_timeout=60",
-         str(WORKER), str(out), str(tmp_path / "report.json"), *sets],
-        env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        for _ in range(2)]
+    def launcher():
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=srupp-test",
+             "--local-addr=127.0.0.1", "--max-restarts=0", "--rdzv-conf", "join_timeout=60",
+             str(WORKER), str(out), str(tmp_path / "report.json"), *sets],
+            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    # The second launcher starts once the first hosts the rendezvous store: started
+    # together, both may try to host it, and the one that loses can fail to connect.
+    nodes = [launcher()]
+    deadline = time.monotonic() + LIMIT
+    while time.monotonic() < deadline and nodes[0].poll() is None:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.1)
+    nodes.append(launcher())
     try:
         errs = [p.communicate(timeout=LIMIT)[1] for p in nodes]
     finally:
