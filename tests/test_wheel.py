@@ -4,7 +4,7 @@ The wheel is built offline from a copy of the files a build reads
 (``pip wheel --no-build-isolation``, with this venv's setuptools), installed
 with ``pip install --no-deps --target`` into a temporary folder, and run from
 another temporary folder with only that folder on ``PYTHONPATH`` first: the
-recipes, compare's tuned-rate table and the C++ kernel source must come from
+recipes, compare's tuned-settings table and the C++ kernel source must come from
 package data, not from the checkout.
 """
 
@@ -39,7 +39,7 @@ for data, name in [("shakespeare", "shakespeare-cpu.toml"), ("brown", "brown-cpu
     path = compare.default_recipe(data)
     assert path.name == name and path.resolve().is_relative_to(site), path
     recipes[data] = compare.build_config(path).data.corpus
-tuned = compare.load_tuned_lr()
+tuned = compare.load_tuned()
 leaked = sorted(m for m, mod in list(sys.modules.items())
                 if getattr(mod, "__file__", None)
                 and any(Path(mod.__file__).resolve().is_relative_to(c) for c in checkout))
@@ -115,7 +115,7 @@ def test_compare_and_params_work_from_the_installed_wheel(installed, tmp_path):
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["recipes"] == {"shakespeare": "shakespeare", "brown": "brown"}
-    assert got["tuned"]["shakespeare"]["srupp"] == 2e-2
+    assert got["tuned"]["shakespeare"]["srupp"] == {"train.lr": 2e-2}
     assert got["leaked"] == []  # nothing was imported from the checkout
     # the installed console script: `srupp params` on a recipe shipped in the wheel
     recipe = Path(got["enwik8_base"])

@@ -125,8 +125,9 @@ def test_per_model_overrides_apply_to_that_model_only(corpus):
 
 
 def test_tuned_learning_rates_apply_unless_overridden(tmp_path, corpus, monkeypatch):
-    monkeypatch.setattr(compare_mod, "load_tuned_lr",
-                        lambda: {str(corpus): {"srupp": 2e-3, "lstm": 4e-3}})
+    monkeypatch.setattr(compare_mod, "load_tuned",
+                        lambda: {str(corpus): {"srupp": {"train.lr": 2e-3},
+                                               "lstm": {"train.lr": 4e-3}}})
     out = tmp_path / "tuned"
     # srupp-attn-last-1 inherits srupp's rate; lstm's own --set wins over the table
     assert run(corpus, out, models="srupp,srupp-attn-last-1,lstm",
@@ -138,6 +139,68 @@ def test_tuned_learning_rates_apply_unless_overridden(tmp_path, corpus, monkeypa
     assert run(corpus, out2, models="srupp,lstm", sets=["train.lr=5e-3"]) == 0
     lrs = {m["name"]: m["lr"] for m in json.loads((out2 / "results.json").read_text())["models"]}
     assert lrs == {"srupp": 5e-3, "lstm": 5e-3}
+
+
+class _Resolved(Exception):
+    """Raised once every model's run config is resolved, before anything is trained."""
+
+
+def resolved_configs(monkeypatch, tmp_path, corpus, table, models, sets=()):
+    """{name: run config} that compare resolves with ``table`` as its tuned settings for
+    ``corpus``; nothing is trained."""
+    monkeypatch.setattr(compare_mod, "load_tuned", lambda: {str(corpus): table})
+    seen, settings = {}, compare_mod.run_settings
+
+    def record(sized, target, overrides):
+        seen[sized.name] = sized.cfg
+        return settings(sized, target, overrides)
+
+    def stop(*a, **k):
+        raise _Resolved
+
+    monkeypatch.setattr(compare_mod, "run_settings", record)
+    monkeypatch.setattr(compare_mod, "plan_run_dir", stop)
+    with pytest.raises(_Resolved):
+        compare_mod.compare(str(corpus), 1, 20000, models=models, out=tmp_path / "cmp",
+                            overrides=[*FAST, *sets], progress=False)
+    return seen
+
+
+def test_tuned_settings_beyond_the_learning_rate_reach_their_model_only(
+        tmp_path, corpus, monkeypatch):
+    table = {"lstm": {"train.optimizer": "adamw", "train.betas": [0.9, 0.95],
+                      "model.dropout": 0.3},
+             "srupp": {"train.lr": 2e-3}}
+    base = compare_mod.build_config(compare_mod.default_recipe("x"), [f"data.corpus={corpus}"])
+
+    def settings(*sets):
+        cfgs = resolved_configs(monkeypatch, tmp_path, corpus, table, "srupp,lstm", sets)
+        lstm, srupp = cfgs["lstm"], cfgs["srupp"]
+        return ((lstm.train.optimizer, lstm.train.betas, lstm.model["dropout"], lstm.train.lr),
+                (srupp.train.optimizer, srupp.train.betas, srupp.model.get("dropout"),
+                 srupp.train.lr))
+
+    srupp_default = ("radam", [0.9, 0.999], base.model.get("dropout"))
+    assert settings() == (("adamw", [0.9, 0.95], 0.3, base.train.lr), (*srupp_default, 2e-3))
+    # a shared --set turns that key of the table off for every model, and only that key
+    assert settings("train.optimizer=radam") == (
+        ("radam", [0.9, 0.95], 0.3, base.train.lr), (*srupp_default, 2e-3))
+    assert settings("train.lr=5e-3", "model.dropout=0.2") == (
+        ("adamw", [0.9, 0.95], 0.2, 5e-3), ("radam", [0.9, 0.999], 0.2, 5e-3))
+    # a model's own --set overrides the table for that model
+    assert settings("lstm:train.betas=0.8,0.9", "srupp:train.optimizer=adamw") == (
+        ("adamw", [0.8, 0.9], 0.3, base.train.lr), ("adamw", [0.9, 0.999], srupp_default[2],
+                                                    2e-3))
+
+
+def test_a_variant_takes_its_types_tuned_settings_and_its_own_over_them(
+        tmp_path, corpus, monkeypatch):
+    table = {"srupp": {"train.lr": 2e-3, "train.optimizer": "adamw"},
+             "srupp-attn-last-1": {"train.optimizer": "radam", "train.betas": [0.9, 0.95]}}
+    cfgs = resolved_configs(monkeypatch, tmp_path, corpus, table, "srupp,srupp-attn-last-1")
+    got = {n: (c.train.lr, c.train.optimizer, c.train.betas) for n, c in cfgs.items()}
+    assert got == {"srupp": (2e-3, "adamw", [0.9, 0.999]),
+                   "srupp-attn-last-1": (2e-3, "radam", [0.9, 0.95])}
 
 
 def no_training(*a, **k):
@@ -245,25 +308,48 @@ def test_recipes_and_tuned_rates_are_package_data():
     for data, name in [("shakespeare", "shakespeare-cpu.toml"), ("brown", "brown-cpu.toml")]:
         path = compare_mod.default_recipe(data)
         assert path.name == name and path.samefile(ROOT / "recipes" / name)
-    tuned = compare_mod.load_tuned_lr()
+    tuned = compare_mod.load_tuned()
     # the rates chosen by the sweeps in docs/results.md ("Learning-rate tuning")
-    assert tuned == {"shakespeare": {"srupp": 2e-2, "sru": 1.5e-2, "lstm": 5e-2, "gru": 1.5e-2,
-                                     "transformer": 8e-3}}
+    rates = {"srupp": 2e-2, "sru": 1.5e-2, "lstm": 5e-2, "gru": 1.5e-2, "transformer": 8e-3}
+    assert tuned == {"shakespeare": {n: {"train.lr": lr} for n, lr in rates.items()}}
     with pytest.raises(Exception, match="no packaged recipe 'nope.toml'"):
         compare_mod.packaged_recipe("nope.toml")
 
 
+def test_tuned_keys_are_written_dotted_or_quoted(tmp_path):
+    path = tmp_path / "tuned.toml"
+    path.write_text('[shakespeare.lstm]\ntrain.lr = 1e-3\n"train.optimizer" = "adamw"\n'
+                    '[shakespeare.transformer]\nmodel.num_heads = 2\n'
+                    '[brown.srupp]\ntrain.no_decay_bias_norm = true\n')
+    assert compare_mod.load_tuned(path) == {
+        "shakespeare": {"lstm": {"train.lr": 1e-3, "train.optimizer": "adamw"},
+                        "transformer": {"model.num_heads": 2}},
+        "brown": {"srupp": {"train.no_decay_bias_norm": True}}}
+
+
 @pytest.mark.parametrize("text, words", [
-    ("[shakespeare]\nmamba = 1e-3\n", "unknown model 'mamba'"),
-    ("[shakespeare]\nlstm = -1\n", "lstm must be a positive number"),
-    ("shakespeare = 1\n", "must be a table"),
+    ("[shakespeare.mamba]\ntrain.lr = 1e-3\n", r"\[shakespeare.mamba\] names unknown model "
+                                                r"'mamba'"),
+    ("[shakespeare.lstm]\ntrain.lrr = 1e-3\n", r"\[shakespeare.lstm\]: unknown config key "
+                                                r"'train.lrr'; did you mean 'train.lr'\?"),
+    ("[shakespeare.lstm]\ndata.corpus = 'x'\n", r"\[shakespeare.lstm\]: 'data.corpus' is not "
+                                                 r"a train.\* or model.\* config key"),
+    ("[shakespeare.lstm]\nmodel.proj_size = 8\n", "model.proj_size applies to model.type=srupp, "
+                                                   "not lstm"),
+    ("[shakespeare.lstm]\nmodel.d_model = 64\n", r"model.d_model cannot be tuned per model "
+                                                  r"\(--params sizes it\)"),
+    ("[shakespeare.lstm]\ntrain.lr = -1\n", r"\[shakespeare.lstm\]: train.lr must be > 0"),
+    ("[shakespeare.lstm]\ntrain.optimizer = 'sgd'\n", "train.optimizer must be radam or adamw"),
+    ("[shakespeare]\nlstm = 5e-2\n", r"\[shakespeare.lstm\] must be a table of config keys"),
+    ("shakespeare = 1\n", r"shakespeare must be tables \[shakespeare.MODEL\]"),
     ("[shakespeare\n", "not valid TOML"),
 ])
-def test_a_bad_tuned_rate_table_is_a_value_error(tmp_path, text, words):
-    path = tmp_path / "lr.toml"
+def test_a_bad_tuned_table_is_a_value_error_naming_the_file_and_key(tmp_path, text, words):
+    path = tmp_path / "tuned.toml"
     path.write_text(text)
-    with pytest.raises(ValueError, match=words):
-        compare_mod.load_tuned_lr(path)
+    with pytest.raises(ValueError, match=words) as e:
+        compare_mod.load_tuned(path)
+    assert str(e.value).startswith(str(path)) and "\n" not in str(e.value)
 
 
 # --------------------------------------------------------------------------- translate, classify

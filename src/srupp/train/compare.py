@@ -29,7 +29,8 @@ without ``compare.json`` is not compare's: it is never touched, and compare
 refuses to use it. The one directory compare removes by itself is its own
 that never reached a checkpoint (nothing in it can be resumed).
 
-The default recipes and the tuned learning rates (``compare-tuned-lr.toml``,
+The default recipes and the tuned settings (``compare-tuned.toml``: per
+corpus and model, ``train.*`` and ``model.*`` keys such as the learning rate,
 with how they were tuned; language modelling only) ship with the package:
 ``srupp/recipes``, which in a source checkout is the repository's
 ``recipes/`` directory.
@@ -68,9 +69,12 @@ else:  # pragma: no cover
 # The models compare trains for each task: name -> (model.type, fixed depth or
 # None for the recipe's, extra model fields); see Task.compare_models
 TASK_MODELS: Dict[str, Dict[str, tuple]] = {n: t.compare_models for n, t in TASKS.items()}
-MODELS = LMTask.compare_models  # the language models, which the tuned rates name
-# {corpus: {model name or type: peak learning rate}}, with their provenance
-TUNED_LR_FILE = "compare-tuned-lr.toml"
+MODELS = LMTask.compare_models  # the language models, which the tuned settings name
+# [CORPUS.MODEL] tables of config keys (train.lr = ...), with their provenance
+TUNED_FILE = "compare-tuned.toml"
+# what compare sets for every model itself: the tuned table may not change it
+COMPARE_OWNS = {"model.type": "--models sets it", "model.d_model": "--params sizes it",
+                "train.max_seconds": "--budget sets it"}
 SETTINGS_FILE = "compare.json"  # compare's mark on a model directory it created
 SUMMARY_FILE = "summary.json"  # a model's result, written once its training finished
 WIDTH_STEP = 8
@@ -95,24 +99,79 @@ def default_recipe(data: str) -> Path:
     return packaged_recipe("brown-cpu.toml" if data == "brown" else "shakespeare-cpu.toml")
 
 
-def load_tuned_lr(path: Optional[Path] = None) -> Dict[str, Dict[str, float]]:
-    """``{corpus: {model name or type: lr}}`` from the packaged table (or ``path``)."""
-    path = Path(path) if path is not None else packaged_recipe(TUNED_LR_FILE)
+def load_tuned(path: Optional[Path] = None) -> Dict[str, Dict[str, Dict[str, Any]]]:
+    """``{corpus: {model name or type: {"train.lr": 0.02, ...}}}`` from the packaged
+    table (or ``path``).
+
+    A table ``[CORPUS.MODEL]`` holds config keys as ``--set`` names them,
+    ``train.lr = 2e-2`` (or quoted, ``"train.lr" = 2e-2``). Each key must be
+    a ``train.*`` or ``model.*`` field (of that model's type), other than
+    those compare sets itself (:data:`COMPARE_OWNS`), and each value must pass
+    the checks a ``--set`` of it passes; otherwise ValueError naming the
+    file, the table and the key.
+    """
+    path = Path(path) if path is not None else packaged_recipe(TUNED_FILE)
     try:
         table = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid TOML: {e}") from None
-    known = set(MODELS) | {mtype for mtype, _, _ in MODELS.values()}
-    for corpus, rates in table.items():
-        if not isinstance(rates, dict):
-            raise ValueError(f"{path}: [{corpus}] must be a table of model = learning rate")
-        for name, lr in rates.items():
-            if name not in known:
-                raise ValueError(f"{path}: [{corpus}] names unknown model {name!r}; "
-                                 f"known: {', '.join(sorted(known))}")
-            if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
-                raise ValueError(f"{path}: [{corpus}] {name} must be a positive number, got {lr!r}")
-    return {c: {n: float(v) for n, v in r.items()} for c, r in table.items()}
+    types = {**{mtype: mtype for mtype, _, _ in MODELS.values()},
+             **{name: mtype for name, (mtype, _, _) in MODELS.items()}}
+    tuned: Dict[str, Dict[str, Dict[str, Any]]] = {}
+    for corpus, models in table.items():
+        if not isinstance(models, dict):
+            raise ValueError(f"{path}: {corpus} must be tables [{corpus}.MODEL] of config "
+                             f"keys, e.g. train.lr = 1e-3")
+        for name, settings in models.items():
+            where = f"{path}: [{corpus}.{name}]"
+            if name not in types:
+                raise ValueError(f"{where} names unknown model {name!r}; "
+                                 f"known: {', '.join(sorted(types))}")
+            if not isinstance(settings, dict):
+                raise ValueError(f"{where} must be a table of config keys, e.g. train.lr = 1e-3")
+            flat = _dotted(settings)
+            for key in flat:
+                if key.split(".")[0] not in ("train", "model"):
+                    raise ValueError(f"{where}: {key!r} is not a train.* or model.* config key")
+                if key in COMPARE_OWNS:
+                    raise ValueError(f"{where}: {key} cannot be tuned per model "
+                                     f"({COMPARE_OWNS[key]})")
+            try:  # unknown keys, types and ranges: as --set checks them, on the model's type
+                build_config(None, [f"model.type={types[name]}", *_set_items(flat)])
+            except UserError as e:
+                raise ValueError(f"{where}: {e}") from None
+            tuned.setdefault(corpus, {})[name] = flat
+    return tuned
+
+
+def _dotted(settings: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    """TOML's nested tables as config keys: ``{"train": {"lr": x}}`` -> ``{"train.lr": x}``."""
+    flat: Dict[str, Any] = {}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            flat.update(_dotted(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _set_value(value: Any) -> str:
+    """A TOML value as ``--set`` writes it: true, 0.02, adamw, 0.9,0.95."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return ",".join(_set_value(v) for v in value)
+    return str(value)
+
+
+def _set_items(settings: Dict[str, Any]) -> List[str]:
+    """``{"train.lr": 0.02}`` -> ``["train.lr=0.02"]``."""
+    return [f"{key}={_set_value(value)}" for key, value in settings.items()]
+
+
+def _set_key(item: str) -> str:
+    """The key of a ``key=value`` item."""
+    return item.split("=", 1)[0].strip()
 
 
 def parse_models(spec: Optional[str], task: str = "lm") -> List[str]:
@@ -468,15 +527,17 @@ def compare(data: str, budget: float, params: int, models: Optional[str] = None,
     names = parse_models(models, base.task)
     shared, per_model = split_overrides(items, names)
 
-    lr_set = any(o.split("=", 1)[0].strip() == "train.lr" for o in shared)
-    if task.packaged_compare_defaults and not lr_set:
-        # the tuned rates are for language modelling on the corpora named in the table
-        tuned = load_tuned_lr().get(str(data), {})
+    if task.packaged_compare_defaults:
+        # the tuned settings are for language modelling on the corpora named in the table:
+        # a model's type's, then its own over them; a key given with --set, shared or
+        # this model's, wins over the table
+        tuned = load_tuned().get(str(data), {})
+        shared_keys = {_set_key(o) for o in shared}
         for n in names:
-            base_name = n if n in tuned else task.compare_models[n][0]
-            if base_name in tuned and not any(
-                    o.split("=", 1)[0].strip() == "train.lr" for o in per_model[n]):
-                per_model[n] = [f"train.lr={tuned[base_name]}"] + per_model[n]
+            settings = {**tuned.get(task.compare_models[n][0], {}), **tuned.get(n, {})}
+            given = shared_keys | {_set_key(o) for o in per_model[n]}
+            per_model[n] = _set_items({k: v for k, v in settings.items()
+                                       if k not in given}) + per_model[n]
     for n in names:  # a bad per-model key fails here, not as "no shape fits"
         model_run_config(base, {}, per_model[n])
 

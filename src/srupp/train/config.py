@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import (Any, Dict, List, Optional, Type, Union, get_args, get_origin,
                     get_type_hints)
 
-from .._ranges import check_fields
+from .._ranges import check, check_fields
 from ..data import SentencePieceTokenizer
 from ..errors import UserError
 from ..models import BACKBONES, config_from_dict
@@ -48,6 +48,9 @@ def _check_numbers(section: str, cfg: Any) -> None:
     finite or not in its range (the class's ``_ranges``), named ``section.key``."""
     check_fields(cfg, prefix=f"{section}.", error=UserError)
 
+
+# train.optimizer's choices (the trainer's build_optimizer builds each)
+OPTIMIZERS = ("radam", "adamw")
 
 # The tasks a run can train, by the recipe's ``task`` key (srupp.train.tasks)
 TASKS: Dict[str, Type[Task]] = {t.name: t for t in (LMTask, TranslationTask, ClassificationTask)}
@@ -123,7 +126,10 @@ class TrainConfig:
     max_tokens: int = 4096            # translate/classify: padded tokens per batch (one side)
     label_smoothing: float = 0.1      # translate: ε of the label-smoothed loss
     lr: float = 2e-3                  # peak learning rate
-    weight_decay: float = 0.1         # decoupled (AdamW-style), as the paper's RAdam
+    optimizer: str = "radam"          # radam (the SRU++ paper's) or adamw (GPT recipes')
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])  # moments' decays β1, β2;
+                                      # GPT recipes (nanoGPT) take 0.9, 0.95
+    weight_decay: float = 0.1         # decoupled (AdamW-style) for both optimizers
     no_decay_bias_norm: bool = False  # exempt biases, norms, α and peepholes from decay
     warmup_steps: int = 200           # linear warm-up, then the decay
     warmup_fraction: Optional[float] = None  # warm-up as a share of the fitted schedule (budgets)
@@ -167,6 +173,14 @@ class TrainConfig:
                             f"got {self.schedule!r}")
         if self.shard not in ("ddp", "fsdp"):
             raise UserError(f"train.shard must be ddp or fsdp, got {self.shard!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise UserError(f"train.optimizer must be {' or '.join(OPTIMIZERS)}, "
+                            f"got {self.optimizer!r}")
+        if len(self.betas) != 2:
+            raise UserError(f"train.betas must be two numbers (β1, β2), e.g. "
+                            f"train.betas=0.9,0.95; got {self.betas!r}")
+        for i, beta in enumerate(self.betas):
+            check(f"train.betas[{i}]", beta, "[0, 1)", error=UserError)
 
 
 @dataclass

@@ -4,7 +4,8 @@ The task (:mod:`srupp.train.tasks`: language modelling, translation or
 classification) supplies the data, batches, loss and evaluation; the loop is
 the same for all. In order: accumulate gradients over ``grad_accum``
 micro-batches (a language model carries its state across segments,
-detached), clip, step RAdam, step the learning rate (:mod:`.schedule`, which
+detached), clip, step the optimiser (``train.optimizer``: RAdam or AdamW,
+:func:`build_optimizer`), step the learning rate (:mod:`.schedule`, which
 also fits the run's length to a time budget); log every ``log_every`` steps
 (:mod:`.metrics`), validate every ``eval_every``, checkpoint every
 ``save_every`` (:mod:`.checkpoint`). Everything a resumed run needs is in the
@@ -40,7 +41,7 @@ from ..runs import (MODEL_FILE, RUN_CONFIG, TRAINER_STATE, has_checkpoint, point
                     read_run_config, read_run_files, resolve_checkpoint)
 from .checkpoint import (check_same_shape, load_carried_state, load_trainer_state,
                          save_checkpoint)
-from .config import RunConfig
+from .config import RunConfig, TrainConfig
 from .device import synchronize
 from .distributed import SINGLE, Dist
 from .lock import LOCK_FILE, trainer_lock
@@ -233,9 +234,7 @@ class Trainer:
         if self.dist.enabled:
             torch.manual_seed(t.seed + self.dist.rank)  # each rank its own dropout masks
         self.train_model = self._wrap(self.model)
-        self.optimizer = torch.optim.RAdam(self._param_groups(), lr=t.lr,
-                                           weight_decay=t.weight_decay,
-                                           decoupled_weight_decay=True)
+        self.optimizer = build_optimizer(self._param_groups(), t)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: self.schedule.lr_factor(s))
         # disabled (every call a no-op or a plain optimizer.step()) unless fp16; its scale
@@ -308,6 +307,7 @@ class Trainer:
             "optimizer": ({"param_groups": [{k: v for k, v in g.items() if k != "params"}
                                             for g in self.optimizer.param_groups]}
                           if self.sharded else self.optimizer.state_dict()),
+            "optimizer_name": self.cfg.train.optimizer,  # a resume must build the same one
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
             "rng": torch.get_rng_state(),
@@ -350,6 +350,13 @@ class Trainer:
         if state["shard"] != shard:
             raise UserError(f"{self.run_dir} was trained with train.shard={state['shard']}; "
                             f"resume it with the same setting")
+        # another optimiser would load the saved moments without complaint and train on
+        # from state it never made (checkpoints before train.optimizer were all RAdam's)
+        saved_optimizer = state.get("optimizer_name", "radam")
+        if saved_optimizer != self.cfg.train.optimizer:
+            raise UserError(f"{self.run_dir} was trained with train.optimizer={saved_optimizer}; "
+                            f"resume it with the same setting, or train a new run into "
+                            f"another --out")
         try:
             if not self.sharded:  # FSDP: each rank's shards come from trainer.pt, below
                 load_model(self.model, str(ckpt / MODEL_FILE), device=str(self.device))
@@ -705,6 +712,21 @@ class Trainer:
         except MissingExtra as e:
             warnings.warn(f"{e}; the run is saved, without curves.png", stacklevel=2)
             return None
+
+
+def build_optimizer(param_groups, t: TrainConfig) -> torch.optim.Optimizer:
+    """``train.optimizer`` over ``param_groups``, with ``train.lr``, ``train.betas`` and
+    ``train.weight_decay`` (a group's own ``weight_decay`` wins).
+
+    Both decay the weights decoupled from the gradient (AdamW-style), so that
+    switching optimiser keeps the meaning of ``train.weight_decay``.
+    """
+    common = dict(lr=t.lr, betas=(t.betas[0], t.betas[1]), weight_decay=t.weight_decay)
+    if t.optimizer == "radam":  # the SRU++ paper's
+        return torch.optim.RAdam(param_groups, decoupled_weight_decay=True, **common)
+    if t.optimizer == "adamw":  # GPT recipes' (nanoGPT)
+        return torch.optim.AdamW(param_groups, **common)
+    raise ValueError(f"unknown optimizer {t.optimizer!r}")  # TrainConfig refuses it first
 
 
 def _new_interval() -> Dict[str, float]:
