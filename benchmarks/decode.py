@@ -32,6 +32,10 @@ bytes, copied with ``dst.copy_(src)`` (a buffer of that size, and one of
 200 MB), give bytes/s = N / t and bound tokens/s = that / weight bytes; each
 model's batch-1 speed is reported as a fraction of both.
 
+SRU++ decodes each layer's step as one C++ op (``srupp::layer_step``); with
+--modules it is also timed as ``srupp-modules``, the same model stepping
+module by module (the step backend "modules"), side by side.
+
 Prints one JSON object. Run it with nothing else on the machine:
 
     .venv/bin/python benchmarks/decode.py > docs/decode.json
@@ -44,6 +48,7 @@ Prints one JSON object. Run it with nothing else on the machine:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -60,6 +65,7 @@ from srupp.models import build_model
 from srupp.models.state import TensorState
 from srupp.nn.quant import Int8Linear
 from srupp.nn.state import SRUppState
+from srupp.ops.layer_step import use_step_backend
 from srupp.ops.settings import cpu_has_native_bf16
 from srupp.train.compare import MODELS, size_model
 from srupp.train.config import build_config
@@ -96,6 +102,8 @@ def parse_args():
     ap.add_argument("--batched-new", type=int, default=64)
     ap.add_argument("--copy-mb", type=float, default=200.0, help="the large copy buffer")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--modules", action="store_true",
+                    help="also time SRU++ stepping module by module (srupp-modules)")
     ap.add_argument("--quick", action="store_true", help="tiny everything, for a sanity check")
     a = ap.parse_args()
     a.models = [m.strip() for m in a.models.split(",") if m.strip()]
@@ -156,6 +164,11 @@ def state_bytes(state):
     return sum(storages.values()), sum(t.nbytes for t in state_tensors(state))
 
 
+def step_backend(name):
+    """The step backend a model name runs under: "modules" for srupp-modules."""
+    return use_step_backend("modules") if name.endswith("-modules") else contextlib.nullcontext()
+
+
 def decode(model, tok, state, n):
     """The timed path: n greedy steps. Returns (tokens (B, n), state)."""
     out = []
@@ -205,13 +218,15 @@ def run_dtype(a, models, copy_large):
     prompt = tokens(1, PROMPT, 1)
     speeds = {n: [] for n in names}
     for n, m in models.items():  # warm-up, and the check that the loop is generate's
-        gen = m.generate(prompt.tolist(), a.new, temperature=0)[0]
-        tok, state = prefill(m, prompt)
-        loop = [int(tok)] + decode(m, tok, state, a.new - 1)[0][0].tolist()
+        with step_backend(n):
+            gen = m.generate(prompt.tolist(), a.new, temperature=0)[0]
+            tok, state = prefill(m, prompt)
+            loop = [int(tok)] + decode(m, tok, state, a.new - 1)[0][0].tolist()
         res["batch1"][n] = {"same_tokens_as_generate": loop == gen}
     for _ in range(a.rounds):
         for n, m in models.items():
-            speeds[n].append(timed_rate(m, prompt, a.new))
+            with step_backend(n):
+                speeds[n].append(timed_rate(m, prompt, a.new))
     for n in names:
         rate, b = round(statistics.median(speeds[n]), 1), res["bounds"][n]
         res["batch1"][n].update(
@@ -219,20 +234,26 @@ def run_dtype(a, models, copy_large):
             fraction_of_bound_weight_buffer=ratio(rate, b["bound_tokens_per_s_weight_buffer"]),
             fraction_of_bound_large_buffer=ratio(rate, b["bound_tokens_per_s_large_buffer"]))
 
+    if "srupp-modules" in names:
+        res["batch1"]["srupp_fused_over_modules"] = ratio(
+            res["batch1"]["srupp"]["tokens_per_s"], res["batch1"]["srupp-modules"]["tokens_per_s"])
+
     ctx = {k: {n: {} for n in names} for k in ("tokens_per_s", "state_bytes",
                                                 "state_logical_bytes")}
     for C in a.contexts:
         states = {}
         for n, m in models.items():
-            tok, state = prefill(m, tokens(1, C, 2))
-            states[n] = decode(m, tok, state, 2)  # warm-up steps
+            with step_backend(n):
+                tok, state = prefill(m, tokens(1, C, 2))
+                states[n] = decode(m, tok, state, 2)  # warm-up steps
         speeds = {n: [] for n in names}
         for _ in range(a.rounds):
             for n, m in models.items():
                 last, state = states[n]
-                t0 = time.perf_counter()
-                states[n] = decode(m, last[:, -1], state, a.context_steps)
-                speeds[n].append(a.context_steps / (time.perf_counter() - t0))
+                with step_backend(n):
+                    t0 = time.perf_counter()
+                    states[n] = decode(m, last[:, -1], state, a.context_steps)
+                    speeds[n].append(a.context_steps / (time.perf_counter() - t0))
         for n in names:
             resident, logical = state_bytes(states[n][1])
             ctx["tokens_per_s"][n][str(C)] = round(statistics.median(speeds[n]), 1)
@@ -255,12 +276,18 @@ def run_dtype(a, models, copy_large):
         prompts = tokens(B, PROMPT, 3)
         speeds = {n: [] for n in names}
         for n, m in models.items():
-            timed_rate(m, prompts, 2)  # warm-up at this batch size
+            with step_backend(n):
+                timed_rate(m, prompts, 2)  # warm-up at this batch size
         for _ in range(a.rounds):
             for n, m in models.items():
-                speeds[n].append(timed_rate(m, prompts, a.batched_new))
+                with step_backend(n):
+                    speeds[n].append(timed_rate(m, prompts, a.batched_new))
         for n in names:
             res["batched"].setdefault(n, {})[str(B)] = round(statistics.median(speeds[n]), 1)
+    if "srupp-modules" in names:
+        b = res["batched"]
+        b["srupp_fused_over_modules"] = {B: ratio(b["srupp"][B], b["srupp-modules"][B])
+                                         for B in b["srupp"]}
     return res
 
 
@@ -312,6 +339,9 @@ def main():
                                "num_layers": mc.num_layers,
                                "proj_size": getattr(mc, "proj_size", None),
                                "attention_window": window}
+    if a.modules and "srupp" in built:
+        built["srupp-modules"] = built["srupp"]
+        result["models"]["srupp-modules"] = dict(result["models"]["srupp"], step="modules")
     copy_large = copy_bytes_per_s(a.copy_mb * 1e6)
     result["copy_large_buffer"] = {"bytes": int(a.copy_mb * 1e6),
                                    "GBps": round(copy_large / 1e9, 2)}

@@ -8,6 +8,7 @@ from srupp.models import (EncoderDecoder, EncoderOutput, Seq2SeqConfig, SRUppSeq
                           build_model, config_from_dict, load_model)
 from srupp.models.backbones import CrossAttentionState
 from srupp.models.decoding import beam_search
+from srupp.ops.layer_step import use_step_backend
 from srupp.nn import SRUpp, SRUppState
 
 from models_on_device import across_shapes
@@ -225,7 +226,10 @@ def test_source_keys_and_values_are_computed_once_per_sentence(design, device):
     hooks = [lin.register_forward_hook(lambda mod, args, out: calls.append(tuple(args[0].shape)))
              for lin in watched]
     try:
-        beam_search(m, src, pad, beam=3, max_len_b=3)
+        # the modules' step: the fused one runs a layer without calling its modules (it
+        # reads K/V from the same cache; tests/nn/test_srupp_fused_step.py)
+        with use_step_backend("modules"):
+            beam_search(m, src, pad, beam=3, max_len_b=3)
     finally:
         for h in hooks:
             h.remove()

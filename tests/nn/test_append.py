@@ -79,3 +79,27 @@ def test_append_keep_last_equals_cat_then_cut(M, L, n, grad, device):
     if grad:  # gradients reach the kept steps of new
         (g,) = torch.autograd.grad(got.sum(), new)
         assert g.sum() == min(L, want.shape[1]) * 2 * 3
+
+
+def test_reserve_steps_keeps_the_old_steps_and_follows_the_same_buffer_rules(device):
+    """reserve_steps is append_steps without the copy of the new steps: the caller (the
+    fused decoding op) writes them; an older view still never changes."""
+    from srupp.nn.append import reserve_steps
+
+    torch.manual_seed(2)
+    with torch.no_grad():
+        root = append_steps(None, torch.randn(2, 3, 4).to(device))
+        kept = root.clone()
+        grown = reserve_steps(root, (2, 1, 4), root)
+        assert grown.shape == (2, 4, 4) and grown._base is root._base
+        torch.testing.assert_close(grown[:, :3], kept, rtol=0, atol=0)
+        grown[:, 3] = 5.0
+        # root no longer ends its buffer: a second branch gets a copy
+        other = reserve_steps(root, (2, 1, 4), root)
+        assert other._base is not root._base
+        torch.testing.assert_close(other[:, :3], kept, rtol=0, atol=0)
+        torch.testing.assert_close(root, kept, rtol=0, atol=0)
+        # from nothing: a fresh buffer of the given shape, dtype and device
+        fresh = reserve_steps(None, (3, 1, 5), torch.zeros((), dtype=torch.bfloat16,
+                                                           device=device))
+        assert fresh.shape == (3, 1, 5) and fresh.dtype == torch.bfloat16

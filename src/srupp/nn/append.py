@@ -16,7 +16,7 @@ Only used when no gradient is recorded (in-place writes would break autograd).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -39,29 +39,44 @@ def append_steps(old: Optional[Tensor], new: Tensor, dim: int = 1) -> Tensor:
     if (torch.compiler.is_compiling() or torch.is_grad_enabled() and (
             new.requires_grad or (old is not None and old.requires_grad))):
         return new if old is None else torch.cat([old.to(new.dtype), new], dim)
-    if old is not None and old.dtype != new.dtype:
-        old = old.to(new.dtype)
     dim = dim % new.dim()
+    grown = reserve_steps(old, new.shape, new, dim)
+    grown.narrow(dim, grown.shape[dim] - new.shape[dim], new.shape[dim]).copy_(new)
+    return grown
+
+
+def reserve_steps(old: Optional[Tensor], steps_shape: Sequence[int], like: Tensor,
+                  dim: int = 1) -> Tensor:
+    """``old`` grown by steps that are left for the caller to write.
+
+    The same buffer rules as :func:`append_steps` (which is this plus the copy of
+    the new steps), for a kernel that writes new steps in place. ``steps_shape``
+    is the new steps' shape (L at ``dim``; ``old``'s shape elsewhere) and ``like``
+    gives the dtype and device. The result (..., M + L, ...) holds ``old``'s steps
+    first (copied only when its buffer has no room or is not its own), then L
+    steps of unspecified content. Gradients are not tracked.
+    """
+    if old is not None and old.dtype != like.dtype:
+        old = old.to(like.dtype)
+    dim = dim % len(steps_shape)
     M = 0 if old is None else old.shape[dim]
-    L = new.shape[dim]
+    L = steps_shape[dim]
     if old is not None:
         base = old._base
         end = getattr(base, "_srupp_append_end", None) if base is not None else None
-        if end is not None and base.device == new.device:
+        if end is not None and base.device == like.device:
             start = (old.storage_offset() - base.storage_offset()) // max(old.stride(dim), 1)
             # old is base narrowed along dim only: same strides, and (as no other size
             # of a view can exceed base's) as many elements per step as base
             if (start + M == end and end + L <= base.shape[dim] and old.stride() == base.stride()
                     and old.numel() * base.shape[dim] == base.numel() * M):
-                base.narrow(dim, end, L).copy_(new)
                 base._srupp_append_end = end + L
                 return base.narrow(dim, start, M + L)
     # a fresh buffer with room to double
-    shape = list(new.shape)
+    shape = list(steps_shape)
     shape[dim] = max(2 * (M + L), _MIN_CAPACITY)
-    base = new.new_empty(shape)
+    base = like.new_empty(shape)
     if old is not None:
         base.narrow(dim, 0, M).copy_(old)
-    base.narrow(dim, M, L).copy_(new)
     base._srupp_append_end = M + L
     return base.narrow(dim, 0, M + L)

@@ -21,7 +21,7 @@ They favour being obviously right over being fast. Two things are built on them:
   gradients; autograd gives every gradient);
 - the ONNX graphs (:mod:`srupp.onnx`), which trace them to torch-free graphs.
 
-The recurrence itself is :mod:`srupp.ops.reference`'s (:func:`sru_step` one step,
+The recurrence and the LayerNorm are :mod:`srupp.ops.reference`'s (:func:`sru_step` one step,
 :func:`skip_term` its s_t, :func:`sru_recurrence_reference` a sequence): the
 kernels' oracle, written once, and exported here with the rest of the layer's math.
 A LayerNorm is passed as ``norm``: None for none, or ``(weight, bias)`` or
@@ -36,19 +36,12 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..ops.reference import skip_term, sru_recurrence_reference, sru_step
+from ..ops.reference import layer_norm, skip_term, sru_recurrence_reference, sru_step
 
 __all__ = ["layer_norm", "pre_norm", "post_norm", "projected_u", "attention_u", "skip_term",
            "sru_step", "sru_recurrence_reference", "srupp_layer_reference"]
 
 Norm = Optional[tuple]  # a LayerNorm's (weight, bias[, eps]), or None
-
-
-def layer_norm(y: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
-    """LayerNorm over the last dim: (y − mean) / √(var + ε) · g + b (biased variance)."""
-    mu = y.mean(-1, keepdim=True)
-    var = ((y - mu) ** 2).mean(-1, keepdim=True)
-    return (y - mu) / torch.sqrt(var + eps) * weight + bias
 
 
 def pre_norm(x: Tensor, norm: Norm, normalize_after: bool) -> Tensor:

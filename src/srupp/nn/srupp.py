@@ -32,7 +32,9 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from ..ops import attend
-from .append import append_steps
+from ..ops.layer_step import layer_step, layer_step_applies
+from ..ops.matmul import FEW_ROWS
+from .append import append_steps, reserve_steps
 from .linear import Linear
 from .state import KVCache, SRUppState
 from .sru import RecurrentLayerBase, StackBase, check_c0, check_input, read_input, write_output
@@ -566,6 +568,10 @@ def _run_stack(owner: nn.Module, layers: Sequence[SRUppCell], input_to_hidden: O
     M = state.memory_length
     mem_len = owner.mem_len if state.mem_len is None else state.mem_len
     any_attention = any(layer.use_attention for layer in layers)
+    if L == 1 and mask is None and attn_mask is None and layer_step_applies(x):
+        fused = _step_fused(layers, input_to_hidden, x[:, 0], state, c0, M, mem_len)
+        if fused is not None:
+            return fused[0].unsqueeze(1), fused[1]
 
     # ---- the attention mask over keys [memory; x], shared by all layers
     key_padding = None
@@ -610,4 +616,77 @@ def _run_stack(owner: nn.Module, layers: Sequence[SRUppCell], input_to_hidden: O
         kv_cache.append(None if weights is None else KVCache.of(_keep_last(kv, mem_len), weights))
     new_mask = _keep_last(key_padding, mem_len) if keep_memory else None
     return x, SRUppState(c=torch.stack(cs), memory=memory, memory_mask_pad=new_mask,
+                         mem_len=state.mem_len, kv_cache=kv_cache)
+
+
+def _fused_step_fits(layers, x: Tensor, state: SRUppState, c0: Tensor, M: int,
+                     keep_memory: bool) -> bool:
+    """Whether :func:`_step_fused` can take these layers and this state: weights of x's
+    dtype (not int8), eval mode, an fp32 state, and for attention layers with memory
+    its keys and values cached under the current weights."""
+    if c0.dtype != torch.float32 or (M > 0 and not keep_memory):
+        return False
+    dt = x.dtype
+    for i, layer in enumerate(layers):
+        t = layer.transform
+        if layer.training or layer.weight_c.dtype != dt or t.linear1.weight.dtype != dt \
+                or t.linear2.weight.dtype != dt:
+            return False
+        if layer.use_attention and M > 0:
+            mem, cached = state.memory[i], state.kv_cache[i]
+            if mem is None or mem.dtype != dt or cached is None \
+                    or not cached.valid_for(t.kv_weights, M):
+                return False
+    return True
+
+
+def _step_fused(layers: Sequence[SRUppCell], input_to_hidden: Optional[nn.Module], x: Tensor,
+                state: SRUppState, c0: Tensor, M: int, mem_len: Optional[int]
+                ) -> Optional[Tuple[Tensor, SRUppState]]:
+    """One token, x (B, n_in), through the layers, each as one ``srupp::layer_step`` op.
+
+    The same result and state as the modules' path of :func:`_run_stack` (the
+    memory and the K/V cache grow in place, into rows :func:`reserve_steps` sets
+    aside); None where the op can't take the layers or the state, and nothing has
+    run then.
+    """
+    keep_memory = mem_len != 0 and any(layer.use_attention for layer in layers)
+    if not _fused_step_fits(layers, x, state, c0, M, keep_memory):
+        return None
+    B = x.shape[0]
+    if input_to_hidden is not None:
+        x = input_to_hidden(x)                                           # (B, D)
+    h = x.contiguous()
+    mem_mask = state.memory_mask_pad if M > 0 else None                  # (B, M) or None
+    few = FEW_ROWS[h.dtype]
+    cs, memory, kv_cache = [], [], []
+    for i, layer in enumerate(layers):
+        t, ln = layer.transform, layer.layer_norm
+        tln = t.layer_norm
+        kv = mem = None
+        if layer.use_attention:
+            width = t.linear2.weight.shape[0]                           # 2·d′
+            if keep_memory:
+                mem = reserve_steps(state.memory[i] if M else None, (B, 1, h.shape[1]), h)
+                kv = reserve_steps(state.kv_cache[i].kv if M else None, (B, 1, width), h)
+            else:
+                kv = h.new_empty(B, 1, width)                            # no memory: itself only
+        h, c = layer_step(
+            h, c0[i], t.linear1.weight, t.linear2.weight,
+            t.linear3.weight if layer.use_attention else None,
+            t.alpha if layer.use_attention else None,
+            None if ln is None else ln.weight, None if ln is None else ln.bias,
+            None if tln is None else tln.weight, None if tln is None else tln.bias,
+            layer.weight_c, layer.bias, kv, mem, mem_mask,
+            1e-5 if ln is None else ln.eps, 1e-5 if tln is None else tln.eps,
+            layer.scale_x, t.num_heads if layer.use_attention else 1,
+            layer.normalize_after, few)                                  # (B, D), (B, D)
+        cs.append(c)
+        keep = keep_memory and layer.use_attention
+        memory.append(_keep_last(mem, mem_len) if keep else None)        # (B, ≤M+1, n_in)
+        kv_cache.append(KVCache.of(_keep_last(kv, mem_len), t.kv_weights) if keep else None)
+    new_mask = None
+    if keep_memory and mem_mask is not None:
+        new_mask = _keep_last(append_steps(mem_mask, mem_mask.new_zeros(B, 1)), mem_len)
+    return h, SRUppState(c=torch.stack(cs), memory=memory, memory_mask_pad=new_mask,
                          mem_len=state.mem_len, kv_cache=kv_cache)

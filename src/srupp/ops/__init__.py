@@ -33,9 +33,10 @@ Around the recurrence, the layers' projections and attention have their own
 fast paths with plain references beside them: :mod:`srupp.ops.matmul`
 (``linear``: oneDNN for large fp32 CPU products) and :mod:`srupp.ops.attention`
 (``attend``: explicit bf16 matrix products on CPU for short windows), and
-:mod:`srupp.ops.quant` (``linear_int8``: int8 weights for decoding). One
-settings object, :func:`backends`, holds the three choices
-(:mod:`srupp.ops.settings`).
+:mod:`srupp.ops.quant` (``linear_int8``: int8 weights for decoding), and
+:mod:`srupp.ops.layer_step` runs one SRU++ layer's decoding step as one C++ op
+(``layer_step``, beside its plain reference). One settings object,
+:func:`backends`, holds the four choices (:mod:`srupp.ops.settings`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ from .attention import (attend, attention_causal_matmul, attention_matmul, atten
                         get_attention_backend, set_attention_backend, use_attention_backend)
 from .settings import Backends, backends, cpu_has_native_bf16
 from .quant import dequantize, linear_int8, linear_int8_reference, quantize_per_channel
+from .layer_step import (get_step_backend, layer_step, layer_step_reference, set_step_backend,
+                         use_step_backend)
 
 __all__ = [
     "sru_recurrence", "sru_recurrence_reference", "compute_dtype", "warm_up",
@@ -60,4 +63,6 @@ __all__ = [
     "set_attention_backend", "get_attention_backend", "use_attention_backend",
     "cpu_has_native_bf16",
     "quantize_per_channel", "dequantize", "linear_int8", "linear_int8_reference",
+    "layer_step", "layer_step_reference", "set_step_backend", "get_step_backend",
+    "use_step_backend",
 ]

@@ -101,6 +101,13 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def layer_norm(y: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Tensor:
+    """LayerNorm over the last dim: (y − mean) / √(var + ε) · g + b (biased variance)."""
+    mu = y.mean(-1, keepdim=True)
+    var = ((y - mu) ** 2).mean(-1, keepdim=True)
+    return (y - mu) / torch.sqrt(var + eps) * weight + bias
+
+
 def skip_term(u: Tensor, x: Optional[Tensor], scale_x: float = 1.0) -> Optional[Tensor]:
     """s, the highway's skip term: u3 with k = 4 planes, else ``scale_x · x`` (None: no skip).
 

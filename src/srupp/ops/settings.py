@@ -9,7 +9,13 @@ field           choices                          default from
 ``recurrence``  auto, reference, cpu, triton     ``SRUPP_BACKEND``
 ``matmul``      auto, aten, onednn               ``SRUPP_MATMUL``
 ``attention``   auto, sdpa, matmul               ``SRUPP_ATTENTION``
+``step``        auto, fused, modules             ``SRUPP_STEP``
 ==============  ===============================  =================
+
+``step`` is how an SRU++ stack runs one token under no_grad: "fused" (and
+"auto", where it applies) runs each layer as one C++ op
+(:mod:`srupp.ops.layer_step`); "modules" runs the layer's modules one by one,
+the path everything else takes.
 
 The environment variables choose for a whole process (a ``srupp`` command, a
 benchmark script); they are read when a dispatcher first asks, unless a
@@ -28,8 +34,10 @@ import torch
 
 CHOICES = {"recurrence": ("auto", "reference", "cpu", "triton"),
            "matmul": ("auto", "aten", "onednn"),
-           "attention": ("auto", "sdpa", "matmul")}
-ENV = {"recurrence": "SRUPP_BACKEND", "matmul": "SRUPP_MATMUL", "attention": "SRUPP_ATTENTION"}
+           "attention": ("auto", "sdpa", "matmul"),
+           "step": ("auto", "fused", "modules")}
+ENV = {"recurrence": "SRUPP_BACKEND", "matmul": "SRUPP_MATMUL", "attention": "SRUPP_ATTENTION",
+       "step": "SRUPP_STEP"}
 
 
 @dataclasses.dataclass
@@ -39,6 +47,7 @@ class Backends:
     recurrence: str = "auto"
     matmul: str = "auto"
     attention: str = "auto"
+    step: str = "auto"
 
     def __setattr__(self, op: str, name: str) -> None:
         if op not in CHOICES:

@@ -799,10 +799,13 @@ void linear_rows_bf16_dot(const BFloat16* x, const BFloat16* w, int64_t ldw,
 // V once accumulating the p-weighted rows in fp32; the output rounds to the input
 // dtype once. K and V are read in place at any row stride (a [K | V] cache).
 
+// key_pad (B, S) bool with row stride spad, or null: True keys are skipped; a query
+// with no key left gets o = 0.
 template <typename T>
 void one_query_kernel(const T* q, const T* k, const T* v, T* o, int64_t B, int64_t H,
                       int64_t S, int64_t hd, const int64_t* sq, const int64_t* sk,
-                      const int64_t* sv, float scale) {
+                      const int64_t* sv, float scale, const bool* key_pad = nullptr,
+                      int64_t spad = 0) {
   const int64_t hd_pad = (hd + kW - 1) / kW * kW;
   at::parallel_for(0, B * H, 1, [&](int64_t n0, int64_t n1) {
     std::vector<float> qf(hd_pad, 0.f), acc(hd_pad), p(std::max<int64_t>(S, 1));
@@ -814,8 +817,13 @@ void one_query_kernel(const T* q, const T* k, const T* v, T* o, int64_t B, int64
       const T* qp = q + b * sq[0] + h * sq[1];
       for (int64_t i = 0; i < hd; ++i) qf[i] = static_cast<float>(qp[i]);
       const T* kb = k + b * sk[0] + h * sk[1];
+      const bool* pad = key_pad == nullptr ? nullptr : key_pad + b * spad;
       float mx = -std::numeric_limits<float>::infinity();
       for (int64_t j = 0; j < S; ++j) {
+        if (pad != nullptr && pad[j]) {
+          p[j] = -std::numeric_limits<float>::infinity();
+          continue;
+        }
         const T* kr = kb + j * sk[2];
         Vec a0(0.f), a1(0.f);
         int64_t i = 0;
@@ -831,14 +839,16 @@ void one_query_kernel(const T* q, const T* k, const T* v, T* o, int64_t B, int64
         p[j] = dot * scale;
         mx = std::max(mx, p[j]);
       }
+      const bool none = mx == -std::numeric_limits<float>::infinity();  // every key padded
       float sum = 0.f;
       for (int64_t j = 0; j < S; ++j) {
-        p[j] = std::exp(p[j] - mx);
+        p[j] = none ? 0.f : std::exp(p[j] - mx);
         sum += p[j];
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       const T* vb = v + b * sv[0] + h * sv[1];
       for (int64_t j = 0; j < S; ++j) {
+        if (pad != nullptr && pad[j]) continue;
         const T* vr = vb + j * sv[2];
         const Vec pj(p[j]);
         int64_t i = 0;
@@ -847,7 +857,7 @@ void one_query_kernel(const T* q, const T* k, const T* v, T* o, int64_t B, int64
         if (tail)
           at::vec::fmadd(pj, IO<T>::load(vr + i, tail), Vec::loadu(acc.data() + i)).store(acc.data() + i);
       }
-      const float inv = S > 0 ? 1.f / sum : 0.f;
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
       T* op = o + n * hd;
       for (int64_t i = 0; i < hd; ++i) op[i] = static_cast<T>(acc[i] * inv);
     }
@@ -932,6 +942,229 @@ Tensor attend_one_query_cpu(const Tensor& q, const Tensor& k, const Tensor& v, d
                                sq, sk, sv, static_cast<float>(scale));
   }
   return o;
+}
+
+// ---------------------------------------------------------------------------------
+// One SRU++ layer's decoding step (srupp::layer_step): one token per sequence, no
+// gradient, every small operation of the layer in one call (srupp/ops/layer_step.py
+// has its plain reference and the exact contract). At batch 1 the layer's Python path
+// spent about half its time between ~30 small operations; here they are loops over
+// a few thousand floats each, and the products are the few-rows kernel above (or
+// ATen's GEMM for larger batches). Rounding follows the layer's modules: every
+// intermediate the modules store in the weights' dtype (q, K and V, o, U, h) is
+// rounded to it here too; sums, norms and the recurrence are in fp32.
+
+namespace layer_step_impl {
+
+// runs the lambda given (which uses scalar_t) for float32 or bfloat16 tensors
+#define SRUPP_DISPATCH_F32_BF16(dt, ...)               \
+  if ((dt) == at::kFloat) {                            \
+    using scalar_t = float;                            \
+    __VA_ARGS__();                                     \
+  } else {                                             \
+    using scalar_t = BFloat16;                         \
+    __VA_ARGS__();                                     \
+  }
+
+// y = x @ w^T: the few-rows kernel up to `few` rows, else ATen (oneDNN / BLAS)
+Tensor project(const Tensor& x, const Tensor& w, int64_t few) {
+  return x.size(0) <= few ? linear_rows_cpu(x, w, std::nullopt) : at::linear(x, w);
+}
+
+// LayerNorm of R rows of width N (row strides ldx, ldy), fp32 statistics, biased variance
+template <typename T>
+void layer_norm_rows(const T* x, int64_t ldx, const T* g, const T* b, float eps, T* y,
+                     int64_t ldy, int64_t R, int64_t N) {
+  for (int64_t r = 0; r < R; ++r) {
+    const T* xr = x + r * ldx;
+    T* yr = y + r * ldy;
+    float mean = 0.f, var = 0.f;
+    for (int64_t i = 0; i < N; ++i) mean += static_cast<float>(xr[i]);
+    mean /= static_cast<float>(N);
+    for (int64_t i = 0; i < N; ++i) {
+      const float d = static_cast<float>(xr[i]) - mean;
+      var += d * d;
+    }
+    const float inv = 1.f / std::sqrt(var / static_cast<float>(N) + eps);
+    for (int64_t i = 0; i < N; ++i)
+      yr[i] = static_cast<T>((static_cast<float>(xr[i]) - mean) * inv * static_cast<float>(g[i]) +
+                             static_cast<float>(b[i]));
+  }
+}
+
+// dst[:, row] = src (R, N) for a (R, S, N) dst with a contiguous last dim: a plain copy of
+// R rows, no dispatcher call (these run once per layer and token)
+void write_row(const Tensor& dst, int64_t row, const Tensor& src) {
+  const int64_t R = src.size(0), bytes = src.size(1) * src.element_size();
+  const char* from = static_cast<const char*>(src.data_ptr());
+  char* to = static_cast<char*>(dst.data_ptr()) + row * dst.stride(1) * dst.element_size();
+  for (int64_t r = 0; r < R; ++r)
+    std::memcpy(to + r * dst.stride(0) * dst.element_size(), from + r * src.stride(0) * src.element_size(), bytes);
+}
+
+// y (R, N) = LN(x) when a norm is given, else x itself
+Tensor maybe_norm(const Tensor& x, const std::optional<Tensor>& g, const std::optional<Tensor>& b,
+                  double eps) {
+  if (!g.has_value() || !g->defined()) return x;
+  Tensor y = at::empty_like(x);
+  const int64_t R = x.size(0), N = x.size(1);
+  SRUPP_DISPATCH_F32_BF16(x.scalar_type(), [&] {
+    layer_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), g->data_ptr<scalar_t>(),
+                              b->data_ptr<scalar_t>(), static_cast<float>(eps),
+                              y.data_ptr<scalar_t>(), y.stride(0), R, N);
+  });
+  return y;
+}
+
+// y = LN(q + alpha * o) (or without the norm), rounded to T once
+template <typename T>
+void residual_norm(const T* q, const T* o, float alpha, const T* g, const T* b, float eps,
+                   T* y, int64_t R, int64_t N) {
+  std::vector<float> t(N);
+  for (int64_t r = 0; r < R; ++r) {
+    float mean = 0.f;
+    for (int64_t i = 0; i < N; ++i) {
+      // the modules round alpha * o, then the sum, to T
+      const float ao = static_cast<float>(static_cast<T>(alpha * static_cast<float>(o[r * N + i])));
+      t[i] = static_cast<float>(static_cast<T>(static_cast<float>(q[r * N + i]) + ao));
+      mean += t[i];
+    }
+    if (g == nullptr) {
+      for (int64_t i = 0; i < N; ++i) y[r * N + i] = static_cast<T>(t[i]);
+      continue;
+    }
+    mean /= static_cast<float>(N);
+    float var = 0.f;
+    for (int64_t i = 0; i < N; ++i) var += (t[i] - mean) * (t[i] - mean);
+    const float inv = 1.f / std::sqrt(var / static_cast<float>(N) + eps);
+    for (int64_t i = 0; i < N; ++i)
+      y[r * N + i] = static_cast<T>((t[i] - mean) * inv * static_cast<float>(g[i]) +
+                                    static_cast<float>(b[i]));
+  }
+}
+
+// One recurrence step for R rows of D units: U (R, k*D) planes [u0|u1|u2|u3], x (R, D)
+// the raw layer input (the skip when k == 3), c (R, D) fp32; writes h (R, D) and c_new.
+template <typename T>
+void recurrence_step(const T* U, int64_t k, const T* x, int64_t ldx, const float* c,
+                     const T* wc, const T* bias, float scale_x, T* h, float* c_new, int64_t R,
+                     int64_t D) {
+  std::vector<float> wf(4 * D);  // v_f, v_r, b_f, b_r widened once
+  for (int64_t j = 0; j < D; ++j) {
+    wf[j] = static_cast<float>(wc[j]);
+    wf[D + j] = static_cast<float>(wc[D + j]);
+    wf[2 * D + j] = static_cast<float>(bias[j]);
+    wf[3 * D + j] = static_cast<float>(bias[D + j]);
+  }
+  const Vec one(1.f), sx(scale_x);
+  for (int64_t r = 0; r < R; ++r) {
+    const T* u = U + r * k * D;
+    const float* cr = c + r * D;
+    for (int64_t j = 0; j < D; j += kW) {
+      const int n = static_cast<int>(std::min<int64_t>(kW, D - j));
+      const Vec u0 = IO<T>::load(u + j, n), u1 = IO<T>::load(u + D + j, n);
+      const Vec u2 = IO<T>::load(u + 2 * D + j, n);
+      const Vec cp = Vec::loadu(cr + j, n);
+      const Vec f = sigmoid(at::vec::fmadd(Vec::loadu(wf.data() + j, n), cp,
+                                           u1 + Vec::loadu(wf.data() + 2 * D + j, n)));
+      const Vec rg = sigmoid(at::vec::fmadd(Vec::loadu(wf.data() + D + j, n), cp,
+                                            u2 + Vec::loadu(wf.data() + 3 * D + j, n)));
+      const Vec cn = f * cp + (one - f) * u0;
+      const Vec s = k == 4 ? IO<T>::load(u + 3 * D + j, n) : IO<T>::load(x + r * ldx + j, n) * sx;
+      const Vec hv = s + rg * (cn - s);
+      cn.store(c_new + r * D + j, n);
+      IO<T>::store(h + r * D + j, hv, n);
+    }
+  }
+}
+
+}  // namespace layer_step_impl
+
+// See srupp/ops/layer_step.py (the schema, its fake kernel and the reference).
+std::tuple<Tensor, Tensor> layer_step_cpu(
+    const Tensor& x, const Tensor& c, const Tensor& w1, const Tensor& w2,
+    const std::optional<Tensor>& w3, const std::optional<Tensor>& alpha,
+    const std::optional<Tensor>& norm_weight, const std::optional<Tensor>& norm_bias,
+    const std::optional<Tensor>& attn_norm_weight, const std::optional<Tensor>& attn_norm_bias,
+    const Tensor& weight_c, const Tensor& bias, const std::optional<Tensor>& kv,
+    const std::optional<Tensor>& memory, const std::optional<Tensor>& memory_pad,
+    double norm_eps, double attn_norm_eps, double scale_x, int64_t num_heads,
+    bool normalize_after, int64_t few_rows) {
+  using namespace layer_step_impl;
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16,
+              "srupp layer_step: float32 or bfloat16 tensors, got ", dt);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "srupp layer_step: x (B, n_in) contiguous");
+  for (const Tensor* t : {&w1, &w2, &weight_c, &bias})
+    TORCH_CHECK(t->scalar_type() == dt && t->is_contiguous(),
+                "srupp layer_step: weights contiguous, of x's dtype");
+  const bool attention = w3.has_value() && w3->defined();
+  const int64_t B = x.size(0), D = weight_c.size(1);
+  TORCH_CHECK(c.scalar_type() == at::kFloat && c.is_contiguous() && c.size(0) == B &&
+              c.size(1) == D, "srupp layer_step: c (B, D) float32 contiguous");
+  const int64_t kD = (attention ? *w3 : w2).size(0), k = kD / D;
+  TORCH_CHECK((k == 3 && x.size(1) == D) || k == 4, "srupp layer_step: U must have 3 planes "
+              "(n_in == D) or 4, got ", kD, " rows for D = ", D);
+  const bool pre = !normalize_after && norm_weight.has_value() && norm_weight->defined();
+  const Tensor xin = pre ? maybe_norm(x, norm_weight, norm_bias, norm_eps) : x;  // (B, n_in)
+  if (memory.has_value() && memory->defined()) {
+    TORCH_CHECK(memory->scalar_type() == dt && memory->dim() == 3 && memory->size(0) == B &&
+                memory->size(2) == x.size(1) && memory->stride(2) == 1,
+                "srupp layer_step: memory (B, M+1, n_in) of x's dtype, last dim contiguous");
+    write_row(*memory, memory->size(1) - 1, xin);
+  }
+  const Tensor q = project(xin, w1, few_rows);                                   // (B, d')
+  const int64_t dp = q.size(1);
+  Tensor U;
+  if (attention) {
+    TORCH_CHECK(kv.has_value() && kv->defined() && kv->scalar_type() == dt && kv->dim() == 3 &&
+                kv->size(0) == B && kv->size(2) == 2 * dp && kv->stride(2) == 1,
+                "srupp layer_step: kv (B, M+1, 2*d') of x's dtype, last dim contiguous");
+    const int64_t S = kv->size(1), H = num_heads, hd = dp / H;
+    TORCH_CHECK(H >= 1 && dp % H == 0, "srupp layer_step: num_heads must divide d'");
+    write_row(*kv, S - 1, project(q, w2, few_rows).contiguous());                // new [K | V]
+    const bool* pad = nullptr;
+    Tensor pad_full;
+    if (memory_pad.has_value() && memory_pad->defined()) {
+      TORCH_CHECK(memory_pad->scalar_type() == at::kBool && memory_pad->dim() == 2 &&
+                  memory_pad->size(0) == B && memory_pad->size(1) == S - 1,
+                  "srupp layer_step: memory_pad (B, M) bool");
+      pad_full = at::cat({*memory_pad, at::zeros({B, 1}, memory_pad->options())}, 1);
+      pad = pad_full.data_ptr<bool>();
+    }
+    Tensor o = at::empty({B, dp}, x.options());
+    const int64_t sq[2] = {dp, hd};
+    const int64_t sk[3] = {kv->stride(0), hd, kv->stride(1)};
+    const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+    Tensor y = at::empty({B, dp}, x.options());
+    const bool an = attn_norm_weight.has_value() && attn_norm_weight->defined();
+    TORCH_CHECK(alpha.has_value() && alpha->defined() && alpha->scalar_type() == dt &&
+                alpha->numel() == 1, "srupp layer_step: alpha (1,) of x's dtype");
+    SRUPP_DISPATCH_F32_BF16(dt, [&] {
+      const float a = static_cast<float>(*alpha->data_ptr<scalar_t>());
+      const scalar_t* kvp = kv->data_ptr<scalar_t>();
+      one_query_kernel<scalar_t>(q.data_ptr<scalar_t>(), kvp, kvp + dp, o.data_ptr<scalar_t>(),
+                                 B, H, S, hd, sq, sk, sk, scale, pad, S);
+      residual_norm<scalar_t>(q.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(), a,
+                              an ? attn_norm_weight->data_ptr<scalar_t>() : nullptr,
+                              an ? attn_norm_bias->data_ptr<scalar_t>() : nullptr,
+                              static_cast<float>(attn_norm_eps), y.data_ptr<scalar_t>(), B, dp);
+    });
+    U = project(y, *w3, few_rows);                                                // (B, k*D)
+  } else {
+    U = project(maybe_norm(q, attn_norm_weight, attn_norm_bias, attn_norm_eps), w2, few_rows);
+  }
+  U = U.contiguous();
+  Tensor h = at::empty({B, D}, x.options());
+  Tensor c_new = at::empty({B, D}, c.options());
+  SRUPP_DISPATCH_F32_BF16(dt, [&] {
+    recurrence_step<scalar_t>(U.data_ptr<scalar_t>(), k, x.data_ptr<scalar_t>(), x.stride(0),
+                              c.data_ptr<float>(), weight_c.data_ptr<scalar_t>(),
+                              bias.data_ptr<scalar_t>(), static_cast<float>(scale_x),
+                              h.data_ptr<scalar_t>(), c_new.data_ptr<float>(), B, D);
+  });
+  if (normalize_after) h = maybe_norm(h, norm_weight, norm_bias, norm_eps);
+  return {h, c_new};
 }
 
 // Returns h (B, L, D) in U's dtype, c_last (B, D) fp32, and c_all (B, L, D) fp32 with
@@ -1192,6 +1425,11 @@ std::string capability() {
   return "default";
 #endif
 }
+
+// srupp::layer_step is a dispatcher op (its schema, fake kernel and reference live in
+// srupp/ops/layer_step.py, which defines the schema before this library loads): eager
+// calls reach this kernel through C++ only.
+TORCH_LIBRARY_IMPL(srupp, CPU, m) { m.impl("layer_step", &layer_step_cpu); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "srupp: fused multithreaded CPU kernels of the SRU recurrence";

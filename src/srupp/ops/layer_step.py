@@ -1,0 +1,163 @@
+"""One SRU++ layer's decoding step as one op: ``srupp::layer_step``.
+
+At one token per sequence a layer is some 30 small operations (the pre-norm,
+three few-row products, the cache appends, one query's attention, α, the
+LayerNorm, the recurrence, the post-norm); at batch 1 the time between them
+was about half of a decoding step (docs/performance.md, "Generation"). This op
+runs them all in one C++ call (``layer_step_cpu`` in ``csrc/cpu_kernels.cpp``),
+and writes the new token's row of the attention memory and of the key/value
+cache in place, into rows the caller has reserved.
+
+The contract, batch-first, one token per sequence (B rows), no gradient::
+
+    x       (B, n_in)      the layer's input
+    c       (B, D) fp32    the recurrent state before the token
+    w1      (d′, n_in)     W1; w2 (2·d′, d′) with attention, else (k·D, d′); w3 (k·D, d′) or None
+    alpha   (1,)           α, with attention
+    norm_weight, norm_bias             the layer's LayerNorm: a pre-norm of x, or with
+                                       ``normalize_after`` a post-norm of h; or None
+    attn_norm_weight, attn_norm_bias   the LayerNorm inside the sub-layer, or None
+    weight_c, bias (2, D)  the recurrence's [v_f; v_r] and [b_f; b_r]
+    kv      (B, M+1, 2·d′) [K | V] of the memory in rows 0..M-1; the op writes row M
+    memory  (B, M+1, n_in) or None: the op writes x̃ (the pre-normed x) into row M
+    memory_pad (B, M) bool or None: True at padded memory keys
+
+    returns h (B, D) in x's dtype, and the new c (B, D) fp32
+
+x and the weights are all float32 or all bfloat16. A layer without attention
+passes ``w3``, ``alpha``, ``kv`` and ``memory`` as None, and U = W2 LN(W1 x̃).
+k = 3 takes the skip term from x (n_in = D), k = 4 from U's fourth plane.
+Rounding follows the layer's modules: what they store in the weights' dtype
+(x̃, q, K and V, o, α·o, q + α·o, U, h) is rounded to it; sums, norms, the
+softmax and the recurrence run in fp32. :func:`layer_step_reference` is the
+same contract in plain PyTorch, the op's oracle.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import cpu_kernels
+from .reference import layer_norm, skip_term, sru_step
+from .matmul import FEW_ROWS
+from .settings import accessors, tracing
+
+__all__ = ["layer_step", "layer_step_reference", "layer_step_available", "layer_step_applies",
+           "set_step_backend", "get_step_backend", "use_step_backend"]
+
+set_step_backend, get_step_backend, use_step_backend = accessors("step")
+
+SCHEMA = ("layer_step(Tensor x, Tensor c, Tensor w1, Tensor w2, Tensor? w3, Tensor? alpha, "
+          "Tensor? norm_weight, Tensor? norm_bias, Tensor? attn_norm_weight, "
+          "Tensor? attn_norm_bias, Tensor weight_c, Tensor bias, Tensor(a!)? kv, "
+          "Tensor(b!)? memory, Tensor? memory_pad, float norm_eps, float attn_norm_eps, "
+          "float scale_x, int num_heads, bool normalize_after, int few_rows) -> (Tensor, Tensor)")
+
+# The schema is defined here, at import (no compilation): the C++ kernel registers its
+# CPU implementation when the extension loads, and the fake kernel below lets
+# torch.compile and torch.export trace the op without running it.
+_lib = torch.library.Library("srupp", "FRAGMENT")
+_lib.define(SCHEMA)
+
+
+@torch.library.register_fake("srupp::layer_step", lib=_lib)
+def _layer_step_fake(x, c, w1, w2, w3, alpha, norm_weight, norm_bias, attn_norm_weight,
+                     attn_norm_bias, weight_c, bias, kv, memory, memory_pad, norm_eps,
+                     attn_norm_eps, scale_x, num_heads, normalize_after, few_rows):
+    B, D = x.shape[0], weight_c.shape[1]
+    return x.new_empty((B, D)), c.new_empty((B, D))
+
+
+def layer_step_available() -> bool:
+    """Whether the C++ op can run (the extension builds; on the first call it is built)."""
+    return cpu_kernels.is_available()  # loading the extension registers the kernel
+
+
+def layer_step_applies(x: Tensor) -> bool:
+    """Whether a one-token step of a stack with input ``x`` runs through the op.
+
+    That is: the step backend is "auto" or "fused", no gradient is recorded,
+    nothing traces or autocasts, and ``x`` is a float32 or bfloat16 CPU tensor
+    with the extension built. A forced "fused" raises where it can't run ``x``.
+    """
+    name = get_step_backend()
+    if name == "modules" or torch.is_grad_enabled() or tracing():
+        return False
+    ok = (x.device.type == "cpu" and x.dtype in FEW_ROWS
+          and not torch.is_autocast_enabled("cpu"))
+    if name == "fused" and not (ok and layer_step_available()):
+        raise RuntimeError(f"srupp: the fused step runs float32/bfloat16 CPU tensors outside "
+                           f"autocast with the C++ extension built; got {x.dtype} on "
+                           f"{x.device.type} (extension: {cpu_kernels.build_error() or 'ok'})")
+    return ok and layer_step_available()
+
+
+def layer_step(x: Tensor, c: Tensor, w1: Tensor, w2: Tensor, w3: Optional[Tensor],
+               alpha: Optional[Tensor], norm_weight: Optional[Tensor],
+               norm_bias: Optional[Tensor], attn_norm_weight: Optional[Tensor],
+               attn_norm_bias: Optional[Tensor], weight_c: Tensor, bias: Tensor,
+               kv: Optional[Tensor], memory: Optional[Tensor], memory_pad: Optional[Tensor],
+               norm_eps: float, attn_norm_eps: float, scale_x: float, num_heads: int,
+               normalize_after: bool, few_rows: int) -> Tuple[Tensor, Tensor]:
+    """The op (see the module doc); the C++ kernel is built on the first call.
+    ``few_rows``: products of up to this many rows take the few-rows kernel, larger
+    ones ATen's GEMM (:data:`srupp.ops.matmul.FEW_ROWS` has the measured crossover)."""
+    if not tracing() and not layer_step_available():
+        raise RuntimeError(f"srupp: the C++ CPU extension is unavailable "
+                           f"({cpu_kernels.build_error()})")
+    return torch.ops.srupp.layer_step(
+        x, c, w1, w2, w3, alpha, norm_weight, norm_bias, attn_norm_weight, attn_norm_bias,
+        weight_c, bias, kv, memory, memory_pad, norm_eps, attn_norm_eps, scale_x, num_heads,
+        normalize_after, few_rows)
+
+
+def layer_step_reference(x: Tensor, c: Tensor, w1: Tensor, w2: Tensor, w3: Optional[Tensor],
+                         alpha: Optional[Tensor], norm_weight: Optional[Tensor],
+                         norm_bias: Optional[Tensor], attn_norm_weight: Optional[Tensor],
+                         attn_norm_bias: Optional[Tensor], weight_c: Tensor, bias: Tensor,
+                         kv: Optional[Tensor], memory: Optional[Tensor],
+                         memory_pad: Optional[Tensor], norm_eps: float, attn_norm_eps: float,
+                         scale_x: float, num_heads: int, normalize_after: bool,
+                         few_rows: int = 0) -> Tuple[Tensor, Tensor]:
+    """:func:`layer_step` in plain PyTorch (``few_rows`` is unused: it only picks kernels)."""
+    dt = x.dtype
+    f = torch.float32
+
+    def round_(t: Tensor) -> Tensor:            # what the modules store in the weights' dtype
+        return t.to(dt).to(f)
+
+    def norm(t: Tensor, g: Optional[Tensor], b: Optional[Tensor], eps: float) -> Tensor:
+        return t if g is None else round_(layer_norm(t, g.to(f), b.to(f), eps))
+
+    B, D = x.shape[0], weight_c.shape[1]
+    xf = x.to(f)
+    xin = xf if normalize_after else norm(xf, norm_weight, norm_bias, norm_eps)  # (B, n_in)
+    if memory is not None:
+        memory[:, -1] = xin.to(dt)
+    q = round_(xin @ w1.to(f).T)                                          # (B, d′)
+    if w3 is not None:
+        kv[:, -1] = (q @ w2.to(f).T).to(dt)                               # the new [K | V]
+        dp = q.shape[1]
+        hd = dp // num_heads
+        k, v = kv.to(f).split(dp, dim=-1)                                 # (B, S, d′) each
+        qh = q.view(B, num_heads, 1, hd)
+        kh, vh = (t.unflatten(-1, (num_heads, hd)).transpose(1, 2) for t in (k, v))  # (B, H, S, hd)
+        scores = qh @ kh.transpose(-2, -1) / math.sqrt(hd)                # (B, H, 1, S)
+        if memory_pad is not None:
+            pad = torch.cat([memory_pad, memory_pad.new_zeros(B, 1)], 1)  # the token is real
+            scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+        o = round_((scores.softmax(-1) @ vh).reshape(B, dp))              # (B, d′)
+        y = round_(q + round_(alpha.to(f) * o))                           # the residual
+        U = round_(norm(y, attn_norm_weight, attn_norm_bias, attn_norm_eps) @ w3.to(f).T)
+    else:
+        U = round_(norm(q, attn_norm_weight, attn_norm_bias, attn_norm_eps) @ w2.to(f).T)
+    U = U.view(B, -1, D)                                                  # (B, k, D)
+    h, c_new = sru_step(U, skip_term(U, xf, scale_x), c.to(f), weight_c.to(f), bias.to(f))
+    h = round_(h)
+    if normalize_after:
+        h = norm(h, norm_weight, norm_bias, norm_eps)
+    return h.to(dt), c_new

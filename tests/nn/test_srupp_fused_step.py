@@ -1,0 +1,205 @@
+"""An SRU++ stack's one-token step through srupp::layer_step against the modules' path.
+
+Under no_grad on CPU a one-token call runs each layer as one C++ op
+(``_step_fused`` in srupp/nn/srupp.py); the step backend "modules" runs the
+same token module by module. Both must give the same outputs and the same
+state (c, memory, cached keys and values, the padding mask), token by token,
+in fp32 and bf16, and the op must actually have run (counted). Where the op
+can't take the model (training, int8 weights, a stale K/V cache) the modules'
+path runs and the result is still right. Tolerances: against the modules'
+path as in tests/ops/test_layer_step.py (the same roundings, sums in another
+order); against the full forward, whose GEMMs and kernels differ more, the
+whole-model ones of tests/tolerances.py.
+"""
+
+import pytest
+import torch
+
+from tolerances import tol
+
+import srupp.nn.srupp as srupp_module
+from srupp.models import CausalLM, SRUppConfig
+from srupp.nn import SRUpp
+from srupp.ops import cpu_kernels
+from srupp.ops.layer_step import use_step_backend
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not cpu_kernels.is_available(),
+                                 reason=f"the C++ extension is unavailable "
+                                        f"({cpu_kernels.build_error()})")]
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+CASES = {
+    "plain": dict(),
+    "heads": dict(num_heads=2),
+    "k4": dict(input_size=5),
+    "proj_first": dict(input_size=5, proj_input_to_hidden_first=True),
+    "layer_norm_pre": dict(layer_norm=True),
+    "layer_norm_post": dict(layer_norm=True, normalize_after=True),
+    "attention_every_2": dict(num_layers=3, attention_every_n_layers=2),
+    "no_attention": dict(attention_last_n_layers=0),
+    "window_slides": dict(mem_len=3),
+    "no_memory": dict(mem_len=0),
+}
+
+
+def make(dtype, input_size=6, num_layers=2, **kw):
+    torch.manual_seed(0)
+    m = SRUpp(input_size, 8, 4, num_layers, causal=True, batch_first=True, **kw).eval()
+    with torch.no_grad():  # α and the biases start at 0: move everything off its init
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return m.to(dtype)
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """How many times the stack called the op."""
+    calls = []
+    real = srupp_module.layer_step
+
+    def counted(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(srupp_module, "layer_step", counted)
+    return calls
+
+
+def steps(m, x, state, backend):
+    """Feed x (B, T, n_in) one token per call under a step backend; (B, T, D) and the state."""
+    outs = []
+    with torch.no_grad(), use_step_backend(backend):
+        for t in range(x.shape[1]):
+            h, state = m.step(x[:, t], state)
+            outs.append(h)
+    return torch.stack(outs, 1), state
+
+
+def assert_same_state(a, b, tol):
+    torch.testing.assert_close(a.c, b.c, **tol)
+    assert a.mem_len == b.mem_len
+    for ma, mb in zip(a.memory, b.memory):
+        assert (ma is None) == (mb is None)
+        if ma is not None:
+            torch.testing.assert_close(ma, mb, **tol)
+    for ka, kb in zip(a.kv_cache, b.kv_cache):
+        assert (ka is None) == (kb is None)
+        if ka is not None:
+            torch.testing.assert_close(ka.kv, kb.kv, **tol)
+    if a.memory_mask_pad is None or b.memory_mask_pad is None:
+        for p in (a.memory_mask_pad, b.memory_mask_pad):
+            assert p is None or not p.any()
+    else:
+        assert torch.equal(a.memory_mask_pad, b.memory_mask_pad)
+
+
+@DTYPES
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_steps_equal_the_modules_and_the_full_forward(case, dtype, op_calls):
+    cfg = dict(CASES[case])
+    m = make(dtype, **cfg)
+    x = torch.randn(3, 7, cfg.get("input_size", 6)).to(dtype)
+    fused, st_fused = steps(m, x, None, "fused")
+    assert len(op_calls) == 7 * m.num_layers
+    modules, st_modules = steps(m, x, None, "modules")
+    assert len(op_calls) == 7 * m.num_layers  # the modules' path never calls it
+    torch.testing.assert_close(fused, modules, **TOL[dtype])
+    assert_same_state(st_fused, st_modules, TOL[dtype])
+    if "mem_len" not in cfg:  # a window (or none) differs from one call over everything
+        with torch.no_grad():
+            full, st_full = m(x)
+        torch.testing.assert_close(fused, full, **tol(dtype))
+        assert_same_state(st_fused, st_full, tol(dtype))
+
+
+@DTYPES
+def test_after_a_padded_prefix_and_at_a_batch_past_the_few_rows_kernel(dtype, op_calls):
+    """Left-padded prompts (the memory's key mask) at B = 10: more rows than the few-rows
+    kernel takes in either dtype, so the op's products go to ATen's GEMM."""
+    m = make(dtype, num_heads=2)
+    B = 10
+    x = torch.randn(B, 9, 6).to(dtype)
+    pad = torch.zeros(B, 4, dtype=torch.bool)
+    pad[::2, :2] = True
+    with torch.no_grad():
+        _, st = m(x[:, :4], mask_pad=pad)
+    fused, st_f = steps(m, x[:, 4:], st, "fused")
+    modules, st_m = steps(m, x[:, 4:], st, "modules")
+    assert len(op_calls) == 5 * m.num_layers
+    torch.testing.assert_close(fused, modules, **TOL[dtype])
+    assert_same_state(st_f, st_m, TOL[dtype])
+    assert st_f.memory_mask_pad.shape == (B, 9)
+
+
+def test_two_branches_from_one_state_leave_it_unchanged(op_calls):
+    """Decoding two continuations of one prefix (sampling, beam search): the second
+    branch must not see the first's in-place rows, and the prefix state stays as it was."""
+    m = make(torch.float32, mem_len=4)
+    x = torch.randn(2, 5, 6)
+    _, root = steps(m, x[:, :3], None, "fused")
+    saved = [t.clone() for t in root.memory] + [kv.kv.clone() for kv in root.kv_cache]
+    a, _ = steps(m, x[:, 3:], root, "fused")
+    b, _ = steps(m, x[:, 3:].flip(0), root, "fused")
+    ref_a, _ = steps(m, x[:, 3:], root, "modules")
+    ref_b, _ = steps(m, x[:, 3:].flip(0), root, "modules")
+    torch.testing.assert_close(a, ref_a, **TOL[torch.float32])
+    torch.testing.assert_close(b, ref_b, **TOL[torch.float32])
+    now = [t for t in root.memory] + [kv.kv for kv in root.kv_cache]
+    for before, after in zip(saved, now):
+        torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+def test_the_modules_run_where_the_op_cannot(op_calls):
+    m = make(torch.float32, num_heads=2)
+    x = torch.randn(2, 4, 6)
+    want, st = steps(m, x, None, "modules")
+    # training mode (dropout may be on): the modules' path
+    m.train()
+    steps(m, x, None, "auto")
+    m.eval()
+    assert not op_calls
+    # a stale K/V cache (the weights changed in place after it was made): modules, and
+    # the result is that of a fresh computation
+    nxt = torch.randn(2, 1, 6)
+    with torch.no_grad():
+        m.layers[0].transform.linear2.weight.mul_(1.1)
+    got, _ = steps(m, nxt, st, "auto")
+    assert not op_calls
+    fresh, _ = steps(m, nxt, st.drop_kv_cache(), "modules")
+    torch.testing.assert_close(got, fresh, **TOL[torch.float32])
+    # the next step has a valid cache again: the op
+    steps(m, nxt, steps(m, nxt, st, "auto")[1], "auto")
+    assert len(op_calls) == m.num_layers
+
+
+def test_int8_and_gradients_take_the_modules_path(op_calls):
+    torch.manual_seed(0)
+    lm = CausalLM(SRUppConfig(vocab_size=40, d_model=16, proj_size=8, num_layers=2)).eval()
+    tokens = torch.randint(0, 40, (2, 5))
+    out = lm(tokens)  # with gradients: the modules' path
+    assert not op_calls and out.logits.requires_grad
+    lm.quantize("int8")
+    with torch.no_grad():
+        lm.step(tokens[:, 0], lm.generation_state(2))
+    assert not op_calls
+
+
+@DTYPES
+def test_generate_gives_the_same_tokens(dtype, op_calls):
+    torch.manual_seed(0)
+    lm = CausalLM(SRUppConfig(vocab_size=50, d_model=32, proj_size=8, num_layers=3,
+                              attention_every_n_layers=1, mem_len=6)).eval()
+    with torch.no_grad():
+        for p in lm.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    lm.to(dtype)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]  # unequal: left padding
+    with use_step_backend("fused"):
+        fused = lm.generate(prompts, 12, temperature=0)
+    assert op_calls
+    with use_step_backend("modules"):
+        modules = lm.generate(prompts, 12, temperature=0)
+    assert fused == modules

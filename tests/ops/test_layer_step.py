@@ -1,0 +1,137 @@
+"""srupp::layer_step, one SRU++ layer's decoding step as one C++ op, against its reference.
+
+Outputs (h, c) and the rows the op writes in place (the new token's memory and
+[K | V] rows) are compared with :func:`layer_step_reference`. Tolerances: fp32
+to 1e-5 (sums in another order); bf16 to one bf16 rounding of the output
+(rtol 1.6e-2), as both round the same intermediates and differ only in the
+order of fp32 sums. The state c is fp32 in both dtypes.
+"""
+
+import pytest
+import torch
+
+from srupp.ops import cpu_kernels
+from srupp.ops.layer_step import (layer_step, layer_step_applies, layer_step_reference,
+                                  use_step_backend)
+from srupp.ops.matmul import FEW_ROWS
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not cpu_kernels.is_available(),
+                                 reason=f"the C++ extension is unavailable "
+                                        f"({cpu_kernels.build_error()})")]
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+
+# B, n_in, D, d', heads, M (memory rows), attention, pre-norm, post-norm, padded memory
+CASES = {
+    "one_row": dict(B=1, n_in=64, D=64, dp=16, H=1, M=5),
+    "no_memory_k4": dict(B=3, n_in=48, D=64, dp=16, H=2, M=0),
+    "heads_padded": dict(B=4, n_in=64, D=64, dp=16, H=4, M=7, pad=True),
+    "pre_norm": dict(B=2, n_in=64, D=64, dp=32, H=2, M=3, pre=True),
+    "post_norm": dict(B=2, n_in=64, D=64, dp=16, H=1, M=3, post=True),
+    "no_attention": dict(B=2, n_in=64, D=64, dp=16, H=1, M=0, attention=False, pre=True),
+    "gemm_rows": dict(B=12, n_in=64, D=64, dp=32, H=2, M=9, pad=True),  # > FEW_ROWS: ATen
+    "odd_widths": dict(B=1, n_in=40, D=40, dp=12, H=3, M=2),             # vector tails
+}
+
+
+def make_args(dtype, B, n_in, D, dp, H, M, attention=True, pre=False, post=False, pad=False,
+              seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=0.3):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    k = 3 if n_in == D else 4
+    norm = pre or post
+    width = (D if post else n_in)
+    return dict(
+        x=r(B, n_in, scale=1.0), c=torch.randn(B, D, generator=g), w1=r(dp, n_in),
+        w2=r(2 * dp, dp) if attention else r(k * D, dp), w3=r(k * D, dp) if attention else None,
+        alpha=r(1, scale=1.0) if attention else None,
+        norm_weight=r(width).abs() + 0.5 if norm else None, norm_bias=r(width) if norm else None,
+        attn_norm_weight=r(dp).abs() + 0.5, attn_norm_bias=r(dp),
+        weight_c=r(2, D), bias=r(2, D),
+        kv=r(B, M + 1, 2 * dp, scale=1.0) if attention else None,
+        memory=r(B, M + 1, n_in, scale=1.0) if attention else None,
+        memory_pad=(torch.rand(B, M, generator=g) < 0.4) if pad and attention else None,
+        norm_eps=1e-5, attn_norm_eps=1e-6, scale_x=1.3, num_heads=H, normalize_after=post,
+        few_rows=FEW_ROWS[dtype])
+
+
+def clone(args):
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_op_matches_reference(case, dtype):
+    args = make_args(dtype, **CASES[case])
+    mine, ref = clone(args), clone(args)
+    h, c = layer_step(**mine)
+    h_ref, c_ref = layer_step_reference(**ref)
+    assert h.dtype == dtype and c.dtype == torch.float32
+    torch.testing.assert_close(h, h_ref, **TOL[dtype])
+    torch.testing.assert_close(c, c_ref, **TOL[torch.float32 if dtype == torch.float32
+                                                 else torch.bfloat16])
+    for name in ("kv", "memory"):
+        if args[name] is None:
+            continue
+        # the new token's row is the op's; every earlier row is left as it was
+        torch.testing.assert_close(mine[name][:, -1], ref[name][:, -1], **TOL[dtype])
+        torch.testing.assert_close(mine[name][:, :-1], args[name][:, :-1], rtol=0, atol=0)
+        assert not torch.equal(mine[name][:, -1], args[name][:, -1])
+
+
+def test_writes_into_a_strided_view_of_a_larger_buffer():
+    """As the stack calls it: kv and memory are views (B, M+1, ·) of buffers with spare
+    rows; nothing outside the view's last row changes."""
+    args = make_args(torch.float32, B=2, n_in=32, D=32, dp=8, H=1, M=4)
+    kv_base = torch.randn(2, 16, 16)
+    mem_base = torch.randn(2, 16, 32)
+    before = kv_base.clone(), mem_base.clone()
+    args["kv"], args["memory"] = kv_base[:, 3:8], mem_base[:, 3:8]
+    ref = clone(args)
+    h, _ = layer_step(**args)
+    h_ref, _ = layer_step_reference(**ref)
+    torch.testing.assert_close(h, h_ref, **TOL[torch.float32])
+    torch.testing.assert_close(kv_base[:, 7], ref["kv"][:, -1], **TOL[torch.float32])
+    for base, old in zip((kv_base, mem_base), before):
+        rest = torch.ones(16, dtype=torch.bool)
+        rest[7] = False
+        torch.testing.assert_close(base[:, rest], old[:, rest], rtol=0, atol=0)
+
+
+def test_every_memory_key_padded_but_the_token_itself():
+    """The token's own key is never padding: with all memory padded it attends to itself."""
+    args = make_args(torch.float32, B=1, n_in=32, D=32, dp=8, H=2, M=3, pad=True)
+    args["memory_pad"] = torch.ones(1, 3, dtype=torch.bool)
+    alone = clone(args)
+    alone["kv"], alone["memory"], alone["memory_pad"] = (alone["kv"][:, -1:],
+                                                         alone["memory"][:, -1:], None)
+    torch.testing.assert_close(layer_step(**args)[0], layer_step(**alone)[0], rtol=0, atol=0)
+
+
+def test_fake_kernel_and_schema():
+    """torch.library's own checks: the schema's mutations, the fake kernel's shapes, and
+    that the op behaves the same when traced."""
+    args = make_args(torch.float32, **CASES["heads_padded"])
+    torch.library.opcheck(torch.ops.srupp.layer_step.default, tuple(args.values()),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_when_the_op_applies():
+    x = torch.randn(1, 8)
+    assert not layer_step_applies(x)                       # gradients are recorded
+    with torch.no_grad():
+        assert layer_step_applies(x)
+        assert not layer_step_applies(x.double())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not layer_step_applies(x)
+        with use_step_backend("modules"):
+            assert not layer_step_applies(x)
+        with use_step_backend("fused"), pytest.raises(RuntimeError, match="float32/bfloat16 CPU"):
+            layer_step_applies(x.double())
+    with pytest.raises(ValueError, match="unknown srupp step backend"):
+        with use_step_backend("fast"):
+            pass
