@@ -90,16 +90,25 @@ def test_reserve_steps_keeps_the_old_steps_and_follows_the_same_buffer_rules(dev
     with torch.no_grad():
         root = append_steps(None, torch.randn(2, 3, 4).to(device))
         kept = root.clone()
-        grown = reserve_steps(root, (2, 1, 4), root)
-        assert grown.shape == (2, 4, 4) and grown._base is root._base
-        torch.testing.assert_close(grown[:, :3], kept, rtol=0, atol=0)
-        grown[:, 3] = 5.0
+        base, start = reserve_steps(root, (2, 1, 4), root)
+        assert base is root._base and start == 0
+        torch.testing.assert_close(base[:, start:start + 3], kept, rtol=0, atol=0)
+        base[:, start + 3] = 5.0
+        # the next append continues after the reserved step, in the same buffer
+        grown = append_steps(base.narrow(1, start, 4), torch.ones(2, 1, 4, device=device))
+        assert grown._base is base
+        torch.testing.assert_close(grown[:, 3], torch.full((2, 4), 5.0, device=device))
         # root no longer ends its buffer: a second branch gets a copy
-        other = reserve_steps(root, (2, 1, 4), root)
-        assert other._base is not root._base
+        other, at = reserve_steps(root, (2, 1, 4), root)
+        assert other is not base and at == 0
         torch.testing.assert_close(other[:, :3], kept, rtol=0, atol=0)
         torch.testing.assert_close(root, kept, rtol=0, atol=0)
-        # from nothing: a fresh buffer of the given shape, dtype and device
-        fresh = reserve_steps(None, (3, 1, 5), torch.zeros((), dtype=torch.bfloat16,
-                                                           device=device))
-        assert fresh.shape == (3, 1, 5) and fresh.dtype == torch.bfloat16
+        # a window that slid forward: the start is where the view begins in its buffer
+        window = grown[:, 2:]
+        base2, start2 = reserve_steps(window, (2, 1, 4), window)
+        assert base2 is base and start2 == 2
+        # from nothing: a fresh buffer with room, of the given dtype and device
+        fresh, s0 = reserve_steps(None, (3, 1, 5), torch.zeros((), dtype=torch.bfloat16,
+                                                               device=device))
+        assert s0 == 0 and fresh.shape[0] == 3 and fresh.shape[1] >= 1 and fresh.shape[2] == 5
+        assert fresh.dtype == torch.bfloat16

@@ -55,7 +55,7 @@ def make_args(dtype, B, n_in, D, dp, H, M, attention=True, pre=False, post=False
         kv=r(B, M + 1, 2 * dp, scale=1.0) if attention else None,
         memory=r(B, M + 1, n_in, scale=1.0) if attention else None,
         memory_pad=(torch.rand(B, M, generator=g) < 0.4) if pad and attention else None,
-        norm_eps=1e-5, attn_norm_eps=1e-6, scale_x=1.3, num_heads=H, normalize_after=post,
+        kv_start=0, memory_start=0, cached=M, norm_eps=1e-5, attn_norm_eps=1e-6, scale_x=1.3, num_heads=H, normalize_after=post,
         few_rows=FEW_ROWS[dtype])
 
 
@@ -80,26 +80,36 @@ def test_op_matches_reference(case, dtype):
         # the new token's row is the op's; every earlier row is left as it was
         torch.testing.assert_close(mine[name][:, -1], ref[name][:, -1], **TOL[dtype])
         torch.testing.assert_close(mine[name][:, :-1], args[name][:, :-1], rtol=0, atol=0)
-        assert not torch.equal(mine[name][:, -1], args[name][:, -1])
+        assert not torch.equal(mine[name][:, -1], args[name][:, -1])  # it was written
 
 
-def test_writes_into_a_strided_view_of_a_larger_buffer():
-    """As the stack calls it: kv and memory are views (B, M+1, ·) of buffers with spare
-    rows; nothing outside the view's last row changes."""
-    args = make_args(torch.float32, B=2, n_in=32, D=32, dp=8, H=1, M=4)
-    kv_base = torch.randn(2, 16, 16)
-    mem_base = torch.randn(2, 16, 32)
+def test_writes_one_row_of_a_larger_buffer_at_its_offset():
+    """As the stack calls it: kv and memory are buffers with spare rows, the cached steps
+    at an offset; the op writes row offset + M of each and reads nothing outside."""
+    M = 4
+    args = make_args(torch.float32, B=2, n_in=32, D=32, dp=8, H=1, M=M)
+    kv_base, mem_base = torch.randn(2, 16, 16), torch.randn(2, 16, 32)
+    kv_base[:, 3:3 + M] = args["kv"][:, :M]
+    mem_base[:, 5:5 + M] = args["memory"][:, :M]
+    kv_base[:, :3] = float("nan")  # rows outside the window: never read
     before = kv_base.clone(), mem_base.clone()
-    args["kv"], args["memory"] = kv_base[:, 3:8], mem_base[:, 3:8]
     ref = clone(args)
-    h, _ = layer_step(**args)
+    mine = dict(args, kv=kv_base, memory=mem_base, kv_start=3, memory_start=5)
+    h, _ = layer_step(**mine)
     h_ref, _ = layer_step_reference(**ref)
     torch.testing.assert_close(h, h_ref, **TOL[torch.float32])
-    torch.testing.assert_close(kv_base[:, 7], ref["kv"][:, -1], **TOL[torch.float32])
-    for base, old in zip((kv_base, mem_base), before):
+    torch.testing.assert_close(kv_base[:, 3 + M], ref["kv"][:, M], **TOL[torch.float32])
+    torch.testing.assert_close(mem_base[:, 5 + M], ref["memory"][:, M], **TOL[torch.float32])
+    for base, old, row in ((kv_base, before[0], 3 + M), (mem_base, before[1], 5 + M)):
         rest = torch.ones(16, dtype=torch.bool)
-        rest[7] = False
-        torch.testing.assert_close(base[:, rest], old[:, rest], rtol=0, atol=0)
+        rest[row] = False
+        torch.testing.assert_close(base[:, rest], old[:, rest], rtol=0, atol=0, equal_nan=True)
+
+
+def test_rows_past_the_buffer_are_refused():
+    args = make_args(torch.float32, B=1, n_in=32, D=32, dp=8, H=1, M=4)
+    with pytest.raises(RuntimeError, match="kv_start"):
+        layer_step(**dict(args, kv_start=1))  # row 1 + 4 is past the 5-row buffer
 
 
 def test_every_memory_key_padded_but_the_token_itself():
@@ -107,8 +117,8 @@ def test_every_memory_key_padded_but_the_token_itself():
     args = make_args(torch.float32, B=1, n_in=32, D=32, dp=8, H=2, M=3, pad=True)
     args["memory_pad"] = torch.ones(1, 3, dtype=torch.bool)
     alone = clone(args)
-    alone["kv"], alone["memory"], alone["memory_pad"] = (alone["kv"][:, -1:],
-                                                         alone["memory"][:, -1:], None)
+    alone.update(kv=alone["kv"][:, -1:], memory=alone["memory"][:, -1:], memory_pad=None,
+                 cached=0)
     torch.testing.assert_close(layer_step(**args)[0], layer_step(**alone)[0], rtol=0, atol=0)
 
 

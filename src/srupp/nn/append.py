@@ -16,7 +16,7 @@ Only used when no gradient is recorded (in-place writes would break autograd).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -40,21 +40,23 @@ def append_steps(old: Optional[Tensor], new: Tensor, dim: int = 1) -> Tensor:
             new.requires_grad or (old is not None and old.requires_grad))):
         return new if old is None else torch.cat([old.to(new.dtype), new], dim)
     dim = dim % new.dim()
-    grown = reserve_steps(old, new.shape, new, dim)
-    grown.narrow(dim, grown.shape[dim] - new.shape[dim], new.shape[dim]).copy_(new)
-    return grown
+    M, L = (0 if old is None else old.shape[dim]), new.shape[dim]
+    base, start = reserve_steps(old, new.shape, new, dim)
+    base.narrow(dim, start + M, L).copy_(new)
+    return base.narrow(dim, start, M + L)
 
 
 def reserve_steps(old: Optional[Tensor], steps_shape: Sequence[int], like: Tensor,
-                  dim: int = 1) -> Tensor:
-    """``old`` grown by steps that are left for the caller to write.
+                  dim: int = 1) -> Tuple[Tensor, int]:
+    """Room for new steps after ``old``, for a kernel that writes them in place.
 
-    The same buffer rules as :func:`append_steps` (which is this plus the copy of
-    the new steps), for a kernel that writes new steps in place. ``steps_shape``
+    :func:`append_steps` is this plus the copy of the new steps. ``steps_shape``
     is the new steps' shape (L at ``dim``; ``old``'s shape elsewhere) and ``like``
-    gives the dtype and device. The result (..., M + L, ...) holds ``old``'s steps
-    first (copied only when its buffer has no room or is not its own), then L
-    steps of unspecified content. Gradients are not tracked.
+    gives the dtype and device. Returns a buffer and ``start``: along ``dim`` its
+    steps start .. start+M-1 hold ``old`` (copied only when its own buffer has no
+    room, or ``old`` does not end where that buffer's last append ended), and the
+    L steps after them are the caller's to write. The buffer is marked as ending
+    at start+M+L. Gradients are not tracked.
     """
     if old is not None and old.dtype != like.dtype:
         old = old.to(like.dtype)
@@ -71,7 +73,7 @@ def reserve_steps(old: Optional[Tensor], steps_shape: Sequence[int], like: Tenso
             if (start + M == end and end + L <= base.shape[dim] and old.stride() == base.stride()
                     and old.numel() * base.shape[dim] == base.numel() * M):
                 base._srupp_append_end = end + L
-                return base.narrow(dim, start, M + L)
+                return base, start
     # a fresh buffer with room to double
     shape = list(steps_shape)
     shape[dim] = max(2 * (M + L), _MIN_CAPACITY)
@@ -79,4 +81,4 @@ def reserve_steps(old: Optional[Tensor], steps_shape: Sequence[int], like: Tenso
     if old is not None:
         base.narrow(dim, 0, M).copy_(old)
     base._srupp_append_end = M + L
-    return base.narrow(dim, 0, M + L)
+    return base, 0

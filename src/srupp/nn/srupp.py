@@ -24,6 +24,7 @@ state (:class:`~srupp.nn.state.KVCache`) and grown in place
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple, Union
 
@@ -32,7 +33,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from ..ops import attend
-from ..ops.layer_step import layer_step, layer_step_applies
+from ..ops.layer_step import layer_step_applies, layer_step_kernel
 from ..ops.matmul import FEW_ROWS
 from .append import append_steps, reserve_steps
 from .linear import Linear
@@ -619,25 +620,88 @@ def _run_stack(owner: nn.Module, layers: Sequence[SRUppCell], input_to_hidden: O
                          mem_len=state.mem_len, kv_cache=kv_cache)
 
 
-def _fused_step_fits(layers, x: Tensor, state: SRUppState, c0: Tensor, M: int,
-                     keep_memory: bool) -> bool:
-    """Whether :func:`_step_fused` can take these layers and this state: weights of x's
-    dtype (not int8), eval mode, an fp32 state, and for attention layers with memory
-    its keys and values cached under the current weights."""
-    if c0.dtype != torch.float32 or (M > 0 and not keep_memory):
-        return False
-    dt = x.dtype
-    for i, layer in enumerate(layers):
-        t = layer.transform
-        if layer.training or layer.weight_c.dtype != dt or t.linear1.weight.dtype != dt \
-                or t.linear2.weight.dtype != dt:
-            return False
-        if layer.use_attention and M > 0:
-            mem, cached = state.memory[i], state.kv_cache[i]
-            if mem is None or mem.dtype != dt or cached is None \
-                    or not cached.valid_for(t.kv_weights, M):
+@dataclass(frozen=True)
+class _StepPlan:
+    """What ``srupp::layer_step`` reads from one layer, looked up once.
+
+    A module attribute costs about a microsecond to look up, and a layer's fused
+    step reads some twenty of them: together more than the op's own overhead. The
+    plan keeps them, with the dicts they came from, and stays valid while each
+    entry still holds the same object (a swapped Parameter or submodule makes a
+    new plan; ``.to()`` and in-place updates keep the objects, and the op reads
+    their current data).
+    """
+
+    weights: tuple            # w1, w2, w3, α, norm w/b, attention norm w/b, weight_c, bias
+    present: tuple            # those of them that are not None
+    norm_eps: float
+    attn_norm_eps: float
+    scale_x: float
+    num_heads: int
+    normalize_after: bool
+    use_attention: bool
+    kv_weights: tuple         # W1, W2: what the K/V cache is made with
+    sources: tuple            # ((dict, key, object), ...) the lookups the plan holds
+
+    def valid(self) -> bool:
+        for entries, name, value in self.sources:
+            if entries.get(name) is not value:
                 return False
-    return True
+        return True
+
+
+_PLANS: "weakref.WeakKeyDictionary[SRUppCell, _StepPlan]" = weakref.WeakKeyDictionary()
+
+
+class _Lookups:
+    """Reads entries of modules' ``_parameters`` / ``_modules`` and remembers where from."""
+
+    def __init__(self):
+        self.sources = []
+
+    def __call__(self, module: nn.Module, kind: str, name: str):
+        entries = getattr(module, kind)
+        if name in entries:
+            value = entries[name]
+        elif kind == "_modules" and module.__dict__.get(name, _MISSING) is None:
+            value = None  # an optional submodule set to None: a plain attribute
+        else:
+            raise LookupError(name)
+        self.sources.append((entries, name, value))  # valid while .get(name) is value
+        return value
+
+
+_MISSING = object()
+
+
+def _step_plan(layer: SRUppCell) -> Optional[_StepPlan]:
+    """The layer's :class:`_StepPlan`, made again when what it was read from changed;
+    None when a projection is not a plain Linear (an int8 one has no weight Parameter)."""
+    plan = _PLANS.get(layer)
+    if plan is not None and plan.valid():
+        return plan
+    get = _Lookups()
+    attention = layer.use_attention
+    try:
+        t, ln = get(layer, "_modules", "transform"), get(layer, "_modules", "layer_norm")
+        tln = get(t, "_modules", "layer_norm")
+        w1 = get(get(t, "_modules", "linear1"), "_parameters", "weight")
+        w2 = get(get(t, "_modules", "linear2"), "_parameters", "weight")
+        w3 = get(get(t, "_modules", "linear3"), "_parameters", "weight") if attention else None
+        alpha = get(t, "_parameters", "alpha") if attention else None
+        norms = [None if m is None else get(m, "_parameters", n)
+                 for m in (ln, tln) for n in ("weight", "bias")]
+        gates = get(layer, "_parameters", "weight_c"), get(layer, "_parameters", "bias")
+    except LookupError:
+        return None
+    weights = (w1, w2, w3, alpha, *norms, *gates)
+    plan = _PLANS[layer] = _StepPlan(
+        weights=weights, present=tuple(w for w in weights if w is not None),
+        norm_eps=1e-5 if ln is None else ln.eps, attn_norm_eps=1e-5 if tln is None else tln.eps,
+        scale_x=layer.scale_x, num_heads=t.num_heads if attention else 1,
+        normalize_after=layer.normalize_after, use_attention=attention, kv_weights=(w1, w2),
+        sources=tuple(get.sources))
+    return plan
 
 
 def _step_fused(layers: Sequence[SRUppCell], input_to_hidden: Optional[nn.Module], x: Tensor,
@@ -646,45 +710,64 @@ def _step_fused(layers: Sequence[SRUppCell], input_to_hidden: Optional[nn.Module
     """One token, x (B, n_in), through the layers, each as one ``srupp::layer_step`` op.
 
     The same result and state as the modules' path of :func:`_run_stack` (the
-    memory and the K/V cache grow in place, into rows :func:`reserve_steps` sets
-    aside); None where the op can't take the layers or the state, and nothing has
-    run then.
+    memory and the K/V cache grow in place, into the rows :func:`reserve_steps`
+    sets aside). None, with nothing run, where the op can't take the layers or the
+    state: training mode, weights not of x's dtype (int8 ones, say), a state that
+    is not fp32, or an attention layer's memory without keys and values cached
+    under the current weights.
     """
-    keep_memory = mem_len != 0 and any(layer.use_attention for layer in layers)
-    if not _fused_step_fits(layers, x, state, c0, M, keep_memory):
+    plans = [_step_plan(layer) for layer in layers]
+    if None in plans:
         return None
+    keep_memory = mem_len != 0 and any(p.use_attention for p in plans)
+    dt = x.dtype
+    if c0.dtype != torch.float32 or (M > 0 and not keep_memory):
+        return None
+    for i, (layer, plan) in enumerate(zip(layers, plans)):
+        if layer.training:
+            return None
+        for w in plan.present:
+            if w.dtype != dt:
+                return None
+        if plan.use_attention and M > 0:
+            mem, cached = state.memory[i], state.kv_cache[i]
+            if mem is None or mem.dtype != dt or cached is None \
+                    or not cached.valid_for(plan.kv_weights, M):
+                return None
     B = x.shape[0]
     if input_to_hidden is not None:
         x = input_to_hidden(x)                                           # (B, D)
     h = x.contiguous()
     mem_mask = state.memory_mask_pad if M > 0 else None                  # (B, M) or None
-    few = FEW_ROWS[h.dtype]
+    few = FEW_ROWS[dt]
+    kernel = layer_step_kernel()  # layer_step_applies ran: eager, and the extension is built
     cs, memory, kv_cache = [], [], []
-    for i, layer in enumerate(layers):
-        t, ln = layer.transform, layer.layer_norm
-        tln = t.layer_norm
+    # the memory after this token keeps its last `kept` steps (all when mem_len is None)
+    kept = M + 1 if mem_len is None else min(M + 1, mem_len)
+    for i, (c_prev, plan) in enumerate(zip(c0.unbind(0), plans)):
         kv = mem = None
-        if layer.use_attention:
-            width = t.linear2.weight.shape[0]                           # 2·d′
-            if keep_memory:
-                mem = reserve_steps(state.memory[i] if M else None, (B, 1, h.shape[1]), h)
-                kv = reserve_steps(state.kv_cache[i].kv if M else None, (B, 1, width), h)
+        kv_start = mem_start = 0
+        keep = keep_memory and plan.use_attention
+        if plan.use_attention:
+            width = plan.weights[1].shape[0]                            # 2·d′
+            if keep:  # buffers with room for this token after the M cached steps
+                mem, mem_start = reserve_steps(state.memory[i] if M else None,
+                                               (B, 1, h.shape[1]), h)
+                kv, kv_start = reserve_steps(state.kv_cache[i].kv if M else None,
+                                             (B, 1, width), h)
             else:
                 kv = h.new_empty(B, 1, width)                            # no memory: itself only
-        h, c = layer_step(
-            h, c0[i], t.linear1.weight, t.linear2.weight,
-            t.linear3.weight if layer.use_attention else None,
-            t.alpha if layer.use_attention else None,
-            None if ln is None else ln.weight, None if ln is None else ln.bias,
-            None if tln is None else tln.weight, None if tln is None else tln.bias,
-            layer.weight_c, layer.bias, kv, mem, mem_mask,
-            1e-5 if ln is None else ln.eps, 1e-5 if tln is None else tln.eps,
-            layer.scale_x, t.num_heads if layer.use_attention else 1,
-            layer.normalize_after, few)                                  # (B, D), (B, D)
+        h, c = kernel(h, c_prev, *plan.weights, kv, mem, mem_mask, kv_start, mem_start, M,
+                      plan.norm_eps, plan.attn_norm_eps, plan.scale_x, plan.num_heads,
+                      plan.normalize_after, few)                         # (B, D), (B, D)
         cs.append(c)
-        keep = keep_memory and layer.use_attention
-        memory.append(_keep_last(mem, mem_len) if keep else None)        # (B, ≤M+1, n_in)
-        kv_cache.append(KVCache.of(_keep_last(kv, mem_len), t.kv_weights) if keep else None)
+        if keep:
+            first = M + 1 - kept
+            memory.append(mem.narrow(1, mem_start + first, kept))        # (B, kept, n_in)
+            kv_cache.append(KVCache.of(kv.narrow(1, kv_start + first, kept), plan.kv_weights))
+        else:
+            memory.append(None)
+            kv_cache.append(None)
     new_mask = None
     if keep_memory and mem_mask is not None:
         new_mask = _keep_last(append_steps(mem_mask, mem_mask.new_zeros(B, 1)), mem_len)

@@ -6,7 +6,8 @@ LayerNorm, the recurrence, the post-norm); at batch 1 the time between them
 was about half of a decoding step (docs/performance.md, "Generation"). This op
 runs them all in one C++ call (``layer_step_cpu`` in ``csrc/cpu_kernels.cpp``),
 and writes the new token's row of the attention memory and of the key/value
-cache in place, into rows the caller has reserved.
+cache in place, into rows the caller has reserved (the buffers and row offsets
+are passed, not views of them: a view costs a microsecond or two to make).
 
 The contract, batch-first, one token per sequence (B rows), no gradient::
 
@@ -18,8 +19,11 @@ The contract, batch-first, one token per sequence (B rows), no gradient::
                                        ``normalize_after`` a post-norm of h; or None
     attn_norm_weight, attn_norm_bias   the LayerNorm inside the sub-layer, or None
     weight_c, bias (2, D)  the recurrence's [v_f; v_r] and [b_f; b_r]
-    kv      (B, M+1, 2·d′) [K | V] of the memory in rows 0..M-1; the op writes row M
-    memory  (B, M+1, n_in) or None: the op writes x̃ (the pre-normed x) into row M
+    kv      (B, T, 2·d′) a buffer with [K | V] of the M memory positions in rows
+            kv_start .. kv_start+M-1 (M = ``cached``); the op writes the token's into
+            row kv_start+M and attends over rows kv_start .. kv_start+M
+    memory  (B, T′, n_in) or None: the op writes x̃ (the pre-normed x) into row
+            memory_start+M
     memory_pad (B, M) bool or None: True at padded memory keys
 
     returns h (B, D) in x's dtype, and the new c (B, D) fp32
@@ -47,6 +51,7 @@ from .matmul import FEW_ROWS
 from .settings import accessors, tracing
 
 __all__ = ["layer_step", "layer_step_reference", "layer_step_available", "layer_step_applies",
+           "layer_step_kernel",
            "set_step_backend", "get_step_backend", "use_step_backend"]
 
 set_step_backend, get_step_backend, use_step_backend = accessors("step")
@@ -54,7 +59,8 @@ set_step_backend, get_step_backend, use_step_backend = accessors("step")
 SCHEMA = ("layer_step(Tensor x, Tensor c, Tensor w1, Tensor w2, Tensor? w3, Tensor? alpha, "
           "Tensor? norm_weight, Tensor? norm_bias, Tensor? attn_norm_weight, "
           "Tensor? attn_norm_bias, Tensor weight_c, Tensor bias, Tensor(a!)? kv, "
-          "Tensor(b!)? memory, Tensor? memory_pad, float norm_eps, float attn_norm_eps, "
+          "Tensor(b!)? memory, Tensor? memory_pad, int kv_start, int memory_start, int cached, "
+          "float norm_eps, float attn_norm_eps, "
           "float scale_x, int num_heads, bool normalize_after, int few_rows) -> (Tensor, Tensor)")
 
 # The schema is defined here, at import (no compilation): the C++ kernel registers its
@@ -66,8 +72,9 @@ _lib.define(SCHEMA)
 
 @torch.library.register_fake("srupp::layer_step", lib=_lib)
 def _layer_step_fake(x, c, w1, w2, w3, alpha, norm_weight, norm_bias, attn_norm_weight,
-                     attn_norm_bias, weight_c, bias, kv, memory, memory_pad, norm_eps,
-                     attn_norm_eps, scale_x, num_heads, normalize_after, few_rows):
+                     attn_norm_bias, weight_c, bias, kv, memory, memory_pad, kv_start,
+                     memory_start, cached, norm_eps, attn_norm_eps, scale_x, num_heads,
+                     normalize_after, few_rows):
     B, D = x.shape[0], weight_c.shape[1]
     return x.new_empty((B, D)), c.new_empty((B, D))
 
@@ -96,13 +103,21 @@ def layer_step_applies(x: Tensor) -> bool:
     return ok and layer_step_available()
 
 
+def layer_step_kernel():
+    """The C++ kernel itself, without the dispatcher (a decoding step calls it once per
+    layer, and the dispatcher's argument parsing costs ~3 µs of its ~40); None when
+    the extension can't be built. Eager only: under tracing call :func:`layer_step`."""
+    return cpu_kernels.function("layer_step")
+
+
 def layer_step(x: Tensor, c: Tensor, w1: Tensor, w2: Tensor, w3: Optional[Tensor],
                alpha: Optional[Tensor], norm_weight: Optional[Tensor],
                norm_bias: Optional[Tensor], attn_norm_weight: Optional[Tensor],
                attn_norm_bias: Optional[Tensor], weight_c: Tensor, bias: Tensor,
                kv: Optional[Tensor], memory: Optional[Tensor], memory_pad: Optional[Tensor],
-               norm_eps: float, attn_norm_eps: float, scale_x: float, num_heads: int,
-               normalize_after: bool, few_rows: int) -> Tuple[Tensor, Tensor]:
+               kv_start: int, memory_start: int, cached: int, norm_eps: float,
+               attn_norm_eps: float, scale_x: float, num_heads: int, normalize_after: bool,
+               few_rows: int) -> Tuple[Tensor, Tensor]:
     """The op (see the module doc); the C++ kernel is built on the first call.
     ``few_rows``: products of up to this many rows take the few-rows kernel, larger
     ones ATen's GEMM (:data:`srupp.ops.matmul.FEW_ROWS` has the measured crossover)."""
@@ -111,8 +126,8 @@ def layer_step(x: Tensor, c: Tensor, w1: Tensor, w2: Tensor, w3: Optional[Tensor
                            f"({cpu_kernels.build_error()})")
     return torch.ops.srupp.layer_step(
         x, c, w1, w2, w3, alpha, norm_weight, norm_bias, attn_norm_weight, attn_norm_bias,
-        weight_c, bias, kv, memory, memory_pad, norm_eps, attn_norm_eps, scale_x, num_heads,
-        normalize_after, few_rows)
+        weight_c, bias, kv, memory, memory_pad, kv_start, memory_start, cached, norm_eps,
+        attn_norm_eps, scale_x, num_heads, normalize_after, few_rows)
 
 
 def layer_step_reference(x: Tensor, c: Tensor, w1: Tensor, w2: Tensor, w3: Optional[Tensor],
@@ -120,8 +135,9 @@ def layer_step_reference(x: Tensor, c: Tensor, w1: Tensor, w2: Tensor, w3: Optio
                          norm_bias: Optional[Tensor], attn_norm_weight: Optional[Tensor],
                          attn_norm_bias: Optional[Tensor], weight_c: Tensor, bias: Tensor,
                          kv: Optional[Tensor], memory: Optional[Tensor],
-                         memory_pad: Optional[Tensor], norm_eps: float, attn_norm_eps: float,
-                         scale_x: float, num_heads: int, normalize_after: bool,
+                         memory_pad: Optional[Tensor], kv_start: int, memory_start: int,
+                         cached: int, norm_eps: float, attn_norm_eps: float, scale_x: float,
+                         num_heads: int, normalize_after: bool,
                          few_rows: int = 0) -> Tuple[Tensor, Tensor]:
     """:func:`layer_step` in plain PyTorch (``few_rows`` is unused: it only picks kernels)."""
     dt = x.dtype
@@ -137,13 +153,14 @@ def layer_step_reference(x: Tensor, c: Tensor, w1: Tensor, w2: Tensor, w3: Optio
     xf = x.to(f)
     xin = xf if normalize_after else norm(xf, norm_weight, norm_bias, norm_eps)  # (B, n_in)
     if memory is not None:
-        memory[:, -1] = xin.to(dt)
+        memory[:, memory_start + cached] = xin.to(dt)
     q = round_(xin @ w1.to(f).T)                                          # (B, d′)
     if w3 is not None:
-        kv[:, -1] = (q @ w2.to(f).T).to(dt)                               # the new [K | V]
+        kv[:, kv_start + cached] = (q @ w2.to(f).T).to(dt)                # the new [K | V]
         dp = q.shape[1]
         hd = dp // num_heads
-        k, v = kv.to(f).split(dp, dim=-1)                                 # (B, S, d′) each
+        keys = kv[:, kv_start:kv_start + cached + 1]                      # (B, S, 2·d′)
+        k, v = keys.to(f).split(dp, dim=-1)                               # (B, S, d′) each
         qh = q.view(B, num_heads, 1, hd)
         kh, vh = (t.unflatten(-1, (num_heads, hd)).transpose(1, 2) for t in (k, v))  # (B, H, S, hd)
         scores = qh @ kh.transpose(-2, -1) / math.sqrt(hd)                # (B, H, 1, S)

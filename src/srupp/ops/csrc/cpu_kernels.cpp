@@ -1049,33 +1049,28 @@ template <typename T>
 void recurrence_step(const T* U, int64_t k, const T* x, int64_t ldx, const float* c,
                      const T* wc, const T* bias, float scale_x, T* h, float* c_new, int64_t R,
                      int64_t D) {
-  std::vector<float> wf(4 * D);  // v_f, v_r, b_f, b_r widened once
-  for (int64_t j = 0; j < D; ++j) {
-    wf[j] = static_cast<float>(wc[j]);
-    wf[D + j] = static_cast<float>(wc[D + j]);
-    wf[2 * D + j] = static_cast<float>(bias[j]);
-    wf[3 * D + j] = static_cast<float>(bias[D + j]);
-  }
   const Vec one(1.f), sx(scale_x);
-  for (int64_t r = 0; r < R; ++r) {
-    const T* u = U + r * k * D;
-    const float* cr = c + r * D;
-    for (int64_t j = 0; j < D; j += kW) {
-      const int n = static_cast<int>(std::min<int64_t>(kW, D - j));
-      const Vec u0 = IO<T>::load(u + j, n), u1 = IO<T>::load(u + D + j, n);
-      const Vec u2 = IO<T>::load(u + 2 * D + j, n);
-      const Vec cp = Vec::loadu(cr + j, n);
-      const Vec f = sigmoid(at::vec::fmadd(Vec::loadu(wf.data() + j, n), cp,
-                                           u1 + Vec::loadu(wf.data() + 2 * D + j, n)));
-      const Vec rg = sigmoid(at::vec::fmadd(Vec::loadu(wf.data() + D + j, n), cp,
-                                            u2 + Vec::loadu(wf.data() + 3 * D + j, n)));
-      const Vec cn = f * cp + (one - f) * u0;
-      const Vec s = k == 4 ? IO<T>::load(u + 3 * D + j, n) : IO<T>::load(x + r * ldx + j, n) * sx;
-      const Vec hv = s + rg * (cn - s);
-      cn.store(c_new + r * D + j, n);
-      IO<T>::store(h + r * D + j, hv, n);
+  // rows in parallel when there are many (batched streams); one row stays on this thread
+  at::parallel_for(0, R, R >= 8 ? 4 : R, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* u = U + r * k * D;
+      const float* cr = c + r * D;
+      for (int64_t j = 0; j < D; j += kW) {
+        const int n = static_cast<int>(std::min<int64_t>(kW, D - j));
+        // whole vectors but for the last (IO's partial loads go element by element)
+        auto in = [&](const T* p) { return n == kW ? IO<T>::load(p) : IO<T>::load(p, n); };
+        const Vec u0 = in(u + j), u1 = in(u + D + j), u2 = in(u + 2 * D + j);
+        const Vec cp = Vec::loadu(cr + j, n);
+        const Vec f = sigmoid(at::vec::fmadd(in(wc + j), cp, u1 + in(bias + j)));
+        const Vec rg = sigmoid(at::vec::fmadd(in(wc + D + j), cp, u2 + in(bias + D + j)));
+        const Vec cn = f * cp + (one - f) * u0;
+        const Vec s = k == 4 ? in(u + 3 * D + j) : in(x + r * ldx + j) * sx;
+        const Vec hv = s + rg * (cn - s);
+        cn.store(c_new + r * D + j, n);
+        if (n == kW) IO<T>::store(h + r * D + j, hv); else IO<T>::store(h + r * D + j, hv, n);
+      }
     }
-  }
+  });
 }
 
 }  // namespace layer_step_impl
@@ -1088,7 +1083,7 @@ std::tuple<Tensor, Tensor> layer_step_cpu(
     const std::optional<Tensor>& attn_norm_weight, const std::optional<Tensor>& attn_norm_bias,
     const Tensor& weight_c, const Tensor& bias, const std::optional<Tensor>& kv,
     const std::optional<Tensor>& memory, const std::optional<Tensor>& memory_pad,
-    double norm_eps, double attn_norm_eps, double scale_x, int64_t num_heads,
+    int64_t kv_start, int64_t memory_start, int64_t cached, double norm_eps, double attn_norm_eps, double scale_x, int64_t num_heads,
     bool normalize_after, int64_t few_rows) {
   using namespace layer_step_impl;
   const auto dt = x.scalar_type();
@@ -1107,22 +1102,28 @@ std::tuple<Tensor, Tensor> layer_step_cpu(
               "(n_in == D) or 4, got ", kD, " rows for D = ", D);
   const bool pre = !normalize_after && norm_weight.has_value() && norm_weight->defined();
   const Tensor xin = pre ? maybe_norm(x, norm_weight, norm_bias, norm_eps) : x;  // (B, n_in)
+  TORCH_CHECK(cached >= 0 && kv_start >= 0 && memory_start >= 0,
+              "srupp layer_step: kv_start, memory_start and cached must be >= 0");
   if (memory.has_value() && memory->defined()) {
     TORCH_CHECK(memory->scalar_type() == dt && memory->dim() == 3 && memory->size(0) == B &&
-                memory->size(2) == x.size(1) && memory->stride(2) == 1,
-                "srupp layer_step: memory (B, M+1, n_in) of x's dtype, last dim contiguous");
-    write_row(*memory, memory->size(1) - 1, xin);
+                memory->size(2) == x.size(1) && memory->stride(2) == 1 &&
+                memory_start + cached < memory->size(1),
+                "srupp layer_step: memory (B, > memory_start + cached, n_in) of x's dtype, "
+                "last dim contiguous");
+    write_row(*memory, memory_start + cached, xin);
   }
   const Tensor q = project(xin, w1, few_rows);                                   // (B, d')
   const int64_t dp = q.size(1);
   Tensor U;
   if (attention) {
     TORCH_CHECK(kv.has_value() && kv->defined() && kv->scalar_type() == dt && kv->dim() == 3 &&
-                kv->size(0) == B && kv->size(2) == 2 * dp && kv->stride(2) == 1,
-                "srupp layer_step: kv (B, M+1, 2*d') of x's dtype, last dim contiguous");
-    const int64_t S = kv->size(1), H = num_heads, hd = dp / H;
+                kv->size(0) == B && kv->size(2) == 2 * dp && kv->stride(2) == 1 &&
+                kv_start + cached < kv->size(1),
+                "srupp layer_step: kv (B, > kv_start + cached, 2*d') of x's dtype, last dim "
+                "contiguous");
+    const int64_t S = cached + 1, H = num_heads, hd = dp / H;  // keys: the cached ones, then x's
     TORCH_CHECK(H >= 1 && dp % H == 0, "srupp layer_step: num_heads must divide d'");
-    write_row(*kv, S - 1, project(q, w2, few_rows).contiguous());                // new [K | V]
+    write_row(*kv, kv_start + cached, project(q, w2, few_rows).contiguous());    // new [K | V]
     const bool* pad = nullptr;
     Tensor pad_full;
     if (memory_pad.has_value() && memory_pad->defined()) {
@@ -1142,7 +1143,7 @@ std::tuple<Tensor, Tensor> layer_step_cpu(
                 alpha->numel() == 1, "srupp layer_step: alpha (1,) of x's dtype");
     SRUPP_DISPATCH_F32_BF16(dt, [&] {
       const float a = static_cast<float>(*alpha->data_ptr<scalar_t>());
-      const scalar_t* kvp = kv->data_ptr<scalar_t>();
+      const scalar_t* kvp = kv->data_ptr<scalar_t>() + kv_start * kv->stride(1);
       one_query_kernel<scalar_t>(q.data_ptr<scalar_t>(), kvp, kvp + dp, o.data_ptr<scalar_t>(),
                                  B, H, S, hd, sq, sk, sk, scale, pad, S);
       residual_norm<scalar_t>(q.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(), a,
@@ -1436,6 +1437,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sru_fwd", &sru_fwd_cpu, "SRU recurrence forward (CPU)");
   m.def("sru_bwd", &sru_bwd_cpu, "SRU recurrence backward (CPU)");
   m.def("linear_rows", &linear_rows_cpu, "x @ weight^T (+ bias) for a few rows (decoding)");
+  m.def("layer_step", &layer_step_cpu,
+        "one SRU++ layer's decoding step (srupp::layer_step, without the dispatcher)");
   m.def("attend_one_query", &attend_one_query_cpu,
         "softmax(scale q K^T) V for one query per (batch, head) (decoding)");
   m.def("linear_rows_bf16_native", &linear_rows_bf16_native,
