@@ -203,3 +203,25 @@ def test_generate_gives_the_same_tokens(dtype, op_calls):
     with use_step_backend("modules"):
         modules = lm.generate(prompts, 12, temperature=0)
     assert fused == modules
+
+
+def test_swapped_parameters_and_a_new_dtype_reach_the_op(op_calls):
+    """Each layer's weights are looked up once (a plan); swapping a Parameter or a
+    submodule, or converting the model, must still step with the current weights."""
+    m = make(torch.float32, layer_norm=True)
+    x = torch.randn(2, 3, 6)
+    steps(m, x, None, "fused")
+    layer = m.layers[1]
+    layer.weight_c = torch.nn.Parameter(layer.weight_c.detach() * -1.5)
+    layer.transform.layer_norm = torch.nn.LayerNorm(layer.transform.layer_norm.normalized_shape)
+    with torch.no_grad():
+        layer.transform.layer_norm.weight.mul_(0.5)
+    got, st = steps(m, x, None, "fused")
+    want, _ = steps(m, x, None, "modules")
+    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    m.to(torch.bfloat16)
+    calls = len(op_calls)
+    got, _ = steps(m, x.to(torch.bfloat16), None, "fused")
+    want, _ = steps(m, x.to(torch.bfloat16), None, "modules")
+    assert len(op_calls) == calls + 3 * m.num_layers
+    torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
