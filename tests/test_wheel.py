@@ -115,7 +115,7 @@ def test_compare_and_params_work_from_the_installed_wheel(installed, tmp_path):
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["recipes"] == {"shakespeare": "shakespeare", "brown": "brown"}
-    assert got["tuned"]["shakespeare"]["srupp"] == {"train.lr": 2e-2}
+    assert got["tuned"]["shakespeare"]["srupp"] == {"train.lr": 1e-2}
     assert got["leaked"] == []  # nothing was imported from the checkout
     # the installed console script: `srupp params` on a recipe shipped in the wheel
     recipe = Path(got["enwik8_base"])
