@@ -131,6 +131,7 @@ def plot(a, grid, metric):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401 - matplotlib.ticker.NullFormatter below
 
     sizes = sorted(grid)
     if not sizes:
@@ -148,6 +149,7 @@ def plot(a, grid, metric):
                 top.plot(secs, vals, **kw)
                 bottom.plot([t / 1e6 for t in toks], vals, **kw)
         top.set_xscale("log")
+        top.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # labels would overlap
         top.set_title(f"about {p / 1e6:g}M parameters")
         top.set_xlabel("training seconds")
         bottom.set_xlabel("training tokens (millions)")

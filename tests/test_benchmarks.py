@@ -257,3 +257,24 @@ def test_every_script_is_smoke_tested_and_listed():
     readme = (ROOT / "benchmarks" / "README.md").read_text()
     assert {s for s in scripts if f'"{s}"' not in source} == set()
     assert {s for s in scripts if f"`{s}`" not in readme} == set()
+
+
+def test_crossover(tmp_path, corpus):
+    """Two budgets × one size of tiny runs through srupp compare, then the summary and the
+    figure; a second call with --plot-only trains nothing and reads the same grid."""
+    tiny = ["train.batch_size=2", "train.unroll=16", "train.log_every=10",
+            "train.eval_max_batches=2", "eval.batch_size=2", "train.threads=1",
+            "train.calibration_steps=5"]
+    out = tmp_path / "grid"
+    args = ["--corpus", str(corpus), "--budgets", "1,2", "--params", "20000",
+            "--models", "srupp,sru", "--out", str(out), "--eval-every", "20", "--set", *tiny]
+    r = run_benchmark("crossover.py", *args)
+    assert set(r["cells"]) == {"p20000-b1", "p20000-b2"}
+    for cell in r["cells"].values():
+        assert set(cell["final"]) == {"srupp", "sru"}
+        assert cell["winner"] in ("srupp", "sru") and cell["best_srupp_layout"] == "srupp"
+        assert cell["best_srupp_minus_sru"] == pytest.approx(
+            cell["final"]["srupp"] - cell["final"]["sru"], abs=2e-4)  # each rounded to 1e-4
+    assert Path(r["figure"]).stat().st_size > 0
+    again = run_benchmark("crossover.py", *args, "--plot-only")
+    assert again["cells"] == r["cells"]
