@@ -640,8 +640,12 @@ class _StepPlan:
     num_heads: int
     normalize_after: bool
     use_attention: bool
-    kv_weights: tuple         # W1, W2: what the K/V cache is made with
     sources: tuple            # ((dict, key, object), ...) the lookups the plan holds
+
+    @property
+    def kv_weights(self) -> tuple:
+        """W1, W2: what the K/V cache is made with."""
+        return self.weights[:2]
 
     def valid(self) -> bool:
         for entries, name, value in self.sources:
@@ -651,6 +655,9 @@ class _StepPlan:
 
 
 _PLANS: "weakref.WeakKeyDictionary[SRUppCell, _StepPlan]" = weakref.WeakKeyDictionary()
+
+
+_MISSING = object()
 
 
 class _Lookups:
@@ -669,9 +676,6 @@ class _Lookups:
             raise LookupError(name)
         self.sources.append((entries, name, value))  # valid while .get(name) is value
         return value
-
-
-_MISSING = object()
 
 
 def _step_plan(layer: SRUppCell) -> Optional[_StepPlan]:
@@ -699,7 +703,7 @@ def _step_plan(layer: SRUppCell) -> Optional[_StepPlan]:
         weights=weights, present=tuple(w for w in weights if w is not None),
         norm_eps=1e-5 if ln is None else ln.eps, attn_norm_eps=1e-5 if tln is None else tln.eps,
         scale_x=layer.scale_x, num_heads=t.num_heads if attention else 1,
-        normalize_after=layer.normalize_after, use_attention=attention, kv_weights=(w1, w2),
+        normalize_after=layer.normalize_after, use_attention=attention,
         sources=tuple(get.sources))
     return plan
 

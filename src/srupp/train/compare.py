@@ -480,7 +480,7 @@ def write_markdown(path: Path, results: Dict[str, Any], base: Optional[RunConfig
 def _task_set(overrides: Sequence[str]) -> Optional[str]:
     """The task a ``--set task=...`` item names (the last one), or None."""
     tasks = [o.split("=", 1)[1].strip() for o in overrides
-             if "=" in o and o.split("=", 1)[0].strip() == "task"]
+             if "=" in o and _set_key(o) == "task"]
     return tasks[-1] if tasks else None
 
 

@@ -1016,30 +1016,12 @@ Tensor maybe_norm(const Tensor& x, const std::optional<Tensor>& g, const std::op
   return y;
 }
 
-// y = LN(q + alpha * o) (or without the norm), rounded to T once
+// y = q + alpha * o, rounded as the modules round it: alpha * o to T, then the sum to T
 template <typename T>
-void residual_norm(const T* q, const T* o, float alpha, const T* g, const T* b, float eps,
-                   T* y, int64_t R, int64_t N) {
-  std::vector<float> t(N);
-  for (int64_t r = 0; r < R; ++r) {
-    float mean = 0.f;
-    for (int64_t i = 0; i < N; ++i) {
-      // the modules round alpha * o, then the sum, to T
-      const float ao = static_cast<float>(static_cast<T>(alpha * static_cast<float>(o[r * N + i])));
-      t[i] = static_cast<float>(static_cast<T>(static_cast<float>(q[r * N + i]) + ao));
-      mean += t[i];
-    }
-    if (g == nullptr) {
-      for (int64_t i = 0; i < N; ++i) y[r * N + i] = static_cast<T>(t[i]);
-      continue;
-    }
-    mean /= static_cast<float>(N);
-    float var = 0.f;
-    for (int64_t i = 0; i < N; ++i) var += (t[i] - mean) * (t[i] - mean);
-    const float inv = 1.f / std::sqrt(var / static_cast<float>(N) + eps);
-    for (int64_t i = 0; i < N; ++i)
-      y[r * N + i] = static_cast<T>((t[i] - mean) * inv * static_cast<float>(g[i]) +
-                                    static_cast<float>(b[i]));
+void residual(const T* q, const T* o, float alpha, T* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T ao = static_cast<T>(alpha * static_cast<float>(o[i]));
+    y[i] = static_cast<T>(static_cast<float>(q[i]) + static_cast<float>(ao));
   }
 }
 
@@ -1138,7 +1120,6 @@ std::tuple<Tensor, Tensor> layer_step_cpu(
     const int64_t sk[3] = {kv->stride(0), hd, kv->stride(1)};
     const float scale = 1.f / std::sqrt(static_cast<float>(hd));
     Tensor y = at::empty({B, dp}, x.options());
-    const bool an = attn_norm_weight.has_value() && attn_norm_weight->defined();
     TORCH_CHECK(alpha.has_value() && alpha->defined() && alpha->scalar_type() == dt &&
                 alpha->numel() == 1, "srupp layer_step: alpha (1,) of x's dtype");
     SRUPP_DISPATCH_F32_BF16(dt, [&] {
@@ -1146,12 +1127,11 @@ std::tuple<Tensor, Tensor> layer_step_cpu(
       const scalar_t* kvp = kv->data_ptr<scalar_t>() + kv_start * kv->stride(1);
       one_query_kernel<scalar_t>(q.data_ptr<scalar_t>(), kvp, kvp + dp, o.data_ptr<scalar_t>(),
                                  B, H, S, hd, sq, sk, sk, scale, pad, S);
-      residual_norm<scalar_t>(q.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(), a,
-                              an ? attn_norm_weight->data_ptr<scalar_t>() : nullptr,
-                              an ? attn_norm_bias->data_ptr<scalar_t>() : nullptr,
-                              static_cast<float>(attn_norm_eps), y.data_ptr<scalar_t>(), B, dp);
+      residual<scalar_t>(q.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(), a,
+                         y.data_ptr<scalar_t>(), B * dp);
     });
-    U = project(y, *w3, few_rows);                                                // (B, k*D)
+    U = project(maybe_norm(y, attn_norm_weight, attn_norm_bias, attn_norm_eps), *w3,
+                few_rows);                                                        // (B, k*D)
   } else {
     U = project(maybe_norm(q, attn_norm_weight, attn_norm_bias, attn_norm_eps), w2, few_rows);
   }
