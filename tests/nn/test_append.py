@@ -112,3 +112,33 @@ def test_reserve_steps_keeps_the_old_steps_and_follows_the_same_buffer_rules(dev
                                                                device=device))
         assert s0 == 0 and fresh.shape[0] == 3 and fresh.shape[1] >= 1 and fresh.shape[2] == 5
         assert fresh.dtype == torch.bfloat16
+
+
+def test_reserve_steps_with_known_rows_agrees_and_falls_back_when_they_are_stale(device):
+    """``known`` (where the caller says ``old`` lies) gives what the strides give; when
+    that buffer's last append no longer ends at old's end (a second branch), or has no
+    room, or old's dtype differs, it is ignored and the usual rules apply."""
+    from srupp.nn.append import reserve_steps
+
+    torch.manual_seed(3)
+    with torch.no_grad():
+        base, start = reserve_steps(None, (2, 5, 4), torch.zeros(2, 5, 4, device=device))
+        base[:, :5] = torch.randn(2, 5, 4, device=device)
+        old = base.narrow(1, 2, 3)                          # a window: rows 2..4
+        kept = old.clone()
+        got, at = reserve_steps(old, (2, 1, 4), old, known=(base, 2))
+        assert got is base and at == 2 and base._srupp_append_end == 6
+        # the same old again: its buffer's end moved on, so a copy, as without known
+        other, at2 = reserve_steps(old, (2, 1, 4), old, known=(base, 2))
+        assert other is not base and at2 == 0
+        torch.testing.assert_close(other[:, :3], kept, rtol=0, atol=0)
+        # no room left in the buffer: a fresh, larger one
+        full = base.narrow(1, 0, base.shape[1])
+        base._srupp_append_end = base.shape[1]
+        bigger, at3 = reserve_steps(full, (2, 1, 4), full, known=(base, 0))
+        assert bigger is not base and at3 == 0 and bigger.shape[1] > base.shape[1]
+        # another dtype for the new steps: converted, as without known
+        like = torch.zeros((), dtype=torch.float64, device=device)
+        conv, at4 = reserve_steps(kept, (2, 1, 4), like, known=(base, 2))
+        assert conv.dtype == torch.float64 and at4 == 0
+        torch.testing.assert_close(conv[:, :3], kept.double(), rtol=0, atol=0)

@@ -1,4 +1,5 @@
-"""An SRU++ stack's one-token step through srupp::layer_step against the modules' path.
+"""An SRU++ stack's one-token step through srupp::layer_step (one stack_step call) against
+the modules' path.
 
 Under no_grad on CPU a one-token call runs each layer as one C++ op
 (``_step_fused`` in srupp/nn/srupp.py); the step backend "modules" runs the
@@ -56,15 +57,15 @@ def make(dtype, input_size=6, num_layers=2, **kw):
 
 @pytest.fixture
 def op_calls(monkeypatch):
-    """How many times the stack called the op."""
+    """How many layer steps the stack ran through the op (one entry per layer)."""
     calls = []
-    real = srupp_module.layer_step_kernel()
+    real = srupp_module.stack_step_kernel()
 
-    def counted(*args):
-        calls.append(1)
-        return real(*args)
+    def counted(x, c, *args):
+        calls.extend([1] * c.shape[0])
+        return real(x, c, *args)
 
-    monkeypatch.setattr(srupp_module, "layer_step_kernel", lambda: counted)
+    monkeypatch.setattr(srupp_module, "stack_step_kernel", lambda: counted)
     return calls
 
 
@@ -150,6 +151,28 @@ def test_two_branches_from_one_state_leave_it_unchanged(op_calls):
     now = [t for t in root.memory] + [kv.kv for kv in root.kv_cache]
     for before, after in zip(saved, now):
         torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+def test_a_state_edited_between_steps_is_read_as_it_is_now(op_calls):
+    """The fused step remembers where it left each layer's rows (state._rows); a state
+    whose memory or cache was replaced since (reordered for beams, cloned, edited)
+    must be read from its tensors, not from those records."""
+    m = make(torch.float32, num_layers=3, mem_len=5)
+    x = torch.randn(3, 6, 6)
+    _, st = steps(m, x[:, :3], None, "fused")
+    assert st._rows is not None
+    order = torch.tensor([2, 0, 1])
+    moved = st.index_select(order)
+    assert moved._rows is None                           # replace() does not carry it
+    edited = st.index_select(order)
+    edited._rows = st._rows                              # stale: records of st's tensors
+    for state in (moved, edited):
+        calls = len(op_calls)
+        got, got_state = steps(m, x[:, 3:], state, "fused")
+        assert len(op_calls) > calls
+        want, want_state = steps(m, x[:, 3:], state, "modules")
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
+        assert_same_state(got_state, want_state, TOL[torch.float32])
 
 
 def test_the_modules_run_where_the_op_cannot(op_calls):

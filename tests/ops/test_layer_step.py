@@ -145,3 +145,62 @@ def test_when_the_op_applies():
     with pytest.raises(ValueError, match="unknown srupp step backend"):
         with use_step_backend("fast"):
             pass
+
+
+WEIGHT_NAMES = ("w1", "w2", "w3", "alpha", "norm_weight", "norm_bias", "attn_norm_weight",
+                "attn_norm_bias", "weight_c", "bias")
+LAYER_SCALARS = ("norm_eps", "attn_norm_eps", "scale_x", "num_heads", "normalize_after")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_stack_step_is_layer_step_layer_after_layer(dtype):
+    """stack_step runs layer_step's kernel per layer, h feeding the next: bit for bit the
+    chained single-layer calls, the rows written included, with views of the rows kept."""
+    from srupp.ops.layer_step import stack_step_kernel
+
+    B, D, M, first, kept = 2, 64, 5, 2, 4
+    layers = [make_args(dtype, B=B, n_in=D, D=D, dp=16, H=2, M=M, pre=True, seed=1),
+              make_args(dtype, B=B, n_in=D, D=D, dp=16, H=1, M=M, attention=False, post=True,
+                        seed=2),
+              make_args(dtype, B=B, n_in=D, D=D, dp=32, H=4, M=M, pad=False, seed=3)]
+    for a in layers:
+        a["kv_start"] = a["memory_start"] = 0
+    x = layers[0]["x"]
+    c = torch.stack([a["c"] for a in layers])                            # (3, B, D)
+    chained = [clone(a) for a in layers]
+    h = x
+    for a in chained:
+        h, a["c_new"] = layer_step(**{**a, "x": h})
+    mine = [clone(a) for a in layers]
+    got_h, got_c, mems, kvs = stack_step_kernel()(
+        x, c, [a[n] for a in mine for n in WEIGHT_NAMES], [a["kv"] for a in mine],
+        [a["memory"] for a in mine], None, [0] * 3, [0] * 3, M, first, kept,
+        *([a[n] for a in mine] for n in LAYER_SCALARS[:3]), [a["num_heads"] for a in mine],
+        [int(a["normalize_after"]) for a in mine], FEW_ROWS[dtype])
+    torch.testing.assert_close(got_h, h, rtol=0, atol=0)
+    torch.testing.assert_close(got_c, torch.stack([a["c_new"] for a in chained]), rtol=0, atol=0)
+    for a, b, mem, kv in zip(mine, chained, mems, kvs):
+        if b["memory"] is None:
+            assert mem is None and kv is None
+            continue
+        torch.testing.assert_close(a["memory"], b["memory"], rtol=0, atol=0)
+        torch.testing.assert_close(a["kv"], b["kv"], rtol=0, atol=0)
+        assert mem._base is a["memory"] and kv._base is a["kv"]
+        torch.testing.assert_close(mem, a["memory"][:, first:first + kept], rtol=0, atol=0)
+        torch.testing.assert_close(kv, a["kv"][:, first:first + kept], rtol=0, atol=0)
+
+
+def test_stack_step_refuses_lists_of_the_wrong_length():
+    from srupp.ops.layer_step import stack_step_kernel
+
+    a = make_args(torch.float32, B=1, n_in=64, D=64, dp=16, H=1, M=0)
+    c = a["c"][None]                                                     # one layer
+    args = [[a[n] for n in WEIGHT_NAMES], [a["kv"]], [a["memory"]], None, [0], [0], 0, 0, 1,
+            [1e-5], [1e-5], [1.0], [1], [0], FEW_ROWS[torch.float32]]
+    stack_step_kernel()(a["x"], c, *args)                                # the right lengths run
+    short = list(args)
+    short[0] = short[0][:9]
+    with pytest.raises(RuntimeError, match="10 weights and one of each"):
+        stack_step_kernel()(a["x"], c, *short)
+    with pytest.raises(RuntimeError, match="c \\(layers, B, D\\)"):
+        stack_step_kernel()(a["x"], a["c"], *args)

@@ -47,7 +47,7 @@ def append_steps(old: Optional[Tensor], new: Tensor, dim: int = 1) -> Tensor:
 
 
 def reserve_steps(old: Optional[Tensor], steps_shape: Sequence[int], like: Tensor,
-                  dim: int = 1) -> Tuple[Tensor, int]:
+                  dim: int = 1, known: Optional[Tuple[Tensor, int]] = None) -> Tuple[Tensor, int]:
     """Room for new steps after ``old``, for a kernel that writes them in place.
 
     :func:`append_steps` is this plus the copy of the new steps. ``steps_shape``
@@ -57,12 +57,22 @@ def reserve_steps(old: Optional[Tensor], steps_shape: Sequence[int], like: Tenso
     room, or ``old`` does not end where that buffer's last append ended), and the
     L steps after them are the caller's to write. The buffer is marked as ending
     at start+M+L. Gradients are not tracked.
+
+    ``known`` = (buffer, start): where ``old`` lies, when the caller knows it is that
+    buffer narrowed along ``dim`` from ``start`` (a decoding step that made ``old``
+    itself); it spares working that out from strides and offsets (a few µs a call).
     """
+    dim = dim % len(steps_shape)
+    L = steps_shape[dim]
+    if known is not None and old is not None and old.dtype == like.dtype:
+        base, start = known
+        end, M = getattr(base, "_srupp_append_end", None), old.shape[dim]
+        if start + M == end and end + L <= base.shape[dim] and base.device == like.device:
+            base._srupp_append_end = end + L
+            return base, start
     if old is not None and old.dtype != like.dtype:
         old = old.to(like.dtype)
-    dim = dim % len(steps_shape)
     M = 0 if old is None else old.shape[dim]
-    L = steps_shape[dim]
     if old is not None:
         base = old._base
         end = getattr(base, "_srupp_append_end", None) if base is not None else None

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from ..ops import attend
-from ..ops.layer_step import layer_step_applies, layer_step_kernel
+from ..ops.layer_step import layer_step_applies, stack_step_kernel
 from ..ops.matmul import FEW_ROWS
 from .append import append_steps, reserve_steps
 from .linear import Linear
@@ -711,11 +711,12 @@ def _step_plan(layer: SRUppCell) -> Optional[_StepPlan]:
 def _step_fused(layers: Sequence[SRUppCell], input_to_hidden: Optional[nn.Module], x: Tensor,
                 state: SRUppState, c0: Tensor, M: int, mem_len: Optional[int]
                 ) -> Optional[Tuple[Tensor, SRUppState]]:
-    """One token, x (B, n_in), through the layers, each as one ``srupp::layer_step`` op.
+    """One token, x (B, n_in), through the layers in one C++ call: ``stack_step``, the
+    ``srupp::layer_step`` kernel for each layer in turn.
 
     The same result and state as the modules' path of :func:`_run_stack` (the
     memory and the K/V cache grow in place, into the rows :func:`reserve_steps`
-    sets aside). None, with nothing run, where the op can't take the layers or the
+    sets aside; the new state records where, for the next step). None, with nothing run, where the op can't take the layers or the
     state: training mode, weights not of x's dtype (int8 ones, say), a state that
     is not fp32, or an attention layer's memory without keys and values cached
     under the current weights.
@@ -743,37 +744,51 @@ def _step_fused(layers: Sequence[SRUppCell], input_to_hidden: Optional[nn.Module
         x = input_to_hidden(x)                                           # (B, D)
     h = x.contiguous()
     mem_mask = state.memory_mask_pad if M > 0 else None                  # (B, M) or None
-    few = FEW_ROWS[dt]
-    kernel = layer_step_kernel()  # layer_step_applies ran: eager, and the extension is built
-    cs, memory, kv_cache = [], [], []
     # the memory after this token keeps its last `kept` steps (all when mem_len is None)
     kept = M + 1 if mem_len is None else min(M + 1, mem_len)
-    for i, (c_prev, plan) in enumerate(zip(c0.unbind(0), plans)):
+    first = M + 1 - kept
+    # where the last fused step left the memory and [K | V] (None: work it out)
+    last_rows = state._rows if M else None
+    kvs, mems, kv_starts, mem_starts = [], [], [], []
+    for i, plan in enumerate(plans):
         kv = mem = None
         kv_start = mem_start = 0
-        keep = keep_memory and plan.use_attention
         if plan.use_attention:
             width = plan.weights[1].shape[0]                            # 2·d′
-            if keep:  # buffers with room for this token after the M cached steps
-                mem, mem_start = reserve_steps(state.memory[i] if M else None,
-                                               (B, 1, h.shape[1]), h)
-                kv, kv_start = reserve_steps(state.kv_cache[i].kv if M else None,
-                                             (B, 1, width), h)
+            if keep_memory:  # buffers with room for this token after the M cached steps
+                old_mem = old_kv = known_mem = known_kv = None
+                if M:
+                    old_mem, old_kv = state.memory[i], state.kv_cache[i].kv
+                    if last_rows is not None and last_rows[i] is not None:
+                        (mv, mb, ms), (kvv, kvb, kvs_) = last_rows[i]
+                        if mv is old_mem and kvv is old_kv:
+                            known_mem, known_kv = (mb, ms), (kvb, kvs_)
+                n_in = plan.weights[0].shape[1]                          # W1 (d′, n_in)
+                mem, mem_start = reserve_steps(old_mem, (B, 1, n_in), h, known=known_mem)
+                kv, kv_start = reserve_steps(old_kv, (B, 1, width), h, known=known_kv)
             else:
                 kv = h.new_empty(B, 1, width)                            # no memory: itself only
-        h, c = kernel(h, c_prev, *plan.weights, kv, mem, mem_mask, kv_start, mem_start, M,
-                      plan.norm_eps, plan.attn_norm_eps, plan.scale_x, plan.num_heads,
-                      plan.normalize_after, few)                         # (B, D), (B, D)
-        cs.append(c)
-        if keep:
-            first = M + 1 - kept
-            memory.append(mem.narrow(1, mem_start + first, kept))        # (B, kept, n_in)
-            kv_cache.append(KVCache.of(kv.narrow(1, kv_start + first, kept), plan.kv_weights))
-        else:
-            memory.append(None)
+        kvs.append(kv)
+        mems.append(mem)
+        kv_starts.append(kv_start)
+        mem_starts.append(mem_start)
+    h, c, memory, new_kvs = stack_step_kernel()(  # layer_step_applies ran: the extension is built
+        h, c0.contiguous(), [w for p in plans for w in p.weights], kvs, mems, mem_mask,
+        kv_starts, mem_starts, M, first, kept, [p.norm_eps for p in plans],
+        [p.attn_norm_eps for p in plans], [p.scale_x for p in plans],
+        [p.num_heads for p in plans], [int(p.normalize_after) for p in plans],
+        FEW_ROWS[dt])                                # (B, D), (layers, B, D), views or None
+    kv_cache, rows = [], []
+    for i, (plan, mem, new_mem, new_kv) in enumerate(zip(plans, mems, memory, new_kvs)):
+        if new_mem is None:
             kv_cache.append(None)
+            rows.append(None)
+            continue
+        # a cache valid for these very weights (checked above) keeps its record of them
+        kv_cache.append(KVCache(new_kv, state.kv_cache[i]._weights) if M
+                        else KVCache.of(new_kv, plan.kv_weights))
+        rows.append(((new_mem, mem, mem_starts[i] + first), (new_kv, kvs[i], kv_starts[i] + first)))
     new_mask = None
     if keep_memory and mem_mask is not None:
         new_mask = _keep_last(append_steps(mem_mask, mem_mask.new_zeros(B, 1)), mem_len)
-    return h, SRUppState(c=torch.stack(cs), memory=memory, memory_mask_pad=new_mask,
-                         mem_len=state.mem_len, kv_cache=kv_cache)
+    return h, SRUppState._from_step(c, memory, new_mask, state.mem_len, kv_cache, tuple(rows))

@@ -85,6 +85,21 @@ class SRUppState:
     memory_mask_pad: Optional[Tensor] = None
     mem_len: Optional[int] = None
     kv_cache: List[Optional[KVCache]] = field(default_factory=list, repr=False)
+    # Where the fused decoding step left each layer's memory and [K | V] in their
+    # buffers: ((memory view, buffer, start), (kv view, buffer, start)) or None per
+    # layer, so the next step finds its rows without working them out. Derived
+    # data: not an argument, not copied by replace(), checked by identity on use.
+    _rows: Optional[tuple] = field(default=None, init=False, repr=False, compare=False)
+
+    @classmethod
+    def _from_step(cls, c: Tensor, memory: list, memory_mask_pad: Optional[Tensor],
+                   mem_len: Optional[int], kv_cache: list, rows: tuple) -> "SRUppState":
+        """The state a fused decoding step built: consistent by construction, so not
+        checked again (the checks cost a few µs of a step of about 300)."""
+        state = cls.__new__(cls)
+        state.c, state.memory, state.memory_mask_pad = c, memory, memory_mask_pad
+        state.mem_len, state.kv_cache, state._rows = mem_len, kv_cache, rows
+        return state
 
     def __post_init__(self):
         if not isinstance(self.c, Tensor) or self.c.dim() != 3:

@@ -51,7 +51,7 @@ from .matmul import FEW_ROWS
 from .settings import accessors, tracing
 
 __all__ = ["layer_step", "layer_step_reference", "layer_step_available", "layer_step_applies",
-           "layer_step_kernel",
+           "layer_step_kernel", "stack_step_kernel",
            "set_step_backend", "get_step_backend", "use_step_backend"]
 
 set_step_backend, get_step_backend, use_step_backend = accessors("step")
@@ -108,6 +108,13 @@ def layer_step_kernel():
     layer, and the dispatcher's argument parsing costs ~3 µs of its ~40); None when
     the extension can't be built. Eager only: under tracing call :func:`layer_step`."""
     return cpu_kernels.function("layer_step")
+
+
+def stack_step_kernel():
+    """The C++ ``stack_step``: :func:`layer_step_kernel` for every layer of a stack in one
+    call (``stack_step_cpu`` in ``csrc/cpu_kernels.cpp`` documents its arguments). Eager
+    only; None when the extension can't be built."""
+    return cpu_kernels.function("stack_step")
 
 
 def layer_step(x: Tensor, c: Tensor, w1: Tensor, w2: Tensor, w3: Optional[Tensor],

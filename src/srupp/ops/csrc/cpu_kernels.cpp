@@ -1148,6 +1148,64 @@ std::tuple<Tensor, Tensor> layer_step_cpu(
   return {h, c_new};
 }
 
+// A whole stack's decoding step: layer_step_cpu for each layer in turn, h feeding the
+// next, in one call from Python (srupp/nn/srupp.py, _step_fused). Per layer, the Python
+// loop, its argument passing and the views of the rows kept cost some 10 µs: a tenth of
+// a small model's step. Layer l reads weights[10l .. 10l+9] (layer_step's w1, w2, w3,
+// alpha, norm_weight, norm_bias, attn_norm_weight, attn_norm_bias, weight_c, bias), its
+// buffers kv[l] and memory[l] (None: none) at row offsets kv_start[l] and
+// memory_start[l], and its own scalars; `cached` and memory_pad are the stack's.
+// Returns the last layer's h (B, D), every layer's new c (layers, B, D) fp32, and for
+// each layer with a memory buffer its memory and [K | V] after the token, the views
+// rows start + first .. start + first + kept - 1 of its buffers (None for the others).
+std::tuple<Tensor, Tensor, std::vector<std::optional<Tensor>>, std::vector<std::optional<Tensor>>>
+stack_step_cpu(const Tensor& x, const Tensor& c, const std::vector<std::optional<Tensor>>& weights,
+               const std::vector<std::optional<Tensor>>& kv,
+               const std::vector<std::optional<Tensor>>& memory,
+               const std::optional<Tensor>& memory_pad, const std::vector<int64_t>& kv_start,
+               const std::vector<int64_t>& memory_start, int64_t cached, int64_t first,
+               int64_t kept, const std::vector<double>& norm_eps,
+               const std::vector<double>& attn_norm_eps, const std::vector<double>& scale_x,
+               const std::vector<int64_t>& num_heads, const std::vector<int64_t>& normalize_after,
+               int64_t few_rows) {
+  TORCH_CHECK(c.dim() == 3 && c.scalar_type() == at::kFloat && c.is_contiguous(),
+              "srupp stack_step: c (layers, B, D) float32 contiguous");
+  const int64_t L = c.size(0);
+  const auto n = static_cast<size_t>(L);
+  TORCH_CHECK(weights.size() == 10 * n && kv.size() == n && memory.size() == n &&
+                  kv_start.size() == n && memory_start.size() == n && norm_eps.size() == n &&
+                  attn_norm_eps.size() == n && scale_x.size() == n && num_heads.size() == n &&
+                  normalize_after.size() == n,
+              "srupp stack_step: 10 weights and one of each per-layer argument for each of the ",
+              L, " layers");
+  TORCH_CHECK(first >= 0 && kept >= 0, "srupp stack_step: first and kept must be >= 0");
+  Tensor h = x;
+  Tensor c_out = at::empty_like(c);
+  std::vector<std::optional<Tensor>> mem_views(n), kv_views(n);
+  for (size_t l = 0; l < n; ++l) {
+    const std::optional<Tensor>* w = &weights[10 * l];
+    for (int i : {0, 1, 8, 9})
+      TORCH_CHECK(w[i].has_value() && w[i]->defined(),
+                  "srupp stack_step: every layer needs w1, w2, weight_c and bias");
+    auto [h_next, c_next] = layer_step_cpu(
+        h, c.select(0, static_cast<int64_t>(l)), *w[0], *w[1], w[2], w[3], w[4], w[5], w[6],
+        w[7], *w[8], *w[9], kv[l], memory[l], memory_pad, kv_start[l], memory_start[l], cached,
+        norm_eps[l], attn_norm_eps[l], scale_x[l], num_heads[l], normalize_after[l] != 0,
+        few_rows);
+    const int64_t BD = c_next.numel();
+    std::memcpy(c_out.data_ptr<float>() + static_cast<int64_t>(l) * BD,
+                c_next.data_ptr<float>(), sizeof(float) * BD);
+    h = std::move(h_next);
+    if (memory[l].has_value() && memory[l]->defined()) {
+      TORCH_CHECK(kv[l].has_value() && kv[l]->defined(),
+                  "srupp stack_step: a layer with a memory buffer needs its kv buffer");
+      mem_views[l] = memory[l]->narrow(1, memory_start[l] + first, kept);
+      kv_views[l] = kv[l]->narrow(1, kv_start[l] + first, kept);
+    }
+  }
+  return {h, c_out, mem_views, kv_views};
+}
+
 // Returns h (B, L, D) in U's dtype, c_last (B, D) fp32, and c_all (B, L, D) fp32 with
 // the state after every step when store_c, else an empty tensor.
 std::tuple<Tensor, Tensor, Tensor> sru_fwd_cpu(
@@ -1419,6 +1477,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_rows", &linear_rows_cpu, "x @ weight^T (+ bias) for a few rows (decoding)");
   m.def("layer_step", &layer_step_cpu,
         "one SRU++ layer's decoding step (srupp::layer_step, without the dispatcher)");
+  m.def("stack_step", &stack_step_cpu,
+        "an SRU++ stack's decoding step: layer_step for each layer, in one call");
   m.def("attend_one_query", &attend_one_query_cpu,
         "softmax(scale q K^T) V for one query per (batch, head) (decoding)");
   m.def("linear_rows_bf16_native", &linear_rows_bf16_native,
