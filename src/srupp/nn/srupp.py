@@ -708,6 +708,23 @@ def _step_plan(layer: SRUppCell) -> Optional[_StepPlan]:
     return plan
 
 
+def _token_rows(state: SRUppState, i: int, plan: _StepPlan, M: int, B: int, like: Tensor
+                ) -> Tuple[Tensor, int, Tensor, int]:
+    """Layer i's memory and [K | V] buffers with a row reserved for the token after the
+    M cached steps: (memory, memory_start, kv, kv_start), as :func:`reserve_steps` gives."""
+    old_mem = old_kv = known_mem = known_kv = None
+    if M:
+        old_mem, old_kv = state.memory[i], state.kv_cache[i].kv
+        # where the last fused step left them, if this state is its own and unedited
+        last = state._rows[i] if state._rows is not None else None
+        if last is not None and last[0][0] is old_mem and last[1][0] is old_kv:
+            known_mem, known_kv = last[0][1:], last[1][1:]
+    n_in, width = plan.weights[0].shape[1], plan.weights[1].shape[0]    # W1 (d′, n_in), W2 (2·d′, d′)
+    mem, mem_start = reserve_steps(old_mem, (B, 1, n_in), like, known=known_mem)
+    kv, kv_start = reserve_steps(old_kv, (B, 1, width), like, known=known_kv)
+    return mem, mem_start, kv, kv_start
+
+
 def _step_fused(layers: Sequence[SRUppCell], input_to_hidden: Optional[nn.Module], x: Tensor,
                 state: SRUppState, c0: Tensor, M: int, mem_len: Optional[int]
                 ) -> Optional[Tuple[Tensor, SRUppState]]:
@@ -716,10 +733,11 @@ def _step_fused(layers: Sequence[SRUppCell], input_to_hidden: Optional[nn.Module
 
     The same result and state as the modules' path of :func:`_run_stack` (the
     memory and the K/V cache grow in place, into the rows :func:`reserve_steps`
-    sets aside; the new state records where, for the next step). None, with nothing run, where the op can't take the layers or the
-    state: training mode, weights not of x's dtype (int8 ones, say), a state that
-    is not fp32, or an attention layer's memory without keys and values cached
-    under the current weights.
+    sets aside; the new state records where, for the next step). None, with
+    nothing run, where the op can't take the layers or the state: training
+    mode, weights not of x's dtype (int8 ones, say), a state that is not fp32,
+    or an attention layer's memory without keys and values cached under the
+    current weights.
     """
     plans = [_step_plan(layer) for layer in layers]
     if None in plans:
@@ -747,31 +765,15 @@ def _step_fused(layers: Sequence[SRUppCell], input_to_hidden: Optional[nn.Module
     # the memory after this token keeps its last `kept` steps (all when mem_len is None)
     kept = M + 1 if mem_len is None else min(M + 1, mem_len)
     first = M + 1 - kept
-    # where the last fused step left the memory and [K | V] (None: work it out)
-    last_rows = state._rows if M else None
-    kvs, mems, kv_starts, mem_starts = [], [], [], []
+    bufs = []                           # per layer: (memory, memory_start, kv, kv_start)
     for i, plan in enumerate(plans):
-        kv = mem = None
-        kv_start = mem_start = 0
-        if plan.use_attention:
-            width = plan.weights[1].shape[0]                            # 2·d′
-            if keep_memory:  # buffers with room for this token after the M cached steps
-                old_mem = old_kv = known_mem = known_kv = None
-                if M:
-                    old_mem, old_kv = state.memory[i], state.kv_cache[i].kv
-                    if last_rows is not None and last_rows[i] is not None:
-                        (mv, mb, ms), (kvv, kvb, kvs_) = last_rows[i]
-                        if mv is old_mem and kvv is old_kv:
-                            known_mem, known_kv = (mb, ms), (kvb, kvs_)
-                n_in = plan.weights[0].shape[1]                          # W1 (d′, n_in)
-                mem, mem_start = reserve_steps(old_mem, (B, 1, n_in), h, known=known_mem)
-                kv, kv_start = reserve_steps(old_kv, (B, 1, width), h, known=known_kv)
-            else:
-                kv = h.new_empty(B, 1, width)                            # no memory: itself only
-        kvs.append(kv)
-        mems.append(mem)
-        kv_starts.append(kv_start)
-        mem_starts.append(mem_start)
+        if not plan.use_attention:
+            bufs.append((None, 0, None, 0))
+        elif keep_memory:
+            bufs.append(_token_rows(state, i, plan, M, B, h))
+        else:                           # no memory: the token attends over itself only
+            bufs.append((None, 0, h.new_empty(B, 1, plan.weights[1].shape[0]), 0))
+    mems, mem_starts, kvs, kv_starts = (list(t) for t in zip(*bufs))
     h, c, memory, new_kvs = stack_step_kernel()(  # layer_step_applies ran: the extension is built
         h, c0.contiguous(), [w for p in plans for w in p.weights], kvs, mems, mem_mask,
         kv_starts, mem_starts, M, first, kept, [p.norm_eps for p in plans],
@@ -787,7 +789,8 @@ def _step_fused(layers: Sequence[SRUppCell], input_to_hidden: Optional[nn.Module
         # a cache valid for these very weights (checked above) keeps its record of them
         kv_cache.append(KVCache(new_kv, state.kv_cache[i]._weights) if M
                         else KVCache.of(new_kv, plan.kv_weights))
-        rows.append(((new_mem, mem, mem_starts[i] + first), (new_kv, kvs[i], kv_starts[i] + first)))
+        rows.append(((new_mem, mem, mem_starts[i] + first),
+                     (new_kv, kvs[i], kv_starts[i] + first)))
     new_mask = None
     if keep_memory and mem_mask is not None:
         new_mask = _keep_last(append_steps(mem_mask, mem_mask.new_zeros(B, 1)), mem_len)
