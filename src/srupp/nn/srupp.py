@@ -787,7 +787,7 @@ def _step_fused(layers: Sequence[SRUppCell], input_to_hidden: Optional[nn.Module
             rows.append(None)
             continue
         # a cache valid for these very weights (checked above) keeps its record of them
-        kv_cache.append(KVCache(new_kv, state.kv_cache[i]._weights) if M
+        kv_cache.append(state.kv_cache[i].with_kv(new_kv) if M
                         else KVCache.of(new_kv, plan.kv_weights))
         rows.append(((new_mem, mem, mem_starts[i] + first),
                      (new_kv, kvs[i], kv_starts[i] + first)))

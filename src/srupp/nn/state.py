@@ -58,6 +58,10 @@ class KVCache:
                 return False
         return True
 
+    def with_kv(self, kv: Tensor) -> "KVCache":
+        """Other keys and values made by the same weights (this cache's record of them)."""
+        return KVCache(kv, self._weights)
+
     def map(self, fn: Callable[[Tensor], Tensor]) -> "KVCache":
         """The same cache with ``fn`` applied to ``kv`` (same weights)."""
         return replace(self, kv=fn(self.kv))

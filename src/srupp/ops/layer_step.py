@@ -51,7 +51,7 @@ from .matmul import FEW_ROWS
 from .settings import accessors, tracing
 
 __all__ = ["layer_step", "layer_step_reference", "layer_step_available", "layer_step_applies",
-           "layer_step_kernel", "stack_step_kernel",
+           "stack_step_kernel",
            "set_step_backend", "get_step_backend", "use_step_backend"]
 
 set_step_backend, get_step_backend, use_step_backend = accessors("step")
@@ -103,17 +103,11 @@ def layer_step_applies(x: Tensor) -> bool:
     return ok and layer_step_available()
 
 
-def layer_step_kernel():
-    """The C++ kernel itself, without the dispatcher (a decoding step calls it once per
-    layer, and the dispatcher's argument parsing costs ~3 µs of its ~40); None when
-    the extension can't be built. Eager only: under tracing call :func:`layer_step`."""
-    return cpu_kernels.function("layer_step")
-
-
 def stack_step_kernel():
-    """The C++ ``stack_step``: :func:`layer_step_kernel` for every layer of a stack in one
-    call (``stack_step_cpu`` in ``csrc/cpu_kernels.cpp`` documents its arguments). Eager
-    only; None when the extension can't be built."""
+    """The C++ ``stack_step``: the op's kernel for every layer of a stack in turn, in one
+    call and without the dispatcher (its argument parsing alone costs a few µs per call;
+    ``stack_step_cpu`` in ``csrc/cpu_kernels.cpp`` documents the arguments). Eager only:
+    under tracing call :func:`layer_step`. None when the extension can't be built."""
     return cpu_kernels.function("stack_step")
 
 

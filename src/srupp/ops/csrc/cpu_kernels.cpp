@@ -1475,8 +1475,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sru_fwd", &sru_fwd_cpu, "SRU recurrence forward (CPU)");
   m.def("sru_bwd", &sru_bwd_cpu, "SRU recurrence backward (CPU)");
   m.def("linear_rows", &linear_rows_cpu, "x @ weight^T (+ bias) for a few rows (decoding)");
-  m.def("layer_step", &layer_step_cpu,
-        "one SRU++ layer's decoding step (srupp::layer_step, without the dispatcher)");
   m.def("stack_step", &stack_step_cpu,
         "an SRU++ stack's decoding step: layer_step for each layer, in one call");
   m.def("attend_one_query", &attend_one_query_cpu,
