@@ -9,7 +9,9 @@ window (model.mem_len, by default train.unroll). Each dtype of --dtypes runs
 every section; bf16 (``model.to(torch.bfloat16)``) only on a CPU with native
 bf16, else it is recorded as skipped; int8 is ``model.quantize("int8")`` (int8
 weights, one scale per output channel), computing in bf16 on a CPU with native
-bf16, else in fp32, as ``srupp generate --dtype int8`` does. With --recipe-model
+bf16, else in fp32, as ``srupp generate --dtype int8`` does; w8a8 is
+``model.quantize("w8a8")`` (int8 activations too, per row; VNNI where the CPU has
+it; the JSON names the kernel). With --recipe-model
 SRU++ is the recipe's own model (e.g. ``recipes/enwik8-base.toml``, 108M
 parameters, random weights) and the other models are sized to its count.
 
@@ -66,11 +68,13 @@ from srupp.models.state import TensorState
 from srupp.nn.quant import Int8Linear
 from srupp.nn.state import SRUppState
 from srupp.ops.layer_step import use_step_backend
+from srupp.ops.quant import w8a8_vnni
 from srupp.ops.settings import cpu_has_native_bf16
 from srupp.train.compare import MODELS, size_model
 from srupp.train.config import build_config
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": None}  # int8: as_dtype
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16,  # int8, w8a8: see as_dtype
+          "int8": None, "w8a8": None}
 PROMPT, CHUNK, VOCAB = 16, 512, 256
 
 
@@ -93,7 +97,7 @@ def parse_args():
     ap.add_argument("--recipe-model", action="store_true",
                     help="SRU++ is the recipe's model as it is (--params: its count)")
     ap.add_argument("--set", nargs="*", default=[], help="recipe overrides, key=value")
-    ap.add_argument("--dtypes", default="fp32,bf16", help="from fp32, bf16, int8")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="from fp32, bf16, int8, w8a8")
     ap.add_argument("--new", type=int, default=256, help="batch1: tokens decoded")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--contexts", type=int_list, default=[256, 1024, 4096, 16384])
@@ -299,8 +303,8 @@ def int8_activations() -> str:
 def as_dtype(model, d):
     """A copy of ``model`` with the weights of dtype name ``d``."""
     model = copy.deepcopy(model)
-    if d == "int8":
-        model.quantize("int8")
+    if d in ("int8", "w8a8"):
+        model.quantize(d)
         d = int8_activations()
     return model.to(DTYPES[d])
 
@@ -354,8 +358,10 @@ def main():
                 continue
             models = {n: as_dtype(m, d) for n, m in built.items()}
             result["dtypes"][d] = run_dtype(a, models, copy_large)
-            if d == "int8":
+            if d in ("int8", "w8a8"):
                 result["dtypes"][d]["activations"] = int8_activations()
+            if d == "w8a8":
+                result["dtypes"][d]["kernel"] = "vnni" if w8a8_vnni() else "plain"
     result["loadavg_after"] = [round(v, 2) for v in os.getloadavg()]
     print(json.dumps(result, indent=2))
 

@@ -148,11 +148,22 @@ def test_generation(tmp_path, corpus):
     assert r["new_tokens"] == 3 and r["tokens_per_s"]["run"] > 0
 
 
+def test_int8_kernels():
+    r = run_benchmark("int8_kernels.py", "--shapes", "tiny", "--rows", "1,3", "--rounds", "1")
+    if "skipped" in r:
+        pytest.skip(r["skipped"])
+    assert list(r["shapes"]) == ["tiny R=1", "tiny R=3"] and r["w8a8_kernel"] in ("vnni", "plain")
+    for res in r["shapes"].values():
+        for k in ("bf16", "int8", "w8a8", "w8a8_plain", "copy_bf16", "copy_int8"):
+            assert res[k]["us"] > 0 and res[k]["GBps"] > 0
+
+
 def test_decode():
-    r = run_benchmark("decode.py", "--quick", "--dtypes", "fp32,bf16,int8")
+    r = run_benchmark("decode.py", "--quick", "--dtypes", "fp32,bf16,int8,w8a8")
     names = ["srupp", "sru", "lstm", "transformer"]
     assert list(r["models"]) == names and min(m["params"] for m in r["models"].values()) > 0
-    assert list(r["dtypes"]) == ["fp32", "bf16", "int8"]
+    assert list(r["dtypes"]) == ["fp32", "bf16", "int8", "w8a8"]
+    assert r["dtypes"]["w8a8"]["kernel"] in ("vnni", "plain")
     fp32, int8 = (r["dtypes"][d]["bounds"]["srupp"]["weight_bytes"] for d in ("fp32", "int8"))
     assert fp32 / 4 < int8 < fp32 / 3  # a byte per weight, and the float embedding row etc.
     assert r["copy_large_buffer"]["GBps"] > 0

@@ -37,7 +37,7 @@ def test_generate_int8_names_its_activations(ckpt, capsys):
 def test_eval_dtypes_give_close_scores(ckpt, capsys):
     folder, corpus = ckpt
     scores = {}
-    for dtype in ("fp32", "bf16", "int8"):
+    for dtype in ("fp32", "bf16", "int8", "w8a8"):
         assert main(["eval", "--checkpoint", str(folder), "--data", str(corpus),
                      "--dtype", dtype, "--set", "eval.batch_size=2", "train.unroll=16"]) == 0
         out = json.loads(capsys.readouterr().out)
@@ -46,6 +46,7 @@ def test_eval_dtypes_give_close_scores(ckpt, capsys):
         scores[dtype] = out["bpc"]
     # an untrained model scores ~8 bits per byte; its weights' rounding moves that by little
     assert abs(scores["int8"] - scores["fp32"]) < 0.05, scores
+    assert abs(scores["w8a8"] - scores["fp32"]) < 0.05, scores
     assert abs(scores["bf16"] - scores["fp32"]) < 0.05, scores
 
 

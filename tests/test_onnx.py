@@ -315,6 +315,8 @@ def test_quantized_graphs_run_in_onnxruntime_close_to_float(tmp_path):
 def test_quantize_arguments_of_the_export(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"unknown quantization 'int4'"):
         export_onnx(make(mem_len=4), tmp_path / "a", quantize="int4")
+    with pytest.raises(ValueError, match="quantize_dynamic applies"):
+        export_onnx(make(mem_len=4), tmp_path / "w", quantize="w8a8")
     with pytest.raises(ValueError, match="export the float model"):
         export_onnx(make(mem_len=4).quantize(), tmp_path / "b")
     ckpt = _saved(tmp_path, type="srupp")

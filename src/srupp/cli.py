@@ -136,12 +136,13 @@ def _native_bf16_or_refuse(flag: str) -> None:
 
 
 def _weights_in(model, dtype: str, int8_activations: str) -> str:
-    """Convert ``model`` in place to the weights of ``--dtype`` (fp32, bf16 or int8, which
-    computes in ``int8_activations``); returns the dtype the model computes in."""
+    """Convert ``model`` in place to the weights of ``--dtype`` (fp32, bf16, or int8 and
+    w8a8, whose float work runs in ``int8_activations``); returns the dtype the model
+    computes in."""
     import torch
 
-    if dtype == "int8":
-        model.quantize("int8")
+    if dtype in ("int8", "w8a8"):
+        model.quantize(dtype)
         dtype = int8_activations
     if dtype == "bf16":
         model.to(torch.bfloat16)  # the recurrent state c stays fp32
@@ -412,9 +413,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--checkpoint", required=True, help="run directory or checkpoint folder")
     e.add_argument("--data", help="corpus (default: the run's)")
     e.add_argument("--split", choices=["valid", "test"], default="valid")
-    e.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32",
-                   help="weights: fp32 (default), bf16, or int8 (one scale per output "
-                        "channel, computed in fp32)")
+    e.add_argument("--dtype", choices=["fp32", "bf16", "int8", "w8a8"], default="fp32",
+                   help="weights: fp32 (default), bf16, int8 (one scale per output "
+                        "channel, computed in fp32), or w8a8 (int8 weights, and each "
+                        "layer's input rounded to int8 per row)")
     _add_set(e, "e.g. eval.unroll=512 eval.mem_len=1024 eval.batch_size=1, or eval.beam=1 "
                 "eval.no_repeat_ngram_size=3")
     e.set_defaults(func=cmd_eval)
@@ -458,10 +460,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=_number("[0, 2**63)", integer=True), default=0,
                    help="the sampling's seed (default 0)")
     g.add_argument("--mem-len", type=_WINDOW, help="attention window (default: the model's)")
-    g.add_argument("--dtype", choices=["fp32", "bf16", "int8"], default="fp32",
+    g.add_argument("--dtype", choices=["fp32", "bf16", "int8", "w8a8"], default="fp32",
                    help="weights while decoding: fp32, bf16 (half the bytes; needs a CPU "
-                        "with bf16 instructions) or int8 (a quarter; computes in bf16 where "
-                        "the CPU has bf16 instructions, else fp32)")
+                        "with bf16 instructions), int8 (a quarter; computes in bf16 where "
+                        "the CPU has bf16 instructions, else fp32) or w8a8 (int8, with each "
+                        "layer's input rounded to int8 too: integer products, VNNI where "
+                        "the CPU has it)")
     g.set_defaults(func=cmd_generate)
 
     ex = sub.add_parser("export", help="write a language model as ONNX graphs (or for "

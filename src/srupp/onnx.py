@@ -321,7 +321,10 @@ def export_onnx(model: nn.Module, out_dir, *, mem_len: Optional[int] = None,
     require("onnx", "onnx", "ONNX export")
     require("onnxscript", "onnx", "ONNX export")  # torch.onnx's exporter builds graphs with it
     if quantize is not None:
-        check_quantization(quantize)
+        if check_quantization(quantize) != "int8":
+            raise ValueError(f"quantize={quantize!r}: the ONNX graphs take \"int8\", which "
+                             f"ONNX Runtime's quantize_dynamic applies (int8 weights, and "
+                             f"activations rounded per call, as w8a8 does)")
         require("onnxruntime", "onnx", "ONNX quantization")
     # a private fp32 copy on the CPU, without gradients: exporting never touches the
     # caller's model, and a model on a GPU exports the same graphs (onnxruntime runs

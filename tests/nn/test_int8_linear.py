@@ -57,10 +57,31 @@ def test_quantize_linears_converts_every_linear_of_a_stack():
 
 
 def test_quantize_linears_arguments():
-    with pytest.raises(ValueError, match=r"unknown quantization 'int4'.*\('int8',\)"):
+    with pytest.raises(ValueError, match=r"unknown quantization 'int4'.*\('int8', 'w8a8'\)"):
         quantize_linears(nn.Sequential(nn.Linear(2, 2)), "int4")
     with pytest.raises(TypeError, match="Int8Linear.from_linear"):
         quantize_linears(nn.Linear(2, 2))
     seq = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
     quantize_linears(seq, skip=seq[1])
     assert isinstance(seq[0], Int8Linear) and isinstance(seq[1][0], nn.Linear)
+
+
+def test_w8a8_rounds_the_activations_too():
+    torch.manual_seed(0)
+    lin = nn.Linear(24, 10)
+    x = torch.randn(3, 24)
+    wonly, w8a8 = Int8Linear.from_linear(lin), Int8Linear.from_linear(lin, activations="int8")
+    assert "activations=int8" in repr(w8a8) and "activations=float" in repr(wonly)
+    with torch.no_grad():
+        ref, a, b = lin(x), wonly(x), w8a8(x)
+    torch.testing.assert_close(b, ref, rtol=0.05, atol=0.05)
+    assert not torch.equal(a, b)  # the activations' rounding shows
+    with pytest.raises(ValueError, match="activations must be one of"):
+        Int8Linear(2, 2, activations="int4")
+
+
+def test_quantize_linears_w8a8_sets_every_layer():
+    stack = SRUpp(16, 16, 8, num_layers=2, causal=True).eval()
+    quantize_linears(stack, "w8a8")
+    layers = [m for m in stack.modules() if isinstance(m, Int8Linear)]
+    assert layers and all(m.activations == "int8" for m in layers)

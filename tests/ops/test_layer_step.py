@@ -176,7 +176,7 @@ def test_stack_step_is_layer_step_layer_after_layer(dtype):
         x, c, [a[n] for a in mine for n in WEIGHT_NAMES], [a["kv"] for a in mine],
         [a["memory"] for a in mine], None, [0] * 3, [0] * 3, M, first, kept,
         *([a[n] for a in mine] for n in LAYER_SCALARS[:3]), [a["num_heads"] for a in mine],
-        [int(a["normalize_after"]) for a in mine], FEW_ROWS[dtype])
+        [int(a["normalize_after"]) for a in mine], FEW_ROWS[dtype], [None] * 9, [0] * 3)
     torch.testing.assert_close(got_h, h, rtol=0, atol=0)
     torch.testing.assert_close(got_c, torch.stack([a["c_new"] for a in chained]), rtol=0, atol=0)
     for a, b, mem, kv in zip(mine, chained, mems, kvs):
@@ -196,11 +196,19 @@ def test_stack_step_refuses_lists_of_the_wrong_length():
     a = make_args(torch.float32, B=1, n_in=64, D=64, dp=16, H=1, M=0)
     c = a["c"][None]                                                     # one layer
     args = [[a[n] for n in WEIGHT_NAMES], [a["kv"]], [a["memory"]], None, [0], [0], 0, 0, 1,
-            [1e-5], [1e-5], [1.0], [1], [0], FEW_ROWS[torch.float32]]
+            [1e-5], [1e-5], [1.0], [1], [0], FEW_ROWS[torch.float32], [None] * 3, [0]]
     stack_step_kernel()(a["x"], c, *args)                                # the right lengths run
     short = list(args)
     short[0] = short[0][:9]
-    with pytest.raises(RuntimeError, match="10 weights and one of each"):
+    with pytest.raises(RuntimeError, match="10 weights, 3 scales and one of each"):
         stack_step_kernel()(a["x"], c, *short)
+    short = list(args)
+    short[-2] = [None] * 2
+    with pytest.raises(RuntimeError, match="10 weights, 3 scales and one of each"):
+        stack_step_kernel()(a["x"], c, *short)
+    int8 = list(args)
+    int8[-1] = [2]                                  # w8a8 with float weights, no scales
+    with pytest.raises(RuntimeError, match="int8 weights with one scale per output"):
+        stack_step_kernel()(a["x"], c, *int8)
     with pytest.raises(RuntimeError, match="c \\(layers, B, D\\)"):
         stack_step_kernel()(a["x"], a["c"], *args)

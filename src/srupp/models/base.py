@@ -68,14 +68,16 @@ class SavedModel(nn.Module):
         """Convert this model in place to int8 weights for inference; returns it.
 
         Every linear layer (the backbone's projections, the output layer) keeps
-        its weight as int8 with one scale per output feature, and computes in the
-        dtype of its input (fp32 or bf16): :mod:`srupp.nn.quant`. Embedding
+        its weight as int8 with one scale per output feature. With "int8" it
+        computes in the dtype of its input (fp32 or bf16); with "w8a8" it rounds
+        each row of its input to int8 too, per call, and sums integer products
+        (faster where the CPU has VNNI): :mod:`srupp.nn.quant`. Embedding
         lookups, layer norms, the recurrence and an adaptive softmax keep their
         float weights. The model ends in eval mode with its remaining parameters
         frozen; training it, or saving it, is refused: quantize after loading.
 
         Args:
-            kind: "int8", the only choice (:data:`srupp.nn.quant.QUANTIZATIONS`).
+            kind: "int8" or "w8a8" (:data:`srupp.nn.quant.QUANTIZATIONS`).
         """
         check_quantization(kind)
         if self.quantized:

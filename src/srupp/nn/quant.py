@@ -6,6 +6,14 @@ same weight as int8 with one scale per output feature (:mod:`srupp.ops.quant`).
 Embedding tables stay as they are: a lookup reads one row per token, not the
 whole table. The task heads' ``model.quantize("int8")`` calls it.
 
+Two kinds (:data:`QUANTIZATIONS`):
+
+* ``"int8"``: weight-only; the activations stay fp32 or bf16 (:func:`~srupp.ops.quant.linear_int8`);
+* ``"w8a8"``: int8 weights and int8 activations, each row of a layer's input
+  rounded with its own scale at every call (dynamic quantization,
+  :func:`~srupp.ops.quant.linear_w8a8`): integer dot products, which VNNI
+  computes at several times the rate of widened fp32 weights.
+
 A quantized model is for inference: its int8 weights are buffers, not
 parameters, and it refuses ``train()`` and gradients with a message that says so.
 """
@@ -17,12 +25,12 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ..ops.quant import linear_int8, quantize_per_channel
+from ..ops.quant import linear_int8, linear_w8a8, quantize_per_channel
 
 __all__ = ["Int8Linear", "quantize_linears", "QUANTIZATIONS", "check_quantization"]
 
-#: The names ``quantize`` accepts.
-QUANTIZATIONS = ("int8",)
+#: The names ``quantize`` accepts: int8 weights alone, or int8 weights and activations.
+QUANTIZATIONS = ("int8", "w8a8")
 
 _INFERENCE_ONLY = ("int8-quantized layers are for inference only: train the float model "
                    "and quantize it afterwards")
@@ -45,13 +53,23 @@ class Int8Linear(nn.Module):
     scale would add its own rounding, and a conversion per call). Inputs of
     fp32 or bf16; the output has the input's dtype.
 
+    ``activations``: "float" (weight-only, the default) computes with the input
+    as it is; "int8" rounds each row of the input to int8 with its own scale
+    first (w8a8), and sums integer products.
+
     Shapes: input (..., in_features) -> (..., out_features).
     """
 
+    ACTIVATIONS = ("float", "int8")
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 device=None, dtype=None):
+                 activations: str = "float", device=None, dtype=None):
         super().__init__()
+        if activations not in self.ACTIVATIONS:
+            raise ValueError(f"activations must be one of {self.ACTIVATIONS}, got "
+                             f"{activations!r}")
         self.in_features, self.out_features = in_features, out_features
+        self.activations = activations
         dtype = dtype or torch.get_default_dtype()
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8,
                                                    device=device))
@@ -62,7 +80,7 @@ class Int8Linear(nn.Module):
         self.training = False
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "Int8Linear":
+    def from_linear(cls, linear: nn.Linear, activations: str = "float") -> "Int8Linear":
         """The int8 version of ``linear`` (its weight quantized per output feature)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"Int8Linear.from_linear takes an nn.Linear, got "
@@ -70,7 +88,7 @@ class Int8Linear(nn.Module):
         w = linear.weight
         q, scale = quantize_per_channel(w)
         m = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                device=w.device, dtype=w.dtype)
+                activations=activations, device=w.device, dtype=w.dtype)
         m.weight.copy_(q)
         m.scale.copy_(scale)
         if linear.bias is not None:
@@ -78,6 +96,8 @@ class Int8Linear(nn.Module):
         return m
 
     def forward(self, input: Tensor) -> Tensor:
+        if self.activations == "int8":
+            return linear_w8a8(input, self.weight, self.scale, self.bias)
         return linear_int8(input, self.weight, self.scale, self.bias)
 
     def _apply(self, fn, recurse=True):
@@ -94,7 +114,8 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, weight=int8 per-channel")
+                f"bias={self.bias is not None}, weight=int8 per-channel, "
+                f"activations={self.activations}")
 
 
 def quantize_linears(model: nn.Module, kind: str = "int8",
@@ -104,7 +125,8 @@ def quantize_linears(model: nn.Module, kind: str = "int8",
     Args:
         model: any module; it ends in eval mode, with every remaining parameter
             frozen (``requires_grad=False``): the result is for inference.
-        kind: "int8", the only quantization there is (:data:`QUANTIZATIONS`).
+        kind: "int8" (weights only) or "w8a8" (weights and activations), see
+            :data:`QUANTIZATIONS`.
         skip: a submodule to leave as it is (its Linear layers included).
     Returns:
         ``model``. A Linear whose weight is shared with another module (tied
@@ -121,6 +143,7 @@ def quantize_linears(model: nn.Module, kind: str = "int8",
             continue
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and (skip is None or child is not skip):
-                setattr(parent, name, Int8Linear.from_linear(child))
+                setattr(parent, name, Int8Linear.from_linear(
+                    child, activations="int8" if kind == "w8a8" else "float"))
     model.requires_grad_(False)
     return model.eval()

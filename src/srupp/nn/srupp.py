@@ -37,6 +37,7 @@ from ..ops.layer_step import layer_step_applies, stack_step_kernel
 from ..ops.matmul import FEW_ROWS
 from .append import append_steps, reserve_steps
 from .linear import Linear
+from .quant import Int8Linear
 from .state import KVCache, SRUppState
 from .sru import RecurrentLayerBase, StackBase, check_c0, check_input, read_input, write_output
 
@@ -633,7 +634,9 @@ class _StepPlan:
     """
 
     weights: tuple            # w1, w2, w3, α, norm w/b, attention norm w/b, weight_c, bias
-    present: tuple            # those of them that are not None
+    scales: tuple             # w1, w2, w3's scales when they are int8, else Nones
+    quant: int                # 0: float projections, 1: int8 weights, 2: w8a8 (_QUANT)
+    floats: tuple             # the float weights present: they must have x's dtype
     norm_eps: float
     attn_norm_eps: float
     scale_x: float
@@ -678,9 +681,26 @@ class _Lookups:
         return value
 
 
+# _StepPlan.quant: how a layer's projections hold their weights (stack_step's enum Quant)
+_QUANT = {None: 0, "float": 1, "int8": 2}     # Linear; Int8Linear by its activations
+
+
+def _projection(get: "_Lookups", t: nn.Module, name: str):
+    """(weight, scale or None, quant) of the projection ``t.<name>``: a float Linear's
+    weight Parameter, or an :class:`Int8Linear`'s int8 weight and scale buffers. A
+    LookupError for anything else (an Int8Linear with a bias, say)."""
+    m = get(t, "_modules", name)
+    if isinstance(m, Int8Linear):
+        if get(m, "_buffers", "bias") is not None:
+            raise LookupError("bias")
+        return get(m, "_buffers", "weight"), get(m, "_buffers", "scale"), _QUANT[m.activations]
+    return get(m, "_parameters", "weight"), None, _QUANT[None]
+
+
 def _step_plan(layer: SRUppCell) -> Optional[_StepPlan]:
     """The layer's :class:`_StepPlan`, made again when what it was read from changed;
-    None when a projection is not a plain Linear (an int8 one has no weight Parameter)."""
+    None when a projection is neither a plain Linear nor an Int8Linear, or the three
+    don't hold their weights the same way."""
     plan = _PLANS.get(layer)
     if plan is not None and plan.valid():
         return plan
@@ -689,18 +709,24 @@ def _step_plan(layer: SRUppCell) -> Optional[_StepPlan]:
     try:
         t, ln = get(layer, "_modules", "transform"), get(layer, "_modules", "layer_norm")
         tln = get(t, "_modules", "layer_norm")
-        w1 = get(get(t, "_modules", "linear1"), "_parameters", "weight")
-        w2 = get(get(t, "_modules", "linear2"), "_parameters", "weight")
-        w3 = get(get(t, "_modules", "linear3"), "_parameters", "weight") if attention else None
+        projections = [_projection(get, t, n)
+                       for n in ("linear1", "linear2", "linear3")[:3 if attention else 2]]
         alpha = get(t, "_parameters", "alpha") if attention else None
         norms = [None if m is None else get(m, "_parameters", n)
                  for m in (ln, tln) for n in ("weight", "bias")]
         gates = get(layer, "_parameters", "weight_c"), get(layer, "_parameters", "bias")
     except LookupError:
         return None
+    if len({quant for _, _, quant in projections}) != 1:
+        return None
+    w1, w2, w3 = [p[0] for p in projections] + [None] * (3 - len(projections))
+    scales = tuple(p[1] for p in projections) + (None,) * (3 - len(projections))
+    quant = projections[0][2]
     weights = (w1, w2, w3, alpha, *norms, *gates)
+    floats = (alpha, *norms, *gates) + (() if quant else (w1, w2, w3))
     plan = _PLANS[layer] = _StepPlan(
-        weights=weights, present=tuple(w for w in weights if w is not None),
+        weights=weights, scales=scales, quant=quant,
+        floats=tuple(w for w in floats if w is not None),
         norm_eps=1e-5 if ln is None else ln.eps, attn_norm_eps=1e-5 if tln is None else tln.eps,
         scale_x=layer.scale_x, num_heads=t.num_heads if attention else 1,
         normalize_after=layer.normalize_after, use_attention=attention,
@@ -735,7 +761,7 @@ def _step_fused(layers: Sequence[SRUppCell], input_to_hidden: Optional[nn.Module
     memory and the K/V cache grow in place, into the rows :func:`reserve_steps`
     sets aside; the new state records where, for the next step). None, with
     nothing run, where the op can't take the layers or the state: training
-    mode, weights not of x's dtype (int8 ones, say), a state that is not fp32,
+    mode, float weights not of x's dtype, a state that is not fp32,
     or an attention layer's memory without keys and values cached under the
     current weights.
     """
@@ -749,7 +775,7 @@ def _step_fused(layers: Sequence[SRUppCell], input_to_hidden: Optional[nn.Module
     for i, (layer, plan) in enumerate(zip(layers, plans)):
         if layer.training:
             return None
-        for w in plan.present:
+        for w in plan.floats:
             if w.dtype != dt:
                 return None
         if plan.use_attention and M > 0:
@@ -779,7 +805,8 @@ def _step_fused(layers: Sequence[SRUppCell], input_to_hidden: Optional[nn.Module
         kv_starts, mem_starts, M, first, kept, [p.norm_eps for p in plans],
         [p.attn_norm_eps for p in plans], [p.scale_x for p in plans],
         [p.num_heads for p in plans], [int(p.normalize_after) for p in plans],
-        FEW_ROWS[dt])                                # (B, D), (layers, B, D), views or None
+        FEW_ROWS[dt], [s for p in plans for s in p.scales],
+        [p.quant for p in plans])                    # (B, D), (layers, B, D), views or None
     kv_cache, rows = [], []
     for i, (plan, mem, new_mem, new_kv) in enumerate(zip(plans, mems, memory, new_kvs)):
         if new_mem is None:

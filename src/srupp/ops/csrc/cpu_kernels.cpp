@@ -1,7 +1,9 @@
 // srupp's C++ CPU kernels (srupp/ops/cpu_kernels.py builds and loads them):
 // - the fused SRU element-wise recurrence, forward and backward (sru_fwd, sru_bwd);
 // - decoding: few-row projections (linear_rows), the same with int8 weights
-//   (linear_int8_rows) and one query's attention (attend_one_query), further down;
+//   (linear_int8_rows) and with int8 weights and activations (linear_w8a8_rows), one
+//   query's attention (attend_one_query) and a stack's whole step (stack_step), further
+//   down;
 // - the cache of large output blocks (empty_cache, set_cache_limit, ...).
 //
 // Math and argument conventions: srupp/ops/reference.py, the oracle (its docstring has the
@@ -954,6 +956,12 @@ Tensor attend_one_query_cpu(const Tensor& q, const Tensor& k, const Tensor& v, d
 // intermediate the modules store in the weights' dtype (q, K and V, o, U, h) is
 // rounded to it here too; sums, norms and the recurrence are in fp32.
 
+// int8 products (further down), for quantized layers
+Tensor linear_int8_rows_cpu(const Tensor& x, const Tensor& weight, const Tensor& scale,
+                            const std::optional<Tensor>& bias, bool plain);
+Tensor linear_w8a8_rows_cpu(const Tensor& x, const Tensor& weight, const Tensor& scale,
+                            const std::optional<Tensor>& bias, bool plain);
+
 namespace layer_step_impl {
 
 // runs the lambda given (which uses scalar_t) for float32 or bfloat16 tensors
@@ -966,8 +974,22 @@ namespace layer_step_impl {
     __VA_ARGS__();                                     \
   }
 
-// y = x @ w^T: the few-rows kernel up to `few` rows, else ATen (oneDNN / BLAS)
-Tensor project(const Tensor& x, const Tensor& w, int64_t few) {
+// How a layer's projections hold their weights (srupp/nn/quant.py): float, int8 with the
+// activations as they are, or int8 with the activations rounded per row (w8a8).
+enum Quant : int64_t { kFloatWeights = 0, kInt8 = 1, kW8A8 = 2 };
+constexpr int64_t kInt8FewRows = 32;  // srupp.ops.quant.INT8_FEW_ROWS
+
+// y = x @ w^T: the few-rows kernel up to `few` rows, else ATen (oneDNN / BLAS). Quantized
+// weights (w int8 with one scale per output) go where srupp.ops.quant sends them:
+// weight-only int8 to its kernel up to 32 rows, else dequantized in fp32 and multiplied in
+// x's dtype; w8a8 to its kernel at any rows (the same integer sums as its reference).
+Tensor project(const Tensor& x, const Tensor& w, int64_t few, const Tensor* scale = nullptr,
+               int64_t quant = kFloatWeights) {
+  if (quant == kW8A8) return linear_w8a8_rows_cpu(x, w, *scale, std::nullopt, false);
+  if (quant == kInt8) {
+    if (x.size(0) <= kInt8FewRows) return linear_int8_rows_cpu(x, w, *scale, std::nullopt, false);
+    return at::linear(x, (w.to(at::kFloat) * scale->to(at::kFloat).unsqueeze(1)).to(x.scalar_type()));
+  }
   return x.size(0) <= few ? linear_rows_cpu(x, w, std::nullopt) : at::linear(x, w);
 }
 
@@ -1055,10 +1077,9 @@ void recurrence_step(const T* U, int64_t k, const T* x, int64_t ldx, const float
   });
 }
 
-}  // namespace layer_step_impl
-
-// See srupp/ops/layer_step.py (the schema, its fake kernel and the reference).
-std::tuple<Tensor, Tensor> layer_step_cpu(
+// layer_step_cpu, with the projections' weights W1, W2, W3 optionally int8: `quant` says
+// how (enum Quant) and scales[0..2] hold their scales (fp32, one per output feature).
+std::tuple<Tensor, Tensor> layer_step_run(
     const Tensor& x, const Tensor& c, const Tensor& w1, const Tensor& w2,
     const std::optional<Tensor>& w3, const std::optional<Tensor>& alpha,
     const std::optional<Tensor>& norm_weight, const std::optional<Tensor>& norm_bias,
@@ -1066,16 +1087,33 @@ std::tuple<Tensor, Tensor> layer_step_cpu(
     const Tensor& weight_c, const Tensor& bias, const std::optional<Tensor>& kv,
     const std::optional<Tensor>& memory, const std::optional<Tensor>& memory_pad,
     int64_t kv_start, int64_t memory_start, int64_t cached, double norm_eps, double attn_norm_eps, double scale_x, int64_t num_heads,
-    bool normalize_after, int64_t few_rows) {
-  using namespace layer_step_impl;
+    bool normalize_after, int64_t few_rows, int64_t quant, const std::optional<Tensor>* scales) {
   const auto dt = x.scalar_type();
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16,
               "srupp layer_step: float32 or bfloat16 tensors, got ", dt);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "srupp layer_step: x (B, n_in) contiguous");
-  for (const Tensor* t : {&w1, &w2, &weight_c, &bias})
+  for (const Tensor* t : {&weight_c, &bias})
     TORCH_CHECK(t->scalar_type() == dt && t->is_contiguous(),
                 "srupp layer_step: weights contiguous, of x's dtype");
+  TORCH_CHECK(quant == kFloatWeights || quant == kInt8 || quant == kW8A8,
+              "srupp layer_step: quant must be 0 (float), 1 (int8) or 2 (w8a8)");
   const bool attention = w3.has_value() && w3->defined();
+  const Tensor* proj[3] = {&w1, &w2, attention ? &*w3 : nullptr};
+  const Tensor* wscale[3] = {nullptr, nullptr, nullptr};  // the projections' int8 scales
+  for (int i = 0; i < 3; ++i) {
+    if (proj[i] == nullptr) continue;
+    if (quant == kFloatWeights) {
+      TORCH_CHECK(proj[i]->scalar_type() == dt && proj[i]->is_contiguous(),
+                  "srupp layer_step: weights contiguous, of x's dtype");
+      continue;
+    }
+    TORCH_CHECK(proj[i]->scalar_type() == at::kChar && proj[i]->is_contiguous() &&
+                    scales != nullptr && scales[i].has_value() && scales[i]->defined() &&
+                    scales[i]->numel() == proj[i]->size(0),
+                "srupp stack_step: quantized projections take contiguous int8 weights with "
+                "one scale per output feature");
+    wscale[i] = &*scales[i];
+  }
   const int64_t B = x.size(0), D = weight_c.size(1);
   TORCH_CHECK(c.scalar_type() == at::kFloat && c.is_contiguous() && c.size(0) == B &&
               c.size(1) == D, "srupp layer_step: c (B, D) float32 contiguous");
@@ -1094,7 +1132,7 @@ std::tuple<Tensor, Tensor> layer_step_cpu(
                 "last dim contiguous");
     write_row(*memory, memory_start + cached, xin);
   }
-  const Tensor q = project(xin, w1, few_rows);                                   // (B, d')
+  const Tensor q = project(xin, w1, few_rows, wscale[0], quant);                  // (B, d')
   const int64_t dp = q.size(1);
   Tensor U;
   if (attention) {
@@ -1105,7 +1143,8 @@ std::tuple<Tensor, Tensor> layer_step_cpu(
                 "contiguous");
     const int64_t S = cached + 1, H = num_heads, hd = dp / H;  // keys: the cached ones, then x's
     TORCH_CHECK(H >= 1 && dp % H == 0, "srupp layer_step: num_heads must divide d'");
-    write_row(*kv, kv_start + cached, project(q, w2, few_rows).contiguous());    // new [K | V]
+    write_row(*kv, kv_start + cached,
+              project(q, w2, few_rows, wscale[1], quant).contiguous());           // new [K | V]
     const bool* pad = nullptr;
     Tensor pad_full;
     if (memory_pad.has_value() && memory_pad->defined()) {
@@ -1131,9 +1170,10 @@ std::tuple<Tensor, Tensor> layer_step_cpu(
                          y.data_ptr<scalar_t>(), B * dp);
     });
     U = project(maybe_norm(y, attn_norm_weight, attn_norm_bias, attn_norm_eps), *w3,
-                few_rows);                                                        // (B, k*D)
+                few_rows, wscale[2], quant);                                       // (B, k*D)
   } else {
-    U = project(maybe_norm(q, attn_norm_weight, attn_norm_bias, attn_norm_eps), w2, few_rows);
+    U = project(maybe_norm(q, attn_norm_weight, attn_norm_bias, attn_norm_eps), w2, few_rows,
+                wscale[1], quant);
   }
   U = U.contiguous();
   Tensor h = at::empty({B, D}, x.options());
@@ -1148,13 +1188,34 @@ std::tuple<Tensor, Tensor> layer_step_cpu(
   return {h, c_new};
 }
 
+}  // namespace layer_step_impl
+
+// See srupp/ops/layer_step.py (the schema, its fake kernel and the reference).
+std::tuple<Tensor, Tensor> layer_step_cpu(
+    const Tensor& x, const Tensor& c, const Tensor& w1, const Tensor& w2,
+    const std::optional<Tensor>& w3, const std::optional<Tensor>& alpha,
+    const std::optional<Tensor>& norm_weight, const std::optional<Tensor>& norm_bias,
+    const std::optional<Tensor>& attn_norm_weight, const std::optional<Tensor>& attn_norm_bias,
+    const Tensor& weight_c, const Tensor& bias, const std::optional<Tensor>& kv,
+    const std::optional<Tensor>& memory, const std::optional<Tensor>& memory_pad,
+    int64_t kv_start, int64_t memory_start, int64_t cached, double norm_eps, double attn_norm_eps, double scale_x, int64_t num_heads,
+    bool normalize_after, int64_t few_rows) {
+  return layer_step_impl::layer_step_run(
+      x, c, w1, w2, w3, alpha, norm_weight, norm_bias, attn_norm_weight, attn_norm_bias,
+      weight_c, bias, kv, memory, memory_pad, kv_start, memory_start, cached, norm_eps,
+      attn_norm_eps, scale_x, num_heads, normalize_after, few_rows,
+      layer_step_impl::kFloatWeights, nullptr);
+}
+
 // A whole stack's decoding step: layer_step_cpu for each layer in turn, h feeding the
 // next, in one call from Python (srupp/nn/srupp.py, _step_fused). Per layer, the Python
 // loop, its argument passing and the views of the rows kept cost some 10 µs: a tenth of
 // a small model's step. Layer l reads weights[10l .. 10l+9] (layer_step's w1, w2, w3,
 // alpha, norm_weight, norm_bias, attn_norm_weight, attn_norm_bias, weight_c, bias), its
 // buffers kv[l] and memory[l] (None: none) at row offsets kv_start[l] and
-// memory_start[l], and its own scalars; `cached` and memory_pad are the stack's.
+// memory_start[l], and its own scalars; `cached` and memory_pad are the stack's. quant[l]
+// says how layer l's W1, W2, W3 are held (0 float, 1 int8, 2 w8a8: enum Quant above),
+// and scales[3l .. 3l+2] hold their scales when they are int8 (else None).
 // Returns the last layer's h (B, D), every layer's new c (layers, B, D) fp32, and for
 // each layer with a memory buffer its memory and [K | V] after the token, the views
 // rows start + first .. start + first + kept - 1 of its buffers (None for the others).
@@ -1167,7 +1228,8 @@ stack_step_cpu(const Tensor& x, const Tensor& c, const std::vector<std::optional
                int64_t kept, const std::vector<double>& norm_eps,
                const std::vector<double>& attn_norm_eps, const std::vector<double>& scale_x,
                const std::vector<int64_t>& num_heads, const std::vector<int64_t>& normalize_after,
-               int64_t few_rows) {
+               int64_t few_rows, const std::vector<std::optional<Tensor>>& scales,
+               const std::vector<int64_t>& quant) {
   TORCH_CHECK(c.dim() == 3 && c.scalar_type() == at::kFloat && c.is_contiguous(),
               "srupp stack_step: c (layers, B, D) float32 contiguous");
   const int64_t L = c.size(0);
@@ -1175,9 +1237,9 @@ stack_step_cpu(const Tensor& x, const Tensor& c, const std::vector<std::optional
   TORCH_CHECK(weights.size() == 10 * n && kv.size() == n && memory.size() == n &&
                   kv_start.size() == n && memory_start.size() == n && norm_eps.size() == n &&
                   attn_norm_eps.size() == n && scale_x.size() == n && num_heads.size() == n &&
-                  normalize_after.size() == n,
-              "srupp stack_step: 10 weights and one of each per-layer argument for each of the ",
-              L, " layers");
+                  normalize_after.size() == n && scales.size() == 3 * n && quant.size() == n,
+              "srupp stack_step: 10 weights, 3 scales and one of each per-layer argument for "
+              "each of the ", L, " layers");
   TORCH_CHECK(first >= 0 && kept >= 0, "srupp stack_step: first and kept must be >= 0");
   Tensor h = x;
   Tensor c_out = at::empty_like(c);
@@ -1187,11 +1249,11 @@ stack_step_cpu(const Tensor& x, const Tensor& c, const std::vector<std::optional
     for (int i : {0, 1, 8, 9})
       TORCH_CHECK(w[i].has_value() && w[i]->defined(),
                   "srupp stack_step: every layer needs w1, w2, weight_c and bias");
-    auto [h_next, c_next] = layer_step_cpu(
+    auto [h_next, c_next] = layer_step_impl::layer_step_run(
         h, c.select(0, static_cast<int64_t>(l)), *w[0], *w[1], w[2], w[3], w[4], w[5], w[6],
         w[7], *w[8], *w[9], kv[l], memory[l], memory_pad, kv_start[l], memory_start[l], cached,
         norm_eps[l], attn_norm_eps[l], scale_x[l], num_heads[l], normalize_after[l] != 0,
-        few_rows);
+        few_rows, quant[l], &scales[3 * l]);
     const int64_t BD = c_next.numel();
     std::memcpy(c_out.data_ptr<float>() + static_cast<int64_t>(l) * BD,
                 c_next.data_ptr<float>(), sizeof(float) * BD);
@@ -1455,6 +1517,202 @@ Tensor linear_int8_rows_cpu(const Tensor& x, const Tensor& weight, const Tensor&
 // Whether linear_int8_rows runs its AVX-512 loop (else the plain one).
 bool linear_int8_rows_avx512() { return int8_rows::kAvx512; }
 
+// ---------------------------------------------------------------------------------
+// w8a8 for decoding (srupp/ops/quant.py, linear_w8a8): int8 weights and int8 activations,
+// y (R, O) = (xq (R, I) . Wq (O, I)^T) * sx (R) * scale (O) [+ bias (O)], where each row
+// of x is rounded to int8 with its own scale sx = max|x_row| / 127 at every call.
+//
+// The sums are exact integers, so every path below computes the same ones. VNNI's
+// vpdpbusd multiplies 64 unsigned bytes by 64 signed bytes per instruction, adding each
+// group of 4 into an int32 lane: x goes in as xq + 128 (in [1, 255]) and the offset is
+// taken back out with the weight row's own sum (the same instruction against ones), so
+// each 64 weights cost one load and two instructions instead of widening to fp32. The
+// plain loop sums xq * Wq in int32 directly.
+
+namespace w8a8_rows {
+
+// sx[r] and xq for each row of x (R, I) fp32; xq rows are padded to Ip with zeros. The
+// rounding matches srupp.ops.quant._symmetric_rows: x / scale in fp32, half to even. A
+// row holding inf or nan gets scale nan and zeros, so its outputs are nan.
+void quantize(const float* x, int64_t R, int64_t I, int64_t Ip, int8_t* xq, float* sx) {
+  for (int64_t r = 0; r < R; ++r) {
+    const float* xr = x + r * I;
+    int8_t* qr = xq + r * Ip;
+    float amax = 0.f;
+    for (int64_t i = 0; i < I; ++i) amax = std::max(amax, std::fabs(xr[i]));
+    std::fill(qr, qr + Ip, int8_t{0});
+    bool finite = std::isfinite(amax);
+    for (int64_t i = 0; i < I && finite; ++i) finite = !std::isnan(xr[i]);
+    if (!finite) {
+      sx[r] = std::numeric_limits<float>::quiet_NaN();
+      continue;
+    }
+    const float s = amax > 0.f ? amax / 127.f : 1.f;
+    sx[r] = s;
+    for (int64_t i = 0; i < I; ++i) {
+      const float q = std::nearbyint(xr[i] / s);
+      qr[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
+    }
+  }
+}
+
+template <typename T>
+void finish(int32_t dot, float sx, float scale, const float* bias, int64_t o, T* y) {
+  float v = static_cast<float>(dot) * (sx * scale);
+  if (bias != nullptr) v += bias[o];
+  y[o] = static_cast<T>(v);
+}
+
+template <typename T>
+void plain(const int8_t* xq, int64_t R, int64_t Ip, const float* sx, const int8_t* w,
+           int64_t I, const float* scale, const float* bias, T* y, int64_t O, int64_t o0,
+           int64_t o1) {
+  for (int64_t o = o0; o < o1; ++o) {
+    const int8_t* wr = w + o * I;
+    for (int64_t r = 0; r < R; ++r) {
+      const int8_t* xr = xq + r * Ip;
+      int32_t dot = 0;
+      for (int64_t i = 0; i < I; ++i) dot += static_cast<int32_t>(xr[i]) * wr[i];
+      finish(dot, sx[r], scale[o], bias, o, y + r * O);
+    }
+  }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kVnni = true;
+
+// R rows at once (xu: xq + 128 as bytes); U accumulators per row hide vpdpbusd's latency
+// when R is small.
+template <int R, typename T>
+void vnni(const uint8_t* xu, int64_t Ip, const float* sx, const int8_t* w, int64_t I,
+          const float* scale, const float* bias, T* y, int64_t O, int64_t o0, int64_t o1) {
+  constexpr int U = R == 1 ? 4 : (R >= 4 ? 1 : 2);
+  const __m512i ones = _mm512_set1_epi8(1);
+  const int64_t full = I / (64 * U) * (64 * U);
+  for (int64_t o = o0; o < o1; ++o) {
+    const int8_t* wr = w + o * I;
+    __m512i acc[R][U], accw[U];
+    for (int u = 0; u < U; ++u) {
+      accw[u] = _mm512_setzero_si512();
+      for (int r = 0; r < R; ++r) acc[r][u] = _mm512_setzero_si512();
+    }
+    int64_t i = 0;
+    for (; i < full; i += 64 * U) {
+      for (int u = 0; u < U; ++u) {
+        const __m512i wv = _mm512_loadu_si512(wr + i + 64 * u);
+        accw[u] = _mm512_dpbusd_epi32(accw[u], ones, wv);
+        for (int r = 0; r < R; ++r)
+          acc[r][u] = _mm512_dpbusd_epi32(acc[r][u], _mm512_loadu_si512(xu + r * Ip + i + 64 * u), wv);
+      }
+    }
+    for (; i < I; i += 64) {  // the rest, the last block masked (zeros add nothing)
+      const int64_t left = std::min<int64_t>(64, I - i);
+      const __mmask64 m = left == 64 ? ~__mmask64{0} : ((__mmask64{1} << left) - 1);
+      const __m512i wv = _mm512_maskz_loadu_epi8(m, wr + i);
+      accw[0] = _mm512_dpbusd_epi32(accw[0], ones, wv);
+      for (int r = 0; r < R; ++r)
+        acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], _mm512_loadu_si512(xu + r * Ip + i), wv);
+    }
+    __m512i sw = accw[0];
+    for (int u = 1; u < U; ++u) sw = _mm512_add_epi32(sw, accw[u]);
+    const int32_t wsum = _mm512_reduce_add_epi32(sw);
+    for (int r = 0; r < R; ++r) {
+      __m512i s = acc[r][0];
+      for (int u = 1; u < U; ++u) s = _mm512_add_epi32(s, acc[r][u]);
+      finish(_mm512_reduce_add_epi32(s) - 128 * wsum, sx[r], scale[o], bias, o, y + r * O);
+    }
+  }
+}
+
+template <typename T>
+void vnni_rows(const uint8_t* xu, int64_t R, int64_t Ip, const float* sx, const int8_t* w,
+               int64_t I, const float* scale, const float* bias, T* y, int64_t O, int64_t o0,
+               int64_t o1) {
+  switch (R) {
+    case 1: vnni<1>(xu, Ip, sx, w, I, scale, bias, y, O, o0, o1); break;
+    case 2: vnni<2>(xu, Ip, sx, w, I, scale, bias, y, O, o0, o1); break;
+    case 3: vnni<3>(xu, Ip, sx, w, I, scale, bias, y, O, o0, o1); break;
+    case 4: vnni<4>(xu, Ip, sx, w, I, scale, bias, y, O, o0, o1); break;
+    case 5: vnni<5>(xu, Ip, sx, w, I, scale, bias, y, O, o0, o1); break;
+    case 6: vnni<6>(xu, Ip, sx, w, I, scale, bias, y, O, o0, o1); break;
+    case 7: vnni<7>(xu, Ip, sx, w, I, scale, bias, y, O, o0, o1); break;
+    default: vnni<8>(xu, Ip, sx, w, I, scale, bias, y, O, o0, o1); break;
+  }
+}
+#else
+constexpr bool kVnni = false;
+#endif
+
+template <typename T>
+void run(const int8_t* xq, int64_t R, int64_t Ip, const float* sx, const int8_t* w,
+         int64_t I, const float* scale, const float* bias, T* y, int64_t O, bool use_plain) {
+  std::vector<uint8_t> xu;  // xq + 128 for vpdpbusd's unsigned operand
+  if (!use_plain) {
+    xu.resize(static_cast<size_t>(R * Ip));
+    for (int64_t k = 0; k < R * Ip; ++k) xu[k] = static_cast<uint8_t>(xq[k] + 128);
+  }
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(I, 1));
+  at::parallel_for(0, O, grain, [&](int64_t o0, int64_t o1) {
+    for (int64_t r0 = 0; r0 < R; r0 += 8) {  // groups of 8 rows: each reads Wq once more
+      const int64_t n = std::min<int64_t>(8, R - r0);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+      if (!use_plain) {
+        vnni_rows(xu.data() + r0 * Ip, n, Ip, sx + r0, w, I, scale, bias, y + r0 * O, O, o0, o1);
+        continue;
+      }
+#endif
+      plain(xq + r0 * Ip, n, Ip, sx + r0, w, I, scale, bias, y + r0 * O, O, o0, o1);
+    }
+  });
+}
+
+}  // namespace w8a8_rows
+
+// x (R, I) fp32 or bf16; weight (O, I) int8, contiguous; scale (O,) and bias (O,) or None.
+// Returns y (R, O) in x's dtype. plain=True takes the plain loop even where VNNI is built.
+Tensor linear_w8a8_rows_cpu(const Tensor& x, const Tensor& weight, const Tensor& scale,
+                            const std::optional<Tensor>& bias, bool plain) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "srupp linear_w8a8_rows: x (R, I) and weight (O, I) expected, got ", x.sizes(),
+              " and ", weight.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "srupp linear_w8a8_rows: x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous(),
+              "srupp linear_w8a8_rows: weight must be a contiguous int8 tensor");
+  TORCH_CHECK(x.size(1) <= 65536,
+              "srupp linear_w8a8_rows: at most 65536 input features (int32 sums)");
+  TORCH_CHECK(scale.numel() == weight.size(0),
+              "srupp linear_w8a8_rows: scale must have one value per output feature");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK(bias->numel() == weight.size(0),
+                "srupp linear_w8a8_rows: bias must have one value per output feature");
+  }
+  const int64_t R = x.size(0), I = x.size(1), O = weight.size(0);
+  const int64_t Ip = (I + 63) / 64 * 64;
+  const Tensor xf = x.to(at::kFloat).contiguous();
+  const Tensor sf = scale.to(at::kFloat).contiguous();
+  const Tensor bf = has_bias ? bias->to(at::kFloat).contiguous() : Tensor();
+  std::vector<int8_t> xq(static_cast<size_t>(R * Ip));
+  std::vector<float> sx(static_cast<size_t>(R));
+  w8a8_rows::quantize(xf.data_ptr<float>(), R, I, Ip, xq.data(), sx.data());
+  Tensor y = at::empty({R, O}, x.options());
+  const int8_t* w = weight.data_ptr<int8_t>();
+  const float* b = has_bias ? bf.data_ptr<float>() : nullptr;
+  const bool use_plain = plain || !w8a8_rows::kVnni;
+  if (x.scalar_type() == at::kFloat) {
+    w8a8_rows::run<float>(xq.data(), R, Ip, sx.data(), w, I, sf.data_ptr<float>(), b,
+                          y.data_ptr<float>(), O, use_plain);
+  } else {
+    w8a8_rows::run<BFloat16>(xq.data(), R, Ip, sx.data(), w, I, sf.data_ptr<float>(), b,
+                             y.data_ptr<BFloat16>(), O, use_plain);
+  }
+  return y;
+}
+
+// Whether linear_w8a8_rows runs its VNNI loop (else the plain one).
+bool linear_w8a8_rows_vnni() { return w8a8_rows::kVnni; }
+
 std::string capability() {
 #if defined(CPU_CAPABILITY_AVX512)
   return "avx512";
@@ -1485,6 +1743,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(x @ int8 weight^T) * scale (+ bias) for a few rows (decoding)");
   m.def("linear_int8_rows_avx512", &linear_int8_rows_avx512,
         "whether linear_int8_rows runs its AVX-512 loop");
+  m.def("linear_w8a8_rows", &linear_w8a8_rows_cpu,
+        "(int8 x per row . int8 weight^T) * scales (+ bias) for a few rows (decoding)");
+  m.def("linear_w8a8_rows_vnni", &linear_w8a8_rows_vnni,
+        "whether linear_w8a8_rows runs its VNNI loop");
   m.def("empty_cache", []() { return static_cast<int64_t>(BlockCache::get().release()); },
         "free the cached output blocks; returns the bytes released");
   m.def("set_cache_limit", [](int64_t bytes) { BlockCache::get().set_cap(static_cast<size_t>(std::max<int64_t>(0, bytes))); },
