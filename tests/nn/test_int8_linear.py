@@ -85,3 +85,12 @@ def test_quantize_linears_w8a8_sets_every_layer():
     quantize_linears(stack, "w8a8")
     layers = [m for m in stack.modules() if isinstance(m, Int8Linear)]
     assert layers and all(m.activations == "int8" for m in layers)
+
+
+def test_w8a8_refuses_layers_wider_than_its_int32_sums_at_quantize_time():
+    from srupp.ops.quant import W8A8_MAX_K
+
+    wide = nn.Sequential(nn.Linear(W8A8_MAX_K + 1, 1, bias=False))
+    with pytest.raises(ValueError, match='quantize this model with "int8"'):
+        quantize_linears(wide, "w8a8")
+    assert isinstance(wide[0], nn.Linear)         # nothing was converted

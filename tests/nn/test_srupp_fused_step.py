@@ -237,6 +237,41 @@ def test_quantized_stacks_take_the_op_and_equal_the_modules(case, kind, dtype, o
                                **tol)
 
 
+@DTYPES
+def test_w8a8_step_is_tight_where_both_paths_round_the_same_inputs(dtype, op_calls):
+    # without attention or layer norms each projection's input is the same tensor on both
+    # paths (x, then q), so both round the same activations: the float tolerances hold,
+    # and w8a8 differs from weight-only int8 (the mode reached the op)
+    from srupp.nn.quant import quantize_linears
+
+    outs = {}
+    for kind in ("int8", "w8a8"):
+        m = make(torch.float32, num_layers=1, attention_last_n_layers=0)
+        quantize_linears(m, kind)
+        m.to(dtype)
+        x = torch.randn(3, 5, m.input_size, generator=torch.Generator().manual_seed(0))
+        outs[kind], _ = steps(m, x.to(dtype), None, "auto")
+        plain, _ = steps(m, x.to(dtype), None, "modules")
+        torch.testing.assert_close(outs[kind], plain, **TOL[dtype])
+    assert len(op_calls) == 2 * 5
+    assert not torch.equal(outs["int8"], outs["w8a8"])
+
+
+def test_changing_the_activations_of_a_layer_reaches_the_op(op_calls):
+    from srupp.nn.quant import Int8Linear, quantize_linears
+
+    m = make(torch.float32, num_layers=1, attention_last_n_layers=0)
+    quantize_linears(m, "int8")
+    x = torch.randn(2, 3, m.input_size)
+    steps(m, x, None, "auto")                     # the plan is made (weight-only)
+    for layer in m.modules():
+        if isinstance(layer, Int8Linear):
+            layer.activations = "int8"
+    fused, _ = steps(m, x, None, "auto")
+    plain, _ = steps(m, x, None, "modules")
+    torch.testing.assert_close(fused, plain, **TOL[torch.float32])
+
+
 def test_a_mixed_quantized_layer_takes_the_modules_path(op_calls):
     from srupp.nn.quant import Int8Linear
 

@@ -95,9 +95,10 @@ def test_linear_int8_errors_name_the_fix():
         linear_int8(x.requires_grad_(), q, scale)
 
 
-# w8a8: every path sums the same integers exactly; what may differ is the final
-# sum * (sx * scale) + bias in fp32 (a compiler may fuse it into one FMA: an ulp or two),
-# and bf16's one rounding of the output.
+# w8a8: every path sums the same integers exactly (tested exactly below); what may differ
+# is the final sum * (sx * scale) + bias in fp32 (a compiler may fuse it into one FMA:
+# an ulp or two of outputs that sum many terms, hence 1e-6), and bf16's one rounding of
+# the output.
 W8A8_TOL = {torch.float32: dict(rtol=1e-6, atol=1e-6),
             torch.bfloat16: dict(rtol=8e-3, atol=1e-5)}
 
@@ -130,7 +131,9 @@ def test_w8a8_reference_is_the_integer_product_scaled():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("plain", [False, True])
 @pytest.mark.parametrize("M,K,N", [(1, 64, 48), (2, 100, 33), (3, 16, 7), (4, 256, 40),
-                                   (9, 7, 5), (17, 130, 19), (1, 385, 9)])
+                                   (9, 7, 5), (17, 130, 19), (1, 385, 9), (2, 300, 9),
+                                   (3, 200, 5), (5, 70, 3), (6, 130, 7), (7, 64, 4),
+                                   (15, 260, 11)])
 def test_w8a8_kernel_matches_reference(M, K, N, dtype, plain):
     for bias in (True, False):
         x, q, scale, b = _case(M, K, N, dtype, bias)
@@ -140,18 +143,36 @@ def test_w8a8_kernel_matches_reference(M, K, N, dtype, plain):
 
 
 @needs_kernel
-def test_w8a8_kernel_sums_exactly_at_the_extremes():
-    # every product at its largest (127 * 127, and 255 * 127 inside VNNI): a float sum
-    # would round, an int32 sum does not
-    K, N = 1024, 3
-    x = torch.full((2, K), 3.0)
-    x[1, ::2] = -3.0
-    q = torch.full((N, K), 127, dtype=torch.int8)
-    q[1] = -127
-    scale = torch.ones(N)
+def test_w8a8_kernel_sums_integers_exactly():
+    # x of integers with a 127 in every row: each row's scale is exactly 1 and xq == x;
+    # weight scale 1: the output is the integer dot product, rounded to fp32 once. The
+    # values are uneven and large, so that even 16 float lanes of 4096 products each
+    # would pass 2^24 and round: only an integer sum gives the exact products here.
+    g = torch.Generator().manual_seed(0)
+    K = W8A8_MAX_K
+    x = torch.randint(60, 128, (3, K), generator=g).float()
+    x[:, 0] = 127.0
+    q = torch.randint(60, 128, (5, K), generator=g).to(torch.int8)
+    exact = x.long() @ q.long().t()                                     # (3, 5) int64
+    assert int(exact.min()) > 16 * 2 ** 24
     for plain in (False, True):
-        y = linear_w8a8_rows(x, q, scale, None, plain)
-        torch.testing.assert_close(y, linear_w8a8_reference(x, q, scale, None), rtol=0, atol=0)
+        assert torch.equal(linear_w8a8_rows(x, q, torch.ones(5), None, plain), exact.float())
+
+
+@needs_kernel
+def test_w8a8_kernel_holds_the_largest_sums_of_its_widest_rows():
+    # K = W8A8_MAX_K at the extremes: 65536 · 127 · 127 (and 65536 · 255 · 127 inside VNNI,
+    # which offsets x by 128) stay below 2^31
+    K = W8A8_MAX_K
+    x = torch.full((2, K), 127.0)
+    x[1, 1::2] = -127.0
+    q = torch.full((3, K), 127, dtype=torch.int8)
+    q[1] = -127
+    want = torch.tensor([[K * 127 * 127, -K * 127 * 127, K * 127 * 127],
+                         [0, 0, 0]], dtype=torch.float32)
+    for plain in (False, True):
+        torch.testing.assert_close(linear_w8a8_rows(x, q, torch.ones(3), None, plain), want,
+                                   rtol=0, atol=0)
 
 
 @needs_kernel
@@ -167,7 +188,8 @@ def test_w8a8_kernel_gives_nan_for_non_finite_rows():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_w8a8_every_path_matches_reference(dtype):
-    # few rows: the kernel (where built); many rows and tracing: the reference itself
+    # few rows: the kernel (where built); many rows: the reference itself (so that case
+    # checks the dispatch and the shapes only)
     x, q, scale, b = _case(1, 24, 10, dtype)
     for shape in [(3,), (2, 4), (4, INT8_FEW_ROWS)]:
         x = torch.randn(*shape, 24).to(dtype)

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from ..ops.quant import linear_int8, linear_w8a8, quantize_per_channel
+from ..ops.quant import W8A8_MAX_K, linear_int8, linear_w8a8, quantize_per_channel
 
 __all__ = ["Int8Linear", "quantize_linears", "QUANTIZATIONS", "check_quantization"]
 
@@ -138,6 +138,12 @@ def quantize_linears(model: nn.Module, kind: str = "int8",
     if isinstance(model, nn.Linear):
         raise TypeError("quantize_linears replaces the Linear layers inside a module; for "
                         "one layer use Int8Linear.from_linear(layer)")
+    if kind == "w8a8":
+        for name, m in model.named_modules():
+            if isinstance(m, nn.Linear) and m.in_features > W8A8_MAX_K:
+                raise ValueError(f"{name or 'the model'} has {m.in_features} input features; "
+                                 f"w8a8 sums at most {W8A8_MAX_K} in int32: quantize this "
+                                 f"model with \"int8\" (weights only) instead")
     for parent in list(model.modules()):
         if skip is not None and any(parent is m for m in skip.modules()):
             continue

@@ -664,7 +664,8 @@ _MISSING = object()
 
 
 class _Lookups:
-    """Reads entries of modules' ``_parameters`` / ``_modules`` and remembers where from."""
+    """Reads entries of modules' ``_parameters`` / ``_buffers`` / ``_modules`` (or their
+    ``__dict__``) and remembers where from."""
 
     def __init__(self):
         self.sources = []
@@ -693,7 +694,11 @@ def _projection(get: "_Lookups", t: nn.Module, name: str):
     if isinstance(m, Int8Linear):
         if get(m, "_buffers", "bias") is not None:
             raise LookupError("bias")
-        return get(m, "_buffers", "weight"), get(m, "_buffers", "scale"), _QUANT[m.activations]
+        # the plan holds the mode too: it is a plain attribute, so record where it came from
+        activations = get(m, "__dict__", "activations")
+        return get(m, "_buffers", "weight"), get(m, "_buffers", "scale"), _QUANT[activations]
+    if get(m, "_parameters", "bias") is not None:  # the op's projections have no bias
+        raise LookupError("bias")
     return get(m, "_parameters", "weight"), None, _QUANT[None]
 
 

@@ -1680,7 +1680,8 @@ Tensor linear_w8a8_rows_cpu(const Tensor& x, const Tensor& weight, const Tensor&
   TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous(),
               "srupp linear_w8a8_rows: weight must be a contiguous int8 tensor");
   TORCH_CHECK(x.size(1) <= 65536,
-              "srupp linear_w8a8_rows: at most 65536 input features (int32 sums)");
+              "srupp linear_w8a8_rows: at most 65536 input features (its sums are int32); "
+              "quantize such a layer with int8 (weights only) instead");
   TORCH_CHECK(scale.numel() == weight.size(0),
               "srupp linear_w8a8_rows: scale must have one value per output feature");
   const bool has_bias = bias.has_value() && bias->defined();
