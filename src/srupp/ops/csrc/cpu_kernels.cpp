@@ -1365,6 +1365,26 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> sru_bwd_cpu(
 // VNNI's integer dot products would need int8 activations too, which changes the
 // numbers. The plain loop below serves CPUs without AVX-512 (and the tests).
 
+// The arguments of the int8 products below (linear_int8_rows, linear_w8a8_rows): x (R, I)
+// fp32 or bf16, weight (O, I) int8 contiguous, scale (O,), bias (O,) or None. Returns
+// whether there is a bias.
+bool check_int8_product(const char* name, const Tensor& x, const Tensor& weight,
+                        const Tensor& scale, const std::optional<Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "srupp ", name, ": x (R, I) and weight (O, I) expected, got ", x.sizes(),
+              " and ", weight.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "srupp ", name, ": x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous(),
+              "srupp ", name, ": weight must be a contiguous int8 tensor");
+  TORCH_CHECK(scale.numel() == weight.size(0),
+              "srupp ", name, ": scale must have one value per output feature");
+  const bool has_bias = bias.has_value() && bias->defined();
+  TORCH_CHECK(!has_bias || bias->numel() == weight.size(0),
+              "srupp ", name, ": bias must have one value per output feature");
+  return has_bias;
+}
+
 namespace int8_rows {
 
 template <typename T>
@@ -1482,20 +1502,7 @@ void run(const float* x, int64_t R, const int8_t* w, int64_t I, const float* sca
 // loop even where AVX-512 is built in (for the tests).
 Tensor linear_int8_rows_cpu(const Tensor& x, const Tensor& weight, const Tensor& scale,
                             const std::optional<Tensor>& bias, bool plain) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
-              "srupp linear_int8_rows: x (R, I) and weight (O, I) expected, got ", x.sizes(),
-              " and ", weight.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "srupp linear_int8_rows: x must be float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous(),
-              "srupp linear_int8_rows: weight must be a contiguous int8 tensor");
-  TORCH_CHECK(scale.numel() == weight.size(0),
-              "srupp linear_int8_rows: scale must have one value per output feature");
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias) {
-    TORCH_CHECK(bias->numel() == weight.size(0),
-                "srupp linear_int8_rows: bias must have one value per output feature");
-  }
+  const bool has_bias = check_int8_product("linear_int8_rows", x, weight, scale, bias);
   const int64_t R = x.size(0), I = x.size(1), O = weight.size(0);
   const Tensor xf = x.to(at::kFloat).contiguous();
   const Tensor sf = scale.to(at::kFloat).contiguous();
@@ -1672,23 +1679,10 @@ void run(const int8_t* xq, int64_t R, int64_t Ip, const float* sx, const int8_t*
 // Returns y (R, O) in x's dtype. plain=True takes the plain loop even where VNNI is built.
 Tensor linear_w8a8_rows_cpu(const Tensor& x, const Tensor& weight, const Tensor& scale,
                             const std::optional<Tensor>& bias, bool plain) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
-              "srupp linear_w8a8_rows: x (R, I) and weight (O, I) expected, got ", x.sizes(),
-              " and ", weight.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "srupp linear_w8a8_rows: x must be float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous(),
-              "srupp linear_w8a8_rows: weight must be a contiguous int8 tensor");
+  const bool has_bias = check_int8_product("linear_w8a8_rows", x, weight, scale, bias);
   TORCH_CHECK(x.size(1) <= 65536,
               "srupp linear_w8a8_rows: at most 65536 input features (its sums are int32); "
               "quantize such a layer with int8 (weights only) instead");
-  TORCH_CHECK(scale.numel() == weight.size(0),
-              "srupp linear_w8a8_rows: scale must have one value per output feature");
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias) {
-    TORCH_CHECK(bias->numel() == weight.size(0),
-                "srupp linear_w8a8_rows: bias must have one value per output feature");
-  }
   const int64_t R = x.size(0), I = x.size(1), O = weight.size(0);
   const int64_t Ip = (I + 63) / 64 * 64;
   const Tensor xf = x.to(at::kFloat).contiguous();
