@@ -36,7 +36,10 @@ model's batch-1 speed is reported as a fraction of both.
 
 SRU++ decodes each layer's step as one C++ op (``srupp::layer_step``); with
 --modules it is also timed as ``srupp-modules``, the same model stepping
-module by module (the step backend "modules"), side by side.
+module by module (the step backend "modules"), side by side. ``srupp_generate``
+times SRU++'s ``generate`` itself at batch 1, prefill excluded, through its C++
+token loop (sampling, embedding, stack and output in one call per 64 tokens)
+and through the Python loop (one ``model.step`` per token), side by side.
 
 Prints one JSON object. Run it with nothing else on the machine:
 
@@ -200,6 +203,44 @@ def timed_rate(model, prompts, n):
     return prompts.shape[0] * n / (time.perf_counter() - t0)
 
 
+def generate_rate(model, prompt, n, cpp):
+    """Tokens/s of greedy ``model.generate`` past its prefill: the n - 1 tokens a call for n
+    adds to a call for 1. ``cpp``: through the C++ token loop, else the Python one."""
+    model.FUSED_CHUNK = type(model).FUSED_CHUNK if cpp else 0
+    try:
+        p = prompt.tolist()
+        t0 = time.perf_counter()
+        model.generate(p, 1, temperature=0)
+        t1 = time.perf_counter()
+        model.generate(p, n, temperature=0)
+        t2 = time.perf_counter()
+    finally:
+        del model.FUSED_CHUNK
+    return (n - 1) / max((t2 - t1) - (t1 - t0), 1e-9)
+
+
+def generate_loops(a, model, prompt, bound):
+    """SRU++'s ``generate`` at batch 1 through the C++ token loop and the Python one."""
+    got = {}
+    for cpp in (True, False):  # warm-up, and the check that both give the same tokens
+        model.FUSED_CHUNK = type(model).FUSED_CHUNK if cpp else 0
+        try:
+            got[cpp] = model.generate(prompt.tolist(), a.new, temperature=0)
+        finally:
+            del model.FUSED_CHUNK
+    speeds = {True: [], False: []}
+    for _ in range(a.rounds):
+        for cpp in speeds:
+            speeds[cpp].append(generate_rate(model, prompt, a.new, cpp))
+    cpp, py = (round(statistics.median(speeds[k]), 1) for k in (True, False))
+    return {"cpp_loop_tokens_per_s": cpp, "python_loop_tokens_per_s": py,
+            "cpp_over_python": ratio(cpp, py), "same_tokens": got[True] == got[False],
+            "cpp_loop_fraction_of_bound_weight_buffer": ratio(
+                cpp, bound["bound_tokens_per_s_weight_buffer"]),
+            "cpp_loop_fraction_of_bound_large_buffer": ratio(
+                cpp, bound["bound_tokens_per_s_large_buffer"])}
+
+
 def tokens(B, L, seed):
     return torch.randint(0, VOCAB, (B, L), generator=torch.Generator().manual_seed(seed))
 
@@ -241,6 +282,9 @@ def run_dtype(a, models, copy_large):
     if "srupp-modules" in names:
         res["batch1"]["srupp_fused_over_modules"] = ratio(
             res["batch1"]["srupp"]["tokens_per_s"], res["batch1"]["srupp-modules"]["tokens_per_s"])
+    if "srupp" in names:
+        res["batch1"]["srupp_generate"] = generate_loops(a, models["srupp"], prompt,
+                                                         res["bounds"]["srupp"])
 
     ctx = {k: {n: {} for n in names} for k in ("tokens_per_s", "state_bytes",
                                                 "state_logical_bytes")}

@@ -10,7 +10,7 @@ Shapes: B batch, L time, d model width, V vocabulary.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,10 @@ from torch import Tensor, nn
 from .._ranges import check
 from ..nn.adaptive import AdaptiveInput, ProjectedAdaptiveLogSoftmax
 from ..nn.linear import Linear
+from ..nn.quant import Int8Linear
+from ..ops.layer_step import decode_loop_kernel
+from ..ops.matmul import linear_route
+from ..ops.quant import int8_kernel_applies
 from .base import SavedModel, init_embedding
 from .config import LMConfig
 
@@ -174,28 +178,96 @@ class CausalLM(SavedModel):
         state = self.generation_state(B, mem_len)
         out = self(tokens, state, mask_pad=pad if bool(pad.any()) else None)
         logits, state = out.logits[:, -1], out.state              # (B, V)
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        chunks = None if stop_strings else self._fused_chunks(logits, state, max_new_tokens,
+                                                              eos_id, sampling, on_tokens)
+        if chunks is None:
+            chunks = self._step_chunks(logits, state, max_new_tokens, sampling)
         new: List[List[int]] = [[] for _ in range(B)]
-        done = torch.zeros(B, dtype=torch.bool, device=device)
-        for _ in range(max_new_tokens):
-            nxt = sample(logits, temperature=temperature, top_k=top_k, top_p=top_p,
-                         generator=generator)                     # (B,)
-            if on_tokens is not None:
-                on_tokens(torch.where(done, torch.full_like(nxt, -1), nxt))
-            # the step's tokens read back in one transfer (one sync on a GPU), not per row
-            ids, finished = nxt.tolist(), done.tolist()
-            for b in range(B):
-                if not finished[b]:
-                    new[b].append(ids[b])
-                    if stop_strings and any(s in decode(new[b]) for s in stop_strings):
+        done = [False] * B
+        for chunk in chunks:                                      # (B, t): t steps' tokens
+            for ids in chunk.t().tolist():                        # one step's B tokens
+                if on_tokens is not None:
+                    on_tokens(torch.tensor([-1 if d else i for d, i in zip(done, ids)],
+                                           device=device))
+                for b in range(B):
+                    if not done[b]:
+                        new[b].append(ids[b])
+                        if stop_strings and any(s in decode(new[b]) for s in stop_strings):
+                            done[b] = True
+                    if ids[b] == eos_id:
                         done[b] = True
-            if eos_id is not None:
-                done |= nxt == eos_id
-            if bool(done.all()):
-                break
-            logits, state = self.step(nxt, state)
+                if all(done):
+                    break
+            else:
+                continue
+            break
         if stop_strings:
             new = [_cut_at_stop(ids, decode, stop_strings) for ids in new]
         return new
+
+    # The C++ loop runs this many tokens per call: enough to amortise the call and the
+    # rows reserved in the buffers, few enough that streaming (on_tokens) keeps up.
+    # 0 turns it off (the Python loop, one model.step per token), on a model or the class.
+    FUSED_CHUNK = 64
+
+    def _step_chunks(self, logits: Tensor, state, n: int, sampling: dict) -> Iterator[Tensor]:
+        """The tokens of n steps, one (B, 1) chunk at a time, through :meth:`step`."""
+        for i in range(n):
+            nxt = sample(logits, **sampling)                      # (B,)
+            yield nxt.unsqueeze(1)
+            if i + 1 < n:  # (not reached once the caller stops)
+                logits, state = self.step(nxt, state)
+
+    def _fused_chunks(self, logits: Tensor, state, n: int, eos_id: Optional[int],
+                      sampling: dict, on_tokens: Optional[Callable]
+                      ) -> Optional[Iterator[Tensor]]:
+        """The tokens of n steps in (B, ≤ FUSED_CHUNK) chunks from the C++ ``decode_loop``
+        (sampling, embedding, the SRU++ stack and the output layer in one call), the very
+        tokens :meth:`_step_chunks` gives; None where it can't run this model (eval-mode
+        SRU++ stack, plain embedding, output as :func:`_output_route` takes it, CPU).
+        When streaming (``on_tokens``), chunks start at one token and double."""
+        B = logits.shape[0]
+        emb = self.embedding
+        if n == 0 or self.FUSED_CHUNK < 1 or self.training or self.adaptive \
+                or type(emb) is not nn.Embedding or emb.max_norm is not None \
+                or logits.device.type != "cpu":
+            return None
+        generator = sampling["generator"]
+        if generator is not None and generator.device.type != "cpu":
+            return None
+        like = emb.weight.new_empty(B, emb.embedding_dim)         # (B, d)
+        output = _output_route(self.output, like)
+        if output is None:
+            return None
+        chunk = self.FUSED_CHUNK if on_tokens is None else 1
+        steps = self.backbone.fused_steps(state, min(n, chunk), like)
+        if steps is None:
+            return None
+        return self._run_fused(steps, like, logits, n, eos_id, output, sampling, chunk)
+
+    def _run_fused(self, steps, like: Tensor, logits: Tensor, n: int, eos_id: Optional[int],
+                   output: tuple, sampling: dict, chunk: int) -> Iterator[Tensor]:
+        done = torch.zeros(like.shape[0], dtype=torch.bool)       # rows that sampled eos_id
+        top_k, top_p = sampling["top_k"], sampling["top_p"]
+        loop = decode_loop_kernel()
+        while True:
+            t = steps.L
+            tokens, c, logits, memory, kvs, shift = loop(
+                logits, done, self.embedding.weight, *output, steps.c0, *steps.buffers(),
+                -1 if steps.mem_len is None else steps.mem_len, *steps.layer_args(),
+                t, t == n, float(sampling["temperature"]), -1 if top_k is None else top_k,
+                1.0 if top_p is None else float(top_p), sampling["generator"],
+                -1 if eos_id is None else eos_id)               # tokens (B, ≤ t)
+            yield tokens
+            if tokens.shape[1] < t or t == n or bool(done.all()):  # all rows ended, or n ran
+                return
+            state, n = steps.state_after(c, memory, kvs, shift), n - t
+            chunk = min(2 * chunk, self.FUSED_CHUNK)  # streaming: the first tokens come soon
+            steps = self.backbone.fused_steps(state, min(n, chunk), like)
+            if steps is None:  # the model changed under us (in on_tokens, say): step on
+                yield from self._step_chunks(logits, state, n, sampling)
+                return
 
     def step(self, tokens: Tensor, state) -> Tuple[Tensor, Any]:
         """One token per sequence, for decoding: tokens (B,) -> (logits (B, V), new state).
@@ -249,6 +321,33 @@ def sample(logits: Tensor, *, temperature: float = 1.0, top_k: Optional[int] = N
         draw = torch.multinomial(probs.to(generator.device), 1, generator=generator)
         return draw.squeeze(-1).to(probs.device)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+# decode_loop's output routes (enum OutputRoute in csrc/cpu_kernels.cpp)
+_ROUTES = {"rows": 0, "aten": 1, "int8": 2, "w8a8": 3}
+
+
+def _output_route(output: nn.Module, like: Tensor) -> Optional[tuple]:
+    """(weight, bias, scale, route): how ``output`` computes logits for rows like ``like``,
+    as its forward would, for ``decode_loop``; None for what the loop doesn't compute the
+    same way (oneDNN's GEMM, an int8 layer at too many rows, any other module)."""
+    if isinstance(output, Int8Linear):
+        if type(output) is not Int8Linear or not int8_kernel_applies(like):
+            return None
+        route = _ROUTES["w8a8" if output.activations == "int8" else "int8"]
+        return output.weight.contiguous(), output.bias, output.scale, route
+    if type(output) not in (Linear, nn.Linear):
+        return None
+    weight, bias = output.weight, output.bias
+    route = linear_route(like, weight, bias) if type(output) is Linear else "aten"
+    if route == "onednn" or weight.dtype != like.dtype:
+        return None
+    if route == "rows":  # as linear_few_rows passes them
+        if not weight.is_contiguous():
+            weight = weight.contiguous()
+        if bias is not None and not bias.is_contiguous():
+            bias = bias.contiguous()
+    return weight, bias, None, _ROUTES[route]
 
 
 def _cut_at_stop(ids: List[int], decode: Callable, stops: Sequence[str]) -> List[int]:

@@ -459,6 +459,18 @@ class SRUpp(StackBase):
         h, state = _run_stack(self, self.layers, self.input_to_hidden, x, None, state, None)
         return h.squeeze(1), state                                       # (B, D)
 
+    def fused_steps(self, state: StateLike, n: int, like: Tensor) -> Optional["FusedSteps"]:
+        """n decoding steps from ``state`` set up for one C++ call (:class:`FusedSteps`,
+        for ``decode_loop``), with inputs like ``like`` (B, n_in); None where that call
+        can't run them and :meth:`step` must: see :func:`fused_steps`, and also a
+        bidirectional stack, an input map n_in → D, or the step backend "modules"."""
+        if self.bidirectional or self.input_to_hidden is not None or not layer_step_applies(like):
+            return None
+        check_input(like.unsqueeze(1), self.input_size, self.layers[0].weight_c.dtype)
+        state, c0 = _incoming_state(state, self.layers, self.layers[0], like.shape[0], like)
+        mem_len = self.mem_len if state.mem_len is None else state.mem_len
+        return fused_steps(self.layers, like, state, c0, state.memory_length, mem_len, n)
+
     def extra_repr(self) -> str:
         return (f"{self.input_size}, {self.hidden_size}, {self.proj_size}, "
                 f"num_layers={self.num_layers}" + _options_repr(self))
@@ -739,9 +751,9 @@ def _step_plan(layer: SRUppCell) -> Optional[_StepPlan]:
     return plan
 
 
-def _token_rows(state: SRUppState, i: int, plan: _StepPlan, M: int, B: int, like: Tensor
-                ) -> Tuple[Tensor, int, Tensor, int]:
-    """Layer i's memory and [K | V] buffers with a row reserved for the token after the
+def _token_rows(state: SRUppState, i: int, plan: _StepPlan, M: int, B: int, like: Tensor,
+                L: int = 1) -> Tuple[Tensor, int, Tensor, int]:
+    """Layer i's memory and [K | V] buffers with L rows reserved for the tokens after the
     M cached steps: (memory, memory_start, kv, kv_start), as :func:`reserve_steps` gives."""
     old_mem = old_kv = known_mem = known_kv = None
     if M:
@@ -751,25 +763,84 @@ def _token_rows(state: SRUppState, i: int, plan: _StepPlan, M: int, B: int, like
         if last is not None and last[0][0] is old_mem and last[1][0] is old_kv:
             known_mem, known_kv = last[0][1:], last[1][1:]
     n_in, width = plan.weights[0].shape[1], plan.weights[1].shape[0]    # W1 (d′, n_in), W2 (2·d′, d′)
-    mem, mem_start = reserve_steps(old_mem, (B, 1, n_in), like, known=known_mem)
-    kv, kv_start = reserve_steps(old_kv, (B, 1, width), like, known=known_kv)
+    mem, mem_start = reserve_steps(old_mem, (B, L, n_in), like, known=known_mem)
+    kv, kv_start = reserve_steps(old_kv, (B, L, width), like, known=known_kv)
     return mem, mem_start, kv, kv_start
 
 
-def _step_fused(layers: Sequence[SRUppCell], input_to_hidden: Optional[nn.Module], x: Tensor,
-                state: SRUppState, c0: Tensor, M: int, mem_len: Optional[int]
-                ) -> Optional[Tuple[Tensor, SRUppState]]:
-    """One token, x (B, n_in), through the layers in one C++ call: ``stack_step``, the
-    ``srupp::layer_step`` kernel for each layer in turn.
+class FusedSteps:
+    """L decoding steps of a stack, set up for the C++ kernels (``stack_step``, one token;
+    ``decode_loop``, many): the layers' plans, and rows reserved for L tokens in each
+    attention layer's memory and [K | V] buffers. :meth:`buffers` and :meth:`layer_args`
+    are the arguments both kernels take; :meth:`state_after` is the state they leave.
 
-    The same result and state as the modules' path of :func:`_run_stack` (the
-    memory and the K/V cache grow in place, into the rows :func:`reserve_steps`
-    sets aside; the new state records where, for the next step). None, with
-    nothing run, where the op can't take the layers or the state: training
-    mode, float weights not of x's dtype, a state that is not fp32,
-    or an attention layer's memory without keys and values cached under the
-    current weights.
+    Made by :func:`fused_steps`, which returns None where the kernels can't take the
+    layers or the state.
     """
+
+    def __init__(self, plans, state: SRUppState, c0: Tensor, M: int, mem_len: Optional[int],
+                 B: int, L: int, like: Tensor):
+        self.plans, self.state, self.c0, self.M, self.mem_len, self.L = plans, state, c0, M, mem_len, L
+        self.dtype = like.dtype
+        self.keep_memory = mem_len != 0 and any(p.use_attention for p in plans)
+        bufs = []                       # per layer: (memory, memory_start, kv, kv_start)
+        for i, plan in enumerate(plans):
+            if not plan.use_attention:
+                bufs.append((None, 0, None, 0))
+            elif self.keep_memory:
+                bufs.append(_token_rows(state, i, plan, M, B, like, L))
+            else:                       # no memory: each token attends over itself only
+                bufs.append((None, 0, like.new_empty(B, 1, plan.weights[1].shape[0]), 0))
+        self.mems, self.mem_starts, self.kvs, self.kv_starts = (list(t) for t in zip(*bufs))
+        self.mem_mask = state.memory_mask_pad if M > 0 else None        # (B, M) or None
+        if self.mem_mask is not None and L > 1:  # then L zeros: the tokens' own rows
+            self.mem_mask = append_steps(self.mem_mask, self.mem_mask.new_zeros(B, L))
+
+    def buffers(self) -> tuple:
+        """(weights, kv, memory, memory_pad, kv_start, memory_start, cached): the
+        arguments stack_step and decode_loop take after c."""
+        return ([w for p in self.plans for w in p.weights], self.kvs, self.mems, self.mem_mask,
+                self.kv_starts, self.mem_starts, self.M)
+
+    def layer_args(self) -> tuple:
+        """(norm_eps, ..., quant): the per-layer arguments the kernels take last."""
+        plans = self.plans
+        return ([p.norm_eps for p in plans], [p.attn_norm_eps for p in plans],
+                [p.scale_x for p in plans], [p.num_heads for p in plans],
+                [int(p.normalize_after) for p in plans], FEW_ROWS[self.dtype],
+                [s for p in plans for s in p.scales], [p.quant for p in plans])
+
+    def state_after(self, c: Tensor, memory: list, new_kvs: list, shift: int) -> SRUppState:
+        """The state after all L tokens: c (layers, B, D); the kernel's views of each
+        attention layer's memory and [K | V] (None for other layers), whose first row is
+        ``shift`` rows past where the cached ones started."""
+        state, M = self.state, self.M
+        kv_cache, rows = [], []
+        for i, (plan, new_mem, new_kv) in enumerate(zip(self.plans, memory, new_kvs)):
+            if new_mem is None:
+                kv_cache.append(None)
+                rows.append(None)
+                continue
+            # a cache valid for these very weights (checked before) keeps its record of them
+            kv_cache.append(state.kv_cache[i].with_kv(new_kv) if M
+                            else KVCache.of(new_kv, plan.kv_weights))
+            rows.append(((new_mem, self.mems[i], self.mem_starts[i] + shift),
+                         (new_kv, self.kvs[i], self.kv_starts[i] + shift)))
+        new_mask = None
+        if self.keep_memory and self.mem_mask is not None:
+            mask = self.mem_mask
+            if self.L == 1:
+                mask = append_steps(mask, mask.new_zeros(mask.shape[0], 1))
+            new_mask = _keep_last(mask, self.mem_len)                   # (B, ≤ M + L)
+        return SRUppState._from_step(c, memory, new_mask, state.mem_len, kv_cache, tuple(rows))
+
+
+def fused_steps(layers: Sequence[SRUppCell], x: Tensor, state: SRUppState, c0: Tensor, M: int,
+                mem_len: Optional[int], L: int = 1) -> Optional[FusedSteps]:
+    """:class:`FusedSteps` for L tokens into the layers, x (B, n_in) like their input; None,
+    with nothing reserved, where the kernels can't take the layers or the state: training
+    mode, float weights not of x's dtype, a state that is not fp32, or an attention
+    layer's memory without keys and values cached under the current weights."""
     plans = [_step_plan(layer) for layer in layers]
     if None in plans:
         return None
@@ -788,42 +859,30 @@ def _step_fused(layers: Sequence[SRUppCell], input_to_hidden: Optional[nn.Module
             if mem is None or mem.dtype != dt or cached is None \
                     or not cached.valid_for(plan.kv_weights, M):
                 return None
-    B = x.shape[0]
+    return FusedSteps(plans, state, c0.contiguous(), M, mem_len, x.shape[0], L, x)
+
+
+def _step_fused(layers: Sequence[SRUppCell], input_to_hidden: Optional[nn.Module], x: Tensor,
+                state: SRUppState, c0: Tensor, M: int, mem_len: Optional[int]
+                ) -> Optional[Tuple[Tensor, SRUppState]]:
+    """One token, x (B, n_in), through the layers in one C++ call: ``stack_step``, the
+    ``srupp::layer_step`` kernel for each layer in turn.
+
+    The same result and state as the modules' path of :func:`_run_stack` (the
+    memory and the K/V cache grow in place, into the rows :func:`reserve_steps`
+    sets aside; the new state records where, for the next step). None, with
+    nothing run, where :func:`fused_steps` says the op can't take the layers or the
+    state.
+    """
+    steps = fused_steps(layers, x, state, c0, M, mem_len)
+    if steps is None:
+        return None
     if input_to_hidden is not None:
         x = input_to_hidden(x)                                           # (B, D)
-    h = x.contiguous()
-    mem_mask = state.memory_mask_pad if M > 0 else None                  # (B, M) or None
     # the memory after this token keeps its last `kept` steps (all when mem_len is None)
     kept = M + 1 if mem_len is None else min(M + 1, mem_len)
     first = M + 1 - kept
-    bufs = []                           # per layer: (memory, memory_start, kv, kv_start)
-    for i, plan in enumerate(plans):
-        if not plan.use_attention:
-            bufs.append((None, 0, None, 0))
-        elif keep_memory:
-            bufs.append(_token_rows(state, i, plan, M, B, h))
-        else:                           # no memory: the token attends over itself only
-            bufs.append((None, 0, h.new_empty(B, 1, plan.weights[1].shape[0]), 0))
-    mems, mem_starts, kvs, kv_starts = (list(t) for t in zip(*bufs))
     h, c, memory, new_kvs = stack_step_kernel()(  # layer_step_applies ran: the extension is built
-        h, c0.contiguous(), [w for p in plans for w in p.weights], kvs, mems, mem_mask,
-        kv_starts, mem_starts, M, first, kept, [p.norm_eps for p in plans],
-        [p.attn_norm_eps for p in plans], [p.scale_x for p in plans],
-        [p.num_heads for p in plans], [int(p.normalize_after) for p in plans],
-        FEW_ROWS[dt], [s for p in plans for s in p.scales],
-        [p.quant for p in plans])                    # (B, D), (layers, B, D), views or None
-    kv_cache, rows = [], []
-    for i, (plan, mem, new_mem, new_kv) in enumerate(zip(plans, mems, memory, new_kvs)):
-        if new_mem is None:
-            kv_cache.append(None)
-            rows.append(None)
-            continue
-        # a cache valid for these very weights (checked above) keeps its record of them
-        kv_cache.append(state.kv_cache[i].with_kv(new_kv) if M
-                        else KVCache.of(new_kv, plan.kv_weights))
-        rows.append(((new_mem, mem, mem_starts[i] + first),
-                     (new_kv, kvs[i], kv_starts[i] + first)))
-    new_mask = None
-    if keep_memory and mem_mask is not None:
-        new_mask = _keep_last(append_steps(mem_mask, mem_mask.new_zeros(B, 1)), mem_len)
-    return h, SRUppState._from_step(c, memory, new_mask, state.mem_len, kv_cache, tuple(rows))
+        x.contiguous(), steps.c0, *steps.buffers(), first, kept,
+        *steps.layer_args())                          # (B, D), (layers, B, D), views or None
+    return h, steps.state_after(c, memory, new_kvs, first)

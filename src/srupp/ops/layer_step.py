@@ -51,7 +51,7 @@ from .matmul import FEW_ROWS
 from .settings import accessors, tracing
 
 __all__ = ["layer_step", "layer_step_reference", "layer_step_available", "layer_step_applies",
-           "stack_step_kernel",
+           "stack_step_kernel", "decode_loop_kernel",
            "set_step_backend", "get_step_backend", "use_step_backend"]
 
 set_step_backend, get_step_backend, use_step_backend = accessors("step")
@@ -109,6 +109,14 @@ def stack_step_kernel():
     ``stack_step_cpu`` in ``csrc/cpu_kernels.cpp`` documents the arguments). Eager only:
     under tracing call :func:`layer_step`. None when the extension can't be built."""
     return cpu_kernels.function("stack_step")
+
+
+def decode_loop_kernel():
+    """The C++ ``decode_loop``: up to n tokens of a causal LM over an SRU++ stack, each
+    sampled, embedded, stepped through ``stack_step``'s layers and the output layer, with
+    no Python between (``decode_loop_cpu`` in ``csrc/cpu_kernels.cpp`` documents the
+    arguments; :meth:`srupp.models.CausalLM.generate` calls it). Eager only."""
+    return cpu_kernels.function("decode_loop")
 
 
 def layer_step(x: Tensor, c: Tensor, w1: Tensor, w2: Tensor, w3: Optional[Tensor],

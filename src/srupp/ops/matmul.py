@@ -48,7 +48,7 @@ from . import cpu_kernels
 from .settings import CHOICES, accessors, tracing
 
 __all__ = ["linear", "linear_reference", "linear_onednn", "onednn_available",
-           "linear_few_rows", "few_rows_applies", "FEW_ROWS",
+           "linear_few_rows", "few_rows_applies", "linear_route", "FEW_ROWS",
            "set_matmul_backend", "get_matmul_backend", "use_matmul_backend",
            "MATMUL_BACKENDS", "MIN_ROWS"]
 
@@ -177,19 +177,32 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     Returns:
         (..., N), like ``F.linear(x, weight, bias)``.
     """
+    route = linear_route(x, weight, bias)
+    if route == "rows":                                                 # decoding
+        return linear_few_rows(x, weight, bias)
+    if route == "onednn":
+        if get_matmul_backend() == "onednn":
+            return linear_onednn(x, weight)
+        return _OneDNNLinear.apply(x, weight)
+    return F.linear(x, weight, bias)
+
+
+def linear_route(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> str:
+    """Where :func:`linear` sends ``x @ weightᵀ (+ bias)``: "rows" (the few-rows kernel),
+    "onednn" or "aten" (``F.linear``), by the backend setting and the operands."""
     name = get_matmul_backend()
     if name == "aten" or tracing():
-        return F.linear(x, weight, bias)
-    if name == "auto" and few_rows_applies(x, weight, bias):  # decoding
-        return linear_few_rows(x, weight, bias)
+        return "aten"
+    if name == "auto" and few_rows_applies(x, weight, bias):
+        return "rows"
     if bias is not None:
-        return F.linear(x, weight, bias)
+        return "aten"
     applies = (x.device.type == "cpu" and x.dtype == torch.float32
                and weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu"))
     # (a forced "onednn" that doesn't apply, bf16 / autocast / other devices, takes
-    # F.linear below: oneDNN or cuBLAS already)
+    # F.linear: oneDNN or cuBLAS already)
     if name == "onednn" and applies:
-        return linear_onednn(x, weight)
+        return "onednn"
     if applies and onednn_available() and x.numel() >= MIN_ROWS * x.shape[-1]:
-        return _OneDNNLinear.apply(x, weight)
-    return F.linear(x, weight)
+        return "onednn"
+    return "aten"

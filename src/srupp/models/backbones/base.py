@@ -85,6 +85,12 @@ class Backbone(nn.Module):
         h, state = self(x.unsqueeze(1), state)
         return h.squeeze(1), state
 
+    def fused_steps(self, state: Any, n: int, like: Tensor) -> Any:
+        """n decoding steps from ``state`` set up for one C++ call of ``decode_loop``
+        (:class:`srupp.nn.srupp.FusedSteps`), for inputs like ``like`` (B, d); None where
+        :meth:`step` must run them (every backbone but SRU++'s causal stack)."""
+        return None
+
     def initial_state(self, batch_size: int, mem_len: Optional[int] = None) -> Any:
         """The causal role's state before the first token."""
         raise NotImplementedError

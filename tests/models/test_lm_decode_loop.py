@@ -1,0 +1,220 @@
+"""``CausalLM.generate`` through the C++ ``decode_loop`` against its Python loop.
+
+On the CPU, an eval-mode SRU++ language model generates in chunks of
+``FUSED_CHUNK`` tokens per C++ call: sampling, the embedding, the stack (the
+kernels of ``stack_step``) and the output layer, with no Python between. The
+Python loop (``_step_chunks``: ``sample``, then ``model.step``, whose stack runs
+the same ``stack_step`` kernel) is its reference. Both run the same kernels and
+the same ATen sampling ops, so they must agree exactly: the same tokens, the same
+streamed tokens, the same random draws left in a seeded generator. The chunk is
+cut to 3 tokens here, so that the state is handed from call to call many times
+(the memory window sliding across the hand-overs too).
+"""
+
+import copy
+
+import pytest
+import torch
+
+import srupp.models.lm as lm_module
+from srupp.models import CausalLM, SRUppConfig
+from srupp.ops import cpu_kernels
+from srupp.ops.layer_step import use_step_backend
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not cpu_kernels.is_available(),
+                                 reason=f"the C++ extension is unavailable "
+                                        f"({cpu_kernels.build_error()})")]
+
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+CASES = {
+    "plain": dict(),
+    "heads": dict(num_heads=2),
+    "tied": dict(tie_embeddings=True),
+    "layer_norm_post": dict(layer_norm=True, normalize_after=True),
+    "attention_every_2": dict(num_layers=3, attention_every_n_layers=2),
+    "no_attention": dict(attention_last_n_layers=0),
+    "window_slides": dict(mem_len=4),
+    "no_memory": dict(mem_len=0),
+}
+PROMPTS = [[3, 1, 4, 1, 5], [9], [2, 6]]           # left-padded: the memory has a pad mask
+
+
+def make(dtype=torch.float32, **kw):
+    """A tiny SRU++ LM (as lm_helpers' tiny_srupp_lm, any attention layout)."""
+    torch.manual_seed(0)
+    config = dict(vocab_size=11, d_model=8, proj_size=4, num_layers=2, dropout=0.0, mem_len=64)
+    m = CausalLM(SRUppConfig(**{**config, **kw})).eval()
+    with torch.no_grad():  # α and the biases start at 0: move everything off its init
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return m.to(dtype)
+
+
+@pytest.fixture
+def loop_calls(monkeypatch):
+    """Chunks of 3 tokens, and how many chunks the C++ loop ran."""
+    calls = []
+    real = lm_module.decode_loop_kernel()
+
+    def counted(*args):
+        calls.append(args[-7])          # n, the chunk's tokens
+        return real(*args)
+
+    monkeypatch.setattr(lm_module, "decode_loop_kernel", lambda: counted)
+    monkeypatch.setattr(CausalLM, "FUSED_CHUNK", 3)
+    return calls
+
+
+def python_loop(m, *args, **kw):
+    """generate through the Python loop (sample, then model.step per token)."""
+    m.FUSED_CHUNK = 0
+    try:
+        return m.generate(*args, **kw)
+    finally:
+        del m.FUSED_CHUNK
+
+
+def same(fused, python):
+    """Whether both runs gave the same tokens, streams and generator states."""
+    return fused[:2] == python[:2] and (fused[2] is None or torch.equal(fused[2], python[2]))
+
+
+def both(m, prompts, n, seed=None, **kw):
+    """(fused, python): the tokens, the streamed tokens and, with a seed, the generator's
+    state afterwards, from the C++ loop and from the Python loop."""
+    out = []
+    for run in (m.generate, lambda *a, **k: python_loop(m, *a, **k)):
+        streamed = []
+        g = None if seed is None else torch.Generator().manual_seed(seed)
+        tokens = run(prompts, n, generator=g, on_tokens=lambda t: streamed.append(t.tolist()),
+                     **kw)
+        out.append((tokens, streamed, None if g is None else g.get_state()))
+    return out
+
+
+@torch.no_grad()
+@DTYPES
+@pytest.mark.parametrize("case", list(CASES))
+def test_sampled_tokens_equal_the_python_loop(case, dtype, loop_calls):
+    m = make(dtype, **CASES[case])
+    fused, python = both(m, PROMPTS, 10, seed=3, top_k=6, top_p=0.9, temperature=0.8)
+    assert loop_calls == [1, 2, 3, 3, 1]   # it ran: streaming, chunks start at 1 and double
+    assert fused[0] == python[0] and all(len(t) == 10 for t in fused[0])
+    assert fused[1] == python[1]           # streamed the same, one step at a time
+    assert torch.equal(fused[2], python[2])  # and drew as many random numbers
+    greedy_fused, greedy_python = both(m, PROMPTS, 7, temperature=0)
+    assert greedy_fused[0] == greedy_python[0]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["int8", "w8a8"])
+def test_quantized_models_take_the_loop(kind, loop_calls):
+    m = make(tie_embeddings=True).quantize(kind)
+    fused, python = both(m, PROMPTS, 8, seed=5)
+    assert loop_calls and same(fused, python)
+
+
+@torch.no_grad()
+def test_eos_ends_rows_and_the_loop_as_the_python_loop_does(loop_calls):
+    m = make()
+    free = python_loop(m, PROMPTS, 12, generator=torch.Generator().manual_seed(0))
+    eos = free[1][4]                       # a token row 1 samples fifth: it ends there
+    fused, python = both(m, PROMPTS, 12, seed=0, eos_id=eos)
+    assert same(fused, python)
+    assert fused[0][1][-1] == eos and len(fused[0][1]) <= 5
+    # every row ends at once: the loop stops there (the Python loop steps no further)
+    first = python_loop(m, [[1, 2]], 1, generator=torch.Generator().manual_seed(0))[0][0]
+    fused, python = both(m, [[1, 2]], 12, seed=0, eos_id=first)
+    assert same(fused, python) and fused[0] == [[first]]
+    # ... and at the last token of a chunk (the 3rd): no step, no state handed on
+    drawn = python_loop(m, [[1, 2]], 12, generator=torch.Generator().manual_seed(0))[0]
+    ends = [i for i in (2, 5, 8) if drawn[i] not in drawn[:i]]  # chunk ends, first draws
+    assert ends, f"no chunk ends on a new token in {drawn}: pick another seed"
+    fused, python = both(m, [[1, 2]], 12, seed=0, eos_id=drawn[ends[0]])
+    assert same(fused, python) and fused[0] == [drawn[:ends[0] + 1]]
+
+
+@torch.no_grad()
+def test_what_the_loop_cannot_take_runs_the_python_loop(loop_calls):
+    m = make()
+    # stop strings are checked on decoded text after every token
+    got = m.generate([[1, 2]], 6, temperature=0, stop_strings=["x"],
+                     decode=lambda ids: "".join("ab"[i % 2] for i in ids))
+    assert got == python_loop(m, [[1, 2]], 6, temperature=0) and not loop_calls
+    with use_step_backend("modules"):     # a forced module-by-module step
+        m.generate([[1, 2]], 4, temperature=0)
+    assert not loop_calls
+    m.generate([[1, 2]], 0)
+    assert not loop_calls
+    # an output layer the loop does not know (here: a subclass with its own forward)
+    odd = copy.deepcopy(m)
+
+    class Scaled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    scaled = Scaled(8, 11)
+    scaled.load_state_dict(m.output.state_dict())
+    odd.output = scaled.eval()
+    assert odd.generate([[1, 2]], 4, temperature=0) == python_loop(odd, [[1, 2]], 4,
+                                                                   temperature=0)
+    assert not loop_calls
+    # training mode samples through forward (dropout and all)
+    m.train()
+    m.generate([[1, 2]], 4)
+    assert not loop_calls
+
+
+@torch.no_grad()
+def test_generation_continues_the_prompt_as_recomputation_does(loop_calls):
+    """Greedy tokens from the loop are the argmax of a full forward over prompt + output
+    (the chain: loop == Python loop here, step == forward in test_lm.py)."""
+    m = make()
+    prompt = [1, 5, 2, 7]
+    got = m.generate([prompt], 8, temperature=0)[0]
+    assert loop_calls
+    seq = list(prompt)
+    for _ in range(8):
+        seq.append(int(m(torch.tensor([seq])).logits[0, -1].argmax()))
+    assert got == seq[len(prompt):]
+
+
+@torch.no_grad()
+@DTYPES
+@pytest.mark.parametrize("case", ["plain", "attention_every_2", "window_slides", "no_memory"])
+def test_the_kernel_leaves_the_python_loops_logits_and_state(case, dtype):
+    """decode_loop itself, greedy for 5 steps after a left-padded prefill: the next logits
+    and the state (c, memory, keys and values, pad mask) equal model.step's, bit for bit."""
+    m = make(dtype, **CASES[case])
+    prompts = torch.tensor([[3, 1, 4, 1, 5], [0, 0, 9, 2, 6]])
+    pad = torch.tensor([[False] * 5, [True, True, False, False, False]])
+
+    def prefill():
+        out = m(prompts, m.generation_state(2), mask_pad=pad)
+        return out.logits[:, -1], out.state
+
+    logits, state = prefill()
+    for _ in range(5):
+        logits, state = m.step(logits.argmax(-1), state)
+    start_logits, start = prefill()
+    like = m.embedding.weight.new_empty(2, 8)
+    steps = m.backbone.fused_steps(start, 5, like)
+    tokens, c, got, memory, kvs, shift = lm_module.decode_loop_kernel()(
+        start_logits, torch.zeros(2, dtype=torch.bool), m.embedding.weight,
+        *lm_module._output_route(m.output, like), steps.c0, *steps.buffers(),
+        -1 if steps.mem_len is None else steps.mem_len, *steps.layer_args(),
+        5, False, 0.0, -1, 1.0, None, -1)
+    after = steps.state_after(c, memory, kvs, shift)
+    assert tokens.shape == (2, 5) and torch.equal(got, logits)
+    assert torch.equal(after.c, state.c)
+    for mine, theirs in zip(after.memory, state.memory):
+        assert (mine is None) == (theirs is None) and (mine is None or torch.equal(mine, theirs))
+    for mine, theirs in zip(after.kv_cache, state.kv_cache):
+        assert (mine is None) == (theirs is None) and (mine is None or torch.equal(mine.kv,
+                                                                                 theirs.kv))
+    assert (after.memory_mask_pad is None) == (state.memory_mask_pad is None)
+    if after.memory_mask_pad is not None:
+        assert torch.equal(after.memory_mask_pad, state.memory_mask_pad)
+    assert any(t is not None for t in after.memory) == (case != "no_memory")
