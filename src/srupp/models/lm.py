@@ -185,23 +185,20 @@ class CausalLM(SavedModel):
             chunks = self._step_chunks(logits, state, max_new_tokens, sampling)
         new: List[List[int]] = [[] for _ in range(B)]
         done = [False] * B
-        for chunk in chunks:                                      # (B, t): t steps' tokens
-            for ids in chunk.t().tolist():                        # one step's B tokens
-                if on_tokens is not None:
-                    on_tokens(torch.tensor([-1 if d else i for d, i in zip(done, ids)],
-                                           device=device))
-                for b in range(B):
-                    if not done[b]:
-                        new[b].append(ids[b])
-                        if stop_strings and any(s in decode(new[b]) for s in stop_strings):
-                            done[b] = True
-                    if ids[b] == eos_id:
+        # chunks (B, t) of t steps' tokens; each step's B tokens in turn
+        for ids in (ids for chunk in chunks for ids in chunk.t().tolist()):
+            if on_tokens is not None:
+                on_tokens(torch.tensor([-1 if d else i for d, i in zip(done, ids)],
+                                       device=device))
+            for b in range(B):
+                if not done[b]:
+                    new[b].append(ids[b])
+                    if stop_strings and any(s in decode(new[b]) for s in stop_strings):
                         done[b] = True
-                if all(done):
-                    break
-            else:
-                continue
-            break
+                if ids[b] == eos_id:
+                    done[b] = True
+            if all(done):
+                break
         if stop_strings:
             new = [_cut_at_stop(ids, decode, stop_strings) for ids in new]
         return new
