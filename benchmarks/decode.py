@@ -238,7 +238,36 @@ def generate_loops(a, model, prompt, bound):
             "cpp_loop_fraction_of_bound_weight_buffer": ratio(
                 cpp, bound["bound_tokens_per_s_weight_buffer"]),
             "cpp_loop_fraction_of_bound_large_buffer": ratio(
-                cpp, bound["bound_tokens_per_s_large_buffer"])}
+                cpp, bound["bound_tokens_per_s_large_buffer"]),
+            "cpp_loop_us_per_token": round(1e6 / cpp, 1),
+            "parts_us": token_parts(model, prompt)}
+
+
+def token_parts(model, prompt, reps=500):
+    """Microseconds of the parts of a C++ loop token, each replayed alone (median of 5 ×
+    reps calls) after the prompt and 16 steps: the stack's kernel (``stack_step``, its
+    arguments fixed), the output layer and the embedding (their modules, so a few µs of
+    Python more than the loop's C++ calls), the argmax."""
+    from srupp.ops.layer_step import stack_step_kernel
+
+    out = model(prompt)
+    state, tok = out.state, out.logits[:, -1].argmax(-1)
+    for _ in range(16):
+        logits, state = model.step(tok, state)
+        tok = logits.argmax(-1)
+    x = model.embedding(tok)                                                 # (1, d)
+    steps = model.backbone.fused_steps(state, 1, x)
+    if steps is None:
+        return None
+    kernel = stack_step_kernel()
+    args = (x, steps.c0, *steps.buffers(), 0, steps.M + 1, *steps.layer_args())  # row M again
+    h = kernel(*args)[0]                                                     # (1, D)
+    parts = {"stack_kernel": lambda: kernel(*args),
+             "output_module": lambda: model.output(h),
+             "argmax": lambda: logits.argmax(-1),
+             "embedding_module": lambda: model.embedding(tok)}
+    return {name: round(1e6 * median_seconds(lambda: [f() for _ in range(reps)], 5) / reps, 1)
+            for name, f in parts.items()}
 
 
 def tokens(B, L, seed):

@@ -171,6 +171,13 @@ def test_decode():
         if "skipped" in res:
             assert dtype == "bf16" and not r["cpu_has_native_bf16"]
             continue
+        gen = res["batch1"]["srupp_generate"]
+        assert gen["same_tokens"] and gen["cpp_loop_tokens_per_s"] > 0
+        assert gen["cpp_over_python"] == pytest.approx(
+            gen["cpp_loop_tokens_per_s"] / gen["python_loop_tokens_per_s"], abs=1e-3)
+        assert set(gen["parts_us"]) == {"stack_kernel", "output_module", "argmax",
+                                        "embedding_module"}
+        assert min(gen["parts_us"].values()) > 0
         for n in names:
             b, one = res["bounds"][n], res["batch1"][n]
             assert b["weight_bytes"] > 0 and one["tokens_per_s"] > 0
