@@ -203,19 +203,26 @@ def timed_rate(model, prompts, n):
     return prompts.shape[0] * n / (time.perf_counter() - t0)
 
 
+@contextlib.contextmanager
+def token_loop(model, cpp):
+    """``model.generate`` through its C++ token loop (``cpp``) or the Python one."""
+    model.FUSED_CHUNK = type(model).FUSED_CHUNK if cpp else 0
+    try:
+        yield
+    finally:
+        del model.FUSED_CHUNK
+
+
 def generate_rate(model, prompt, n, cpp):
     """Tokens/s of greedy ``model.generate`` past its prefill: the n - 1 tokens a call for n
     adds to a call for 1. ``cpp``: through the C++ token loop, else the Python one."""
-    model.FUSED_CHUNK = type(model).FUSED_CHUNK if cpp else 0
-    try:
-        p = prompt.tolist()
+    p = prompt.tolist()
+    with token_loop(model, cpp):
         t0 = time.perf_counter()
         model.generate(p, 1, temperature=0)
         t1 = time.perf_counter()
         model.generate(p, n, temperature=0)
         t2 = time.perf_counter()
-    finally:
-        del model.FUSED_CHUNK
     return (n - 1) / max((t2 - t1) - (t1 - t0), 1e-9)
 
 
@@ -223,11 +230,8 @@ def generate_loops(a, model, prompt, bound):
     """SRU++'s ``generate`` at batch 1 through the C++ token loop and the Python one."""
     got = {}
     for cpp in (True, False):  # warm-up, and the check that both give the same tokens
-        model.FUSED_CHUNK = type(model).FUSED_CHUNK if cpp else 0
-        try:
+        with token_loop(model, cpp):
             got[cpp] = model.generate(prompt.tolist(), a.new, temperature=0)
-        finally:
-            del model.FUSED_CHUNK
     speeds = {True: [], False: []}
     for _ in range(a.rounds):
         for cpp in speeds:

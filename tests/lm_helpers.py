@@ -69,5 +69,6 @@ def tiny_srupp_lm(device=None, **kw):
     m = CausalLM(SRUppConfig(**cfg)).eval()
     with torch.no_grad():
         for layer in m.backbone.rnn.layers:
-            layer.transform.alpha.fill_(0.7)
+            if layer.use_attention:
+                layer.transform.alpha.fill_(0.7)
     return m.to(device)

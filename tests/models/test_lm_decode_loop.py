@@ -17,9 +17,11 @@ import pytest
 import torch
 
 import srupp.models.lm as lm_module
-from srupp.models import CausalLM, SRUppConfig
+from srupp.models import CausalLM
 from srupp.ops import cpu_kernels
 from srupp.ops.layer_step import use_step_backend
+
+from lm_helpers import tiny_srupp_lm
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not cpu_kernels.is_available(),
@@ -42,11 +44,8 @@ PROMPTS = [[3, 1, 4, 1, 5], [9], [2, 6]]           # left-padded: the memory has
 
 
 def make(dtype=torch.float32, **kw):
-    """A tiny SRU++ LM (as lm_helpers' tiny_srupp_lm, any attention layout)."""
-    torch.manual_seed(0)
-    config = dict(vocab_size=11, d_model=8, proj_size=4, num_layers=2, dropout=0.0, mem_len=64)
-    m = CausalLM(SRUppConfig(**{**config, **kw})).eval()
-    with torch.no_grad():  # α and the biases start at 0: move everything off its init
+    m = tiny_srupp_lm(**kw)
+    with torch.no_grad():  # the biases start at 0: move everything off its init
         for p in m.parameters():
             p.add_(torch.randn_like(p) * 0.2)
     return m.to(dtype)
