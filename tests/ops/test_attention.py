@@ -333,6 +333,27 @@ def test_one_query_kernel_against_fp64(B, H, S, hd, dtype):
     torch.testing.assert_close(got.double(), exact, **tol)
 
 
+@pytest.mark.skipif(not ops.cpu_kernels.is_available(),
+                    reason="the C++ CPU extension could not be built")
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_query_kernel_splits_keys_over_threads(threads, dtype):
+    # fewer (batch, head) pairs than threads: each pair's keys are split over the
+    # threads and the parts merged; the result is the fp64 softmax's at any count
+    g = torch.Generator().manual_seed(threads)
+    q = (torch.randn(1, 1, 1, 40, generator=g) * 2).to(dtype)
+    k, v = (torch.randn(1, 1, 300, 40, generator=g).to(dtype) for _ in range(2))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = ops.cpu_kernels.function("attend_one_query")(q, k, v, 40 ** -0.5)
+    finally:
+        torch.set_num_threads(before)
+    exact = ops.attention_reference(q.double(), k.double(), v.double())
+    tol = FP32 if dtype == torch.float32 else dict(rtol=2 ** -8, atol=2 ** -8)
+    torch.testing.assert_close(got.double(), exact, **tol)
+
+
 def test_one_query_dispatch(monkeypatch):
     calls = []
     real = attn_mod.attention_one_query

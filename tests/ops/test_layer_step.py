@@ -122,6 +122,26 @@ def test_every_memory_key_padded_but_the_token_itself():
     torch.testing.assert_close(layer_step(**args)[0], layer_step(**alone)[0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("threads", [3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_keys_split_over_threads(threads, dtype):
+    """One sequence, one head and more threads than that: the attention splits its 151
+    keys over the threads and merges the parts. The first 80 keys are padding: at 3 and
+    4 threads one or two parts have no key left (they must weigh nothing) and two parts
+    have keys (their merge is weighed), and the result is the reference's."""
+    args = make_args(dtype, B=1, n_in=64, D=64, dp=32, H=1, M=150, pad=True, seed=3)
+    args["memory_pad"][:, :80] = True
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        h, c = layer_step(**clone(args))
+    finally:
+        torch.set_num_threads(before)
+    h_ref, c_ref = layer_step_reference(**clone(args))
+    torch.testing.assert_close(h, h_ref, **TOL[dtype])
+    torch.testing.assert_close(c, c_ref, **TOL[dtype])
+
+
 def test_fake_kernel_and_schema():
     """torch.library's own checks: the schema's mutations, the fake kernel's shapes, and
     that the op behaves the same when traced."""

@@ -796,10 +796,79 @@ void linear_rows_bf16_dot(const BFloat16* x, const BFloat16* w, int64_t ldw,
 //
 // A decode step attends from one token to a window of cached keys and values:
 // (1 x hd) against (S x hd). Through SDPA or two matmuls that is a few tiny GEMMs,
-// whose fixed cost (and, in bf16, a slow small-GEMM path for P V) exceeds the work. Here one task per (batch, head) walks K once for the
-// scores (fp32 dot products, q widened once), takes the softmax in fp32, and walks
-// V once accumulating the p-weighted rows in fp32; the output rounds to the input
-// dtype once. K and V are read in place at any row stride (a [K | V] cache).
+// whose fixed cost (and, in bf16, a slow small-GEMM path for P V) exceeds the work.
+// Here a task walks its keys once for the scores (fp32 dot products, q widened once),
+// takes the softmax in fp32, and walks the V rows once accumulating the p-weighted rows
+// in fp32; the output rounds to the input dtype once. K and V are read in place at any
+// row stride (a [K | V] cache).
+//
+// With fewer (batch, head) pairs than threads (batch-1 decoding) each pair's keys are
+// split over the threads: each part keeps its own max, sum and weighted rows, merged
+// at the end (the flash-decoding split), so the second thread is not idle. The sums
+// then run in another order: results depend on the thread count, within rounding.
+
+inline float hsum(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_add_ps(__m512(v));
+#else
+  alignas(64) float lanes[kW];
+  v.store(lanes);
+  float s = 0.f;
+  for (int l = 0; l < kW; ++l) s += lanes[l];
+  return s;
+#endif
+}
+
+constexpr int64_t kMinKeysPerPart = 32;  // fewer keys per thread cost more than they save
+
+// One query's softmax pieces over keys j0 .. j1 - 1: returns their max score m (-inf when
+// every one is padded) and writes l = sum exp(s - m) to *l and sum exp(s - m) v_j to acc
+// (hd_pad floats). qf: the query in fp32 (hd_pad, zero beyond hd); p: j1 - j0 floats.
+template <typename T>
+float attend_keys(const float* qf, const T* kb, int64_t skr, const T* vb, int64_t svr,
+                  int64_t j0, int64_t j1, int64_t hd, float scale, const bool* pad, float* p,
+                  float* acc, float* l) {
+  const int64_t full = hd / kW * kW;
+  const int tail = static_cast<int>(hd - full);
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t j = j0; j < j1; ++j) {
+    float& pj = p[j - j0];
+    if (pad != nullptr && pad[j]) {
+      pj = -std::numeric_limits<float>::infinity();
+      continue;
+    }
+    const T* kr = kb + j * skr;
+    Vec a0(0.f), a1(0.f);
+    int64_t i = 0;
+    for (; i + 2 * kW <= full; i += 2 * kW) {
+      a0 = at::vec::fmadd(IO<T>::load(kr + i), Vec::loadu(qf + i), a0);
+      a1 = at::vec::fmadd(IO<T>::load(kr + i + kW), Vec::loadu(qf + i + kW), a1);
+    }
+    for (; i < full; i += kW) a0 = at::vec::fmadd(IO<T>::load(kr + i), Vec::loadu(qf + i), a0);
+    if (tail) a1 = at::vec::fmadd(IO<T>::load(kr + i, tail), Vec::loadu(qf + i), a1);
+    pj = hsum(a0 + a1) * scale;
+    mx = std::max(mx, pj);
+  }
+  const bool none = mx == -std::numeric_limits<float>::infinity();  // every key padded
+  float sum = 0.f;
+  for (int64_t j = j0; j < j1; ++j) {
+    float& pj = p[j - j0];
+    pj = none ? 0.f : std::exp(pj - mx);
+    sum += pj;
+  }
+  std::fill(acc, acc + (hd + kW - 1) / kW * kW, 0.f);
+  for (int64_t j = j0; j < j1; ++j) {
+    if (pad != nullptr && pad[j]) continue;
+    const T* vr = vb + j * svr;
+    const Vec pj(p[j - j0]);
+    int64_t i = 0;
+    for (; i < full; i += kW)
+      at::vec::fmadd(pj, IO<T>::load(vr + i), Vec::loadu(acc + i)).store(acc + i);
+    if (tail) at::vec::fmadd(pj, IO<T>::load(vr + i, tail), Vec::loadu(acc + i)).store(acc + i);
+  }
+  *l = sum;
+  return mx;
+}
 
 // key_pad (B, S) bool with row stride spad, or null: True keys are skipped; a query
 // with no key left gets o = 0.
@@ -808,62 +877,59 @@ void one_query_kernel(const T* q, const T* k, const T* v, T* o, int64_t B, int64
                       int64_t S, int64_t hd, const int64_t* sq, const int64_t* sk,
                       const int64_t* sv, float scale, const bool* key_pad = nullptr,
                       int64_t spad = 0) {
-  const int64_t hd_pad = (hd + kW - 1) / kW * kW;
-  at::parallel_for(0, B * H, 1, [&](int64_t n0, int64_t n1) {
-    std::vector<float> qf(hd_pad, 0.f), acc(hd_pad), p(std::max<int64_t>(S, 1));
-    alignas(64) float lanes[kW];
-    const int64_t full = hd / kW * kW;
-    const int tail = static_cast<int>(hd - full);
-    for (int64_t n = n0; n < n1; ++n) {
-      const int64_t b = n / H, h = n % H;
+  const int64_t hd_pad = (hd + kW - 1) / kW * kW, NH = B * H;
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = NH >= threads ? 1
+      : std::max<int64_t>(1, std::min((threads + NH - 1) / NH, S / kMinKeysPerPart));
+  // per part: its max, its sum and its weighted rows (only when the keys are split)
+  std::vector<float> part_m(parts > 1 ? NH * parts : 0), part_l(part_m.size());
+  std::vector<float> part_acc(part_m.size() * hd_pad);
+  at::parallel_for(0, NH * parts, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> qf(hd_pad, 0.f), acc(hd_pad), p(std::max<int64_t>((S + parts - 1) / parts, 1));
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n = t / parts, part = t % parts, b = n / H, h = n % H;
+      const int64_t j0 = S * part / parts, j1 = S * (part + 1) / parts;
       const T* qp = q + b * sq[0] + h * sq[1];
       for (int64_t i = 0; i < hd; ++i) qf[i] = static_cast<float>(qp[i]);
-      const T* kb = k + b * sk[0] + h * sk[1];
       const bool* pad = key_pad == nullptr ? nullptr : key_pad + b * spad;
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < S; ++j) {
-        if (pad != nullptr && pad[j]) {
-          p[j] = -std::numeric_limits<float>::infinity();
-          continue;
-        }
-        const T* kr = kb + j * sk[2];
-        Vec a0(0.f), a1(0.f);
-        int64_t i = 0;
-        for (; i + 2 * kW <= full; i += 2 * kW) {
-          a0 = at::vec::fmadd(IO<T>::load(kr + i), Vec::loadu(qf.data() + i), a0);
-          a1 = at::vec::fmadd(IO<T>::load(kr + i + kW), Vec::loadu(qf.data() + i + kW), a1);
-        }
-        for (; i < full; i += kW) a0 = at::vec::fmadd(IO<T>::load(kr + i), Vec::loadu(qf.data() + i), a0);
-        if (tail) a1 = at::vec::fmadd(IO<T>::load(kr + i, tail), Vec::loadu(qf.data() + i), a1);
-        (a0 + a1).store(lanes);
-        float dot = 0.f;
-        for (int l = 0; l < kW; ++l) dot += lanes[l];
-        p[j] = dot * scale;
-        mx = std::max(mx, p[j]);
+      float* acc_t = parts > 1 ? part_acc.data() + t * hd_pad : acc.data();
+      float l = 0.f;
+      const float m = attend_keys<T>(qf.data(), k + b * sk[0] + h * sk[1], sk[2],
+                                     v + b * sv[0] + h * sv[1], sv[2], j0, j1, hd, scale, pad,
+                                     p.data(), acc_t, &l);
+      if (parts > 1) {
+        part_m[t] = m;
+        part_l[t] = l;
+        continue;
       }
-      const bool none = mx == -std::numeric_limits<float>::infinity();  // every key padded
-      float sum = 0.f;
-      for (int64_t j = 0; j < S; ++j) {
-        p[j] = none ? 0.f : std::exp(p[j] - mx);
-        sum += p[j];
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      const T* vb = v + b * sv[0] + h * sv[1];
-      for (int64_t j = 0; j < S; ++j) {
-        if (pad != nullptr && pad[j]) continue;
-        const T* vr = vb + j * sv[2];
-        const Vec pj(p[j]);
-        int64_t i = 0;
-        for (; i < full; i += kW)
-          at::vec::fmadd(pj, IO<T>::load(vr + i), Vec::loadu(acc.data() + i)).store(acc.data() + i);
-        if (tail)
-          at::vec::fmadd(pj, IO<T>::load(vr + i, tail), Vec::loadu(acc.data() + i)).store(acc.data() + i);
-      }
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const float inv = l > 0.f ? 1.f / l : 0.f;
       T* op = o + n * hd;
       for (int64_t i = 0; i < hd; ++i) op[i] = static_cast<T>(acc[i] * inv);
     }
   });
+  if (parts == 1) return;
+  std::vector<float> out(hd_pad);
+  for (int64_t n = 0; n < NH; ++n) {  // rescale each part to the common max and add
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t r = 0; r < parts; ++r) mx = std::max(mx, part_m[n * parts + r]);
+    std::fill(out.begin(), out.end(), 0.f);
+    float sum = 0.f;
+    if (mx != -std::numeric_limits<float>::infinity()) {
+      for (int64_t r = 0; r < parts; ++r) {
+        const int64_t t = n * parts + r;
+        if (part_m[t] == -std::numeric_limits<float>::infinity()) continue;  // all padded
+        const float w = std::exp(part_m[t] - mx);
+        sum += w * part_l[t];
+        const Vec wv(w);
+        const float* a = part_acc.data() + t * hd_pad;
+        for (int64_t i = 0; i < hd_pad; i += kW)
+          at::vec::fmadd(wv, Vec::loadu(a + i), Vec::loadu(out.data() + i)).store(out.data() + i);
+      }
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    T* op = o + n * hd;
+    for (int64_t i = 0; i < hd; ++i) op[i] = static_cast<T>(out[i] * inv);
+  }
 }
 
 }  // namespace
