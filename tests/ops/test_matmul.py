@@ -213,7 +213,8 @@ FEW_ROWS_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(
 @needs_extension
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,K,N", [(1, 1, 1), (1, 7, 3), (1, 256, 3072), (2, 1000, 129),
-                                      (3, 33, 64), (8, 512, 40), (1, 64 + 15, 17)])
+                                      (3, 33, 64), (8, 512, 40), (1, 64 + 15, 17),
+                                      (1, 248, 13), (3, 96, 10)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_few_rows_kernel_matches_reference(dtype, rows, K, N, bias):
     g = torch.Generator().manual_seed(rows * 1000 + K + N)

@@ -749,40 +749,100 @@ void linear_rows_kernel(const float* x, const T* w, int64_t ldw, const T* bias, 
   });
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 // bf16 rows on CPUs with AVX512-BF16 (built with -march=native there): vdpbf16ps
 // multiplies 32 bf16 pairs and adds them into 16 fp32 lanes in one instruction, so
 // W is never widened (the generic kernel above spent more time converting W than
 // reading it). x is the caller's bf16 x itself. Sums in fp32, as above, in another
 // order: the output differs from the generic kernel's by bf16 rounding at most.
+//
+// Four output features at a time: each load of x serves four rows of W, and the four
+// sums leave their vectors in one combined reduction. One row at a time, rows as short
+// as SRU++'s (d/4 wide) spent as long on reloading x and reducing as on reading W.
+inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {  // (sum a0, .., sum a3)
+  auto half = [](__m512 a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+  };
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(half(a0), half(a1)),
+                                  _mm256_hadd_ps(half(a2), half(a3)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
 void linear_rows_bf16_dot(const BFloat16* x, const BFloat16* w, int64_t ldw,
                           const BFloat16* bias, BFloat16* y, int64_t R, int64_t I, int64_t O) {
-  constexpr int64_t kB = 32;  // bf16 per 512-bit vector
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (2 * std::max<int64_t>(I, 1)));
+  constexpr int64_t kB = 32;    // bf16 per 512-bit vector
+  constexpr int64_t kRows = 4;  // output features per pass
+  const int64_t grain = std::max<int64_t>(kRows, (int64_t{1} << 16) / (2 * std::max<int64_t>(I, 1)));
   const int tail = static_cast<int>(I % kB);
   const __mmask32 tail_mask = tail ? static_cast<__mmask32>((uint64_t{1} << tail) - 1) : 0;
   auto load = [](const BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); };
+  auto load_tail = [&](const BFloat16* p) {  // zeros beyond I multiply to zero
+    return (__m512bh)_mm512_maskz_loadu_epi16(tail_mask, p);
+  };
   at::parallel_for(0, O, grain, [&](int64_t o0, int64_t o1) {
-    for (int64_t o = o0; o < o1; ++o) {
+    int64_t o = o0;
+    for (; o + kRows <= o1; o += kRows) {
+      const BFloat16* w0 = w + o * ldw;
+      const BFloat16* w1 = w0 + ldw;
+      const BFloat16* w2 = w1 + ldw;
+      const BFloat16* w3 = w2 + ldw;
+      for (int64_t r = 0; r < R; ++r) {
+        const BFloat16* xr = x + r * I;
+        // two accumulators per feature (even and odd vectors of the row): 8 chains
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        int64_t i = 0;
+        for (; i + 2 * kB <= I; i += 2 * kB) {
+          const __m512bh xa = load(xr + i), xb = load(xr + i + kB);
+          a0 = _mm512_dpbf16_ps(a0, load(w0 + i), xa);
+          a1 = _mm512_dpbf16_ps(a1, load(w1 + i), xa);
+          a2 = _mm512_dpbf16_ps(a2, load(w2 + i), xa);
+          a3 = _mm512_dpbf16_ps(a3, load(w3 + i), xa);
+          b0 = _mm512_dpbf16_ps(b0, load(w0 + i + kB), xb);
+          b1 = _mm512_dpbf16_ps(b1, load(w1 + i + kB), xb);
+          b2 = _mm512_dpbf16_ps(b2, load(w2 + i + kB), xb);
+          b3 = _mm512_dpbf16_ps(b3, load(w3 + i + kB), xb);
+        }
+        if (i + kB <= I) {
+          const __m512bh xa = load(xr + i);
+          a0 = _mm512_dpbf16_ps(a0, load(w0 + i), xa);
+          a1 = _mm512_dpbf16_ps(a1, load(w1 + i), xa);
+          a2 = _mm512_dpbf16_ps(a2, load(w2 + i), xa);
+          a3 = _mm512_dpbf16_ps(a3, load(w3 + i), xa);
+          i += kB;
+        }
+        if (tail) {
+          const __m512bh xa = load_tail(xr + i);
+          b0 = _mm512_dpbf16_ps(b0, load_tail(w0 + i), xa);
+          b1 = _mm512_dpbf16_ps(b1, load_tail(w1 + i), xa);
+          b2 = _mm512_dpbf16_ps(b2, load_tail(w2 + i), xa);
+          b3 = _mm512_dpbf16_ps(b3, load_tail(w3 + i), xa);
+        }
+        alignas(16) float acc[4];
+        _mm_store_ps(acc, sum4(_mm512_add_ps(a0, b0), _mm512_add_ps(a1, b1),
+                               _mm512_add_ps(a2, b2), _mm512_add_ps(a3, b3)));
+        for (int q = 0; q < 4; ++q) {
+          const float v = bias != nullptr ? acc[q] + static_cast<float>(bias[o + q]) : acc[q];
+          y[r * O + o + q] = static_cast<BFloat16>(v);
+        }
+      }
+    }
+    for (; o < o1; ++o) {  // the last features, one at a time
       const BFloat16* wr = w + o * ldw;
       for (int64_t r = 0; r < R; ++r) {
         const BFloat16* xr = x + r * I;
         __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-        __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
         int64_t i = 0;
-        for (; i + 4 * kB <= I; i += 4 * kB) {
+        for (; i + 2 * kB <= I; i += 2 * kB) {
           a0 = _mm512_dpbf16_ps(a0, load(wr + i), load(xr + i));
           a1 = _mm512_dpbf16_ps(a1, load(wr + i + kB), load(xr + i + kB));
-          a2 = _mm512_dpbf16_ps(a2, load(wr + i + 2 * kB), load(xr + i + 2 * kB));
-          a3 = _mm512_dpbf16_ps(a3, load(wr + i + 3 * kB), load(xr + i + 3 * kB));
         }
-        for (; i + kB <= I; i += kB) a0 = _mm512_dpbf16_ps(a0, load(wr + i), load(xr + i));
-        if (tail) {  // zeros beyond I multiply to zero
-          a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_maskz_loadu_epi16(tail_mask, wr + i),
-                                (__m512bh)_mm512_maskz_loadu_epi16(tail_mask, xr + i));
+        if (i + kB <= I) {
+          a0 = _mm512_dpbf16_ps(a0, load(wr + i), load(xr + i));
+          i += kB;
         }
-        float acc = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1),
-                                                       _mm512_add_ps(a2, a3)));
+        if (tail) a1 = _mm512_dpbf16_ps(a1, load_tail(wr + i), load_tail(xr + i));
+        float acc = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
         if (bias != nullptr) acc += static_cast<float>(bias[o]);
         y[r * O + o] = static_cast<BFloat16>(acc);
       }
@@ -936,7 +996,7 @@ void one_query_kernel(const T* q, const T* k, const T* v, T* o, int64_t B, int64
 
 // True when linear_rows' bf16 products use the AVX512-BF16 dot-product instruction.
 bool linear_rows_bf16_native() {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
   return true;
 #else
   return false;
@@ -961,7 +1021,7 @@ Tensor linear_rows_cpu(const Tensor& x, const Tensor& weight, const std::optiona
   }
   const int64_t R = x.size(0), I = x.size(1), O = weight.size(0);
   Tensor y = at::empty({R, O}, x.options());
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
   if (x.scalar_type() == at::kBFloat16) {
     linear_rows_bf16_dot(x.data_ptr<BFloat16>(), weight.data_ptr<BFloat16>(), weight.stride(0),
                          has_bias ? bias->data_ptr<BFloat16>() : nullptr,
