@@ -142,6 +142,34 @@ def test_keys_split_over_threads(threads, dtype):
     torch.testing.assert_close(c, c_ref, **TOL[dtype])
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", [c for c in CASES if c != "gemm_rows"]
+                         + ["long_memory", "long_padded"])
+def test_one_region_path_is_the_other_path_bit_for_bit(case, dtype, threads):
+    """At few rows with float weights the op runs the layer in one parallel region; it
+    must give what the op's other path (a parallel region per piece) gives, to the bit,
+    at any thread count (the keys split over threads in both)."""
+    shapes = dict(CASES, long_memory=dict(B=1, n_in=64, D=64, dp=32, H=1, M=150),
+                  long_padded=dict(B=2, n_in=64, D=64, dp=32, H=1, M=90, pad=True))[case]
+    args = make_args(dtype, **shapes, seed=7)
+    team = cpu_kernels.function("set_layer_step_team")
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        torch.set_num_threads(threads)
+        for on in (True, False):
+            team(on)
+            mine = clone(args)
+            outs.append((*layer_step(**mine), mine["kv"], mine["memory"]))
+    finally:
+        team(True)
+        torch.set_num_threads(before)
+    for got, other in zip(*outs):
+        if got is not None:
+            assert torch.equal(got, other)
+
+
 def test_fake_kernel_and_schema():
     """torch.library's own checks: the schema's mutations, the fake kernel's shapes, and
     that the op behaves the same when traced."""

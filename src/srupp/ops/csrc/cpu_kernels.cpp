@@ -55,6 +55,9 @@
 #include <tuple>
 #include <mutex>
 #include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -715,12 +718,11 @@ Common prepare(Args& a, const Tensor& U_in, const std::optional<Tensor>& x_in,
 // converted to fp32 once; its rows stay in L1), four vector accumulators each. fp32 or
 // bf16 (x, W and bias of one dtype); sums in fp32; the output rounds to the input dtype.
 
+// Output features o0 .. o1 - 1 of the product (the range a task or a thread owns).
+// y's rows are ldy apart.
 template <typename T>
-void linear_rows_kernel(const float* x, const T* w, int64_t ldw, const T* bias, T* y, int64_t R,
-                        int64_t I, int64_t O) {
-  // a task reads at least ~64 KiB of W, so that 2 threads split a 256 x 256 product
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (sizeof(T) * std::max<int64_t>(I, 1)));
-  at::parallel_for(0, O, grain, [&](int64_t o0, int64_t o1) {
+void linear_rows_range(const float* x, const T* w, int64_t ldw, const T* bias, T* y, int64_t ldy,
+                       int64_t R, int64_t I, int64_t o0, int64_t o1) {
     alignas(64) float lanes[kW];
     for (int64_t o = o0; o < o1; ++o) {
       const T* wr = w + o * ldw;
@@ -743,9 +745,21 @@ void linear_rows_kernel(const float* x, const T* w, int64_t ldw, const T* bias, 
         float acc = 0.f;
         for (int k = 0; k < kW; ++k) acc += lanes[k];
         if (bias != nullptr) acc += static_cast<float>(bias[o]);
-        y[r * O + o] = static_cast<T>(acc);
+        y[r * ldy + o] = static_cast<T>(acc);
       }
     }
+}
+
+// a task reads at least ~64 KiB of W, so that 2 threads split a 256 x 256 product
+inline int64_t rows_grain(int64_t I, int64_t bytes) {
+  return std::max<int64_t>(4, (int64_t{1} << 16) / (bytes * std::max<int64_t>(I, 1)));
+}
+
+template <typename T>
+void linear_rows_kernel(const float* x, const T* w, int64_t ldw, const T* bias, T* y, int64_t R,
+                        int64_t I, int64_t O) {
+  at::parallel_for(0, O, rows_grain(I, sizeof(T)), [&](int64_t o0, int64_t o1) {
+    linear_rows_range<T>(x, w, ldw, bias, y, O, R, I, o0, o1);
   });
 }
 
@@ -768,18 +782,17 @@ inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {  // (sum a0, ..
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-void linear_rows_bf16_dot(const BFloat16* x, const BFloat16* w, int64_t ldw,
-                          const BFloat16* bias, BFloat16* y, int64_t R, int64_t I, int64_t O) {
+void linear_rows_bf16_dot_range(const BFloat16* x, const BFloat16* w, int64_t ldw,
+                                const BFloat16* bias, BFloat16* y, int64_t ldy, int64_t R,
+                                int64_t I, int64_t o0, int64_t o1) {
   constexpr int64_t kB = 32;    // bf16 per 512-bit vector
   constexpr int64_t kRows = 4;  // output features per pass
-  const int64_t grain = std::max<int64_t>(kRows, (int64_t{1} << 16) / (2 * std::max<int64_t>(I, 1)));
   const int tail = static_cast<int>(I % kB);
   const __mmask32 tail_mask = tail ? static_cast<__mmask32>((uint64_t{1} << tail) - 1) : 0;
   auto load = [](const BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); };
   auto load_tail = [&](const BFloat16* p) {  // zeros beyond I multiply to zero
     return (__m512bh)_mm512_maskz_loadu_epi16(tail_mask, p);
   };
-  at::parallel_for(0, O, grain, [&](int64_t o0, int64_t o1) {
     int64_t o = o0;
     for (; o + kRows <= o1; o += kRows) {
       const BFloat16* w0 = w + o * ldw;
@@ -823,7 +836,7 @@ void linear_rows_bf16_dot(const BFloat16* x, const BFloat16* w, int64_t ldw,
                                _mm512_add_ps(a2, b2), _mm512_add_ps(a3, b3)));
         for (int q = 0; q < 4; ++q) {
           const float v = bias != nullptr ? acc[q] + static_cast<float>(bias[o + q]) : acc[q];
-          y[r * O + o + q] = static_cast<BFloat16>(v);
+          y[r * ldy + o + q] = static_cast<BFloat16>(v);
         }
       }
     }
@@ -842,11 +855,19 @@ void linear_rows_bf16_dot(const BFloat16* x, const BFloat16* w, int64_t ldw,
           i += kB;
         }
         if (tail) a1 = _mm512_dpbf16_ps(a1, load_tail(wr + i), load_tail(xr + i));
-        float acc = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+        // reduced in sum4's order, so a feature's value does not depend on its group
+        const __m512 z = _mm512_setzero_ps();
+        float acc = _mm_cvtss_f32(sum4(_mm512_add_ps(a0, a1), z, z, z));
         if (bias != nullptr) acc += static_cast<float>(bias[o]);
-        y[r * O + o] = static_cast<BFloat16>(acc);
+        y[r * ldy + o] = static_cast<BFloat16>(acc);
       }
     }
+}
+
+void linear_rows_bf16_dot(const BFloat16* x, const BFloat16* w, int64_t ldw,
+                          const BFloat16* bias, BFloat16* y, int64_t R, int64_t I, int64_t O) {
+  at::parallel_for(0, O, rows_grain(I, 2), [&](int64_t o0, int64_t o1) {
+    linear_rows_bf16_dot_range(x, w, ldw, bias, y, O, R, I, o0, o1);
   });
 }
 #endif
@@ -884,16 +905,18 @@ constexpr int64_t kMinKeysPerPart = 32;  // fewer keys per thread cost more than
 // One query's softmax pieces over keys j0 .. j1 - 1: returns their max score m (-inf when
 // every one is padded) and writes l = sum exp(s - m) to *l and sum exp(s - m) v_j to acc
 // (hd_pad floats). qf: the query in fp32 (hd_pad, zero beyond hd); p: j1 - j0 floats.
+// Key j is padding when j < pad_len and pad[j] (pad null: none is).
 template <typename T>
 float attend_keys(const float* qf, const T* kb, int64_t skr, const T* vb, int64_t svr,
-                  int64_t j0, int64_t j1, int64_t hd, float scale, const bool* pad, float* p,
-                  float* acc, float* l) {
+                  int64_t j0, int64_t j1, int64_t hd, float scale, const bool* pad,
+                  int64_t pad_len, float* p, float* acc, float* l) {
   const int64_t full = hd / kW * kW;
   const int tail = static_cast<int>(hd - full);
+  auto padded = [&](int64_t j) { return pad != nullptr && j < pad_len && pad[j]; };
   float mx = -std::numeric_limits<float>::infinity();
   for (int64_t j = j0; j < j1; ++j) {
     float& pj = p[j - j0];
-    if (pad != nullptr && pad[j]) {
+    if (padded(j)) {
       pj = -std::numeric_limits<float>::infinity();
       continue;
     }
@@ -918,7 +941,7 @@ float attend_keys(const float* qf, const T* kb, int64_t skr, const T* vb, int64_
   }
   std::fill(acc, acc + (hd + kW - 1) / kW * kW, 0.f);
   for (int64_t j = j0; j < j1; ++j) {
-    if (pad != nullptr && pad[j]) continue;
+    if (padded(j)) continue;
     const T* vr = vb + j * svr;
     const Vec pj(p[j - j0]);
     int64_t i = 0;
@@ -930,49 +953,74 @@ float attend_keys(const float* qf, const T* kb, int64_t skr, const T* vb, int64_
   return mx;
 }
 
-// key_pad (B, S) bool with row stride spad, or null: True keys are skipped; a query
-// with no key left gets o = 0.
+// The attention of B x H single queries as tasks for a team of threads: task t covers
+// (batch, head) t / parts and its keys' part t % parts (plan above); finish(n) merges
+// pair n's parts into o when the keys were split. q (B, H, hd) at strides sq, K and V
+// (B, H, S, hd) at strides sk and sv; key_pad (B, >= pad_len) at row stride spad, or
+// null. o (B*H, hd) contiguous.
 template <typename T>
-void one_query_kernel(const T* q, const T* k, const T* v, T* o, int64_t B, int64_t H,
-                      int64_t S, int64_t hd, const int64_t* sq, const int64_t* sk,
-                      const int64_t* sv, float scale, const bool* key_pad = nullptr,
-                      int64_t spad = 0) {
-  const int64_t hd_pad = (hd + kW - 1) / kW * kW, NH = B * H;
-  const int64_t threads = at::get_num_threads();
-  const int64_t parts = NH >= threads ? 1
-      : std::max<int64_t>(1, std::min((threads + NH - 1) / NH, S / kMinKeysPerPart));
-  // per part: its max, its sum and its weighted rows (only when the keys are split)
-  std::vector<float> part_m(parts > 1 ? NH * parts : 0), part_l(part_m.size());
-  std::vector<float> part_acc(part_m.size() * hd_pad);
-  at::parallel_for(0, NH * parts, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> qf(hd_pad, 0.f), acc(hd_pad), p(std::max<int64_t>((S + parts - 1) / parts, 1));
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t n = t / parts, part = t % parts, b = n / H, h = n % H;
-      const int64_t j0 = S * part / parts, j1 = S * (part + 1) / parts;
-      const T* qp = q + b * sq[0] + h * sq[1];
-      for (int64_t i = 0; i < hd; ++i) qf[i] = static_cast<float>(qp[i]);
-      const bool* pad = key_pad == nullptr ? nullptr : key_pad + b * spad;
-      float* acc_t = parts > 1 ? part_acc.data() + t * hd_pad : acc.data();
-      float l = 0.f;
-      const float m = attend_keys<T>(qf.data(), k + b * sk[0] + h * sk[1], sk[2],
-                                     v + b * sv[0] + h * sv[1], sv[2], j0, j1, hd, scale, pad,
-                                     p.data(), acc_t, &l);
-      if (parts > 1) {
-        part_m[t] = m;
-        part_l[t] = l;
-        continue;
-      }
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      T* op = o + n * hd;
-      for (int64_t i = 0; i < hd; ++i) op[i] = static_cast<T>(acc[i] * inv);
+struct OneQuery {
+  const T *q, *k, *v;
+  T* o;
+  int64_t B, H, S, hd;
+  const int64_t *sq, *sk, *sv;
+  float scale;
+  const bool* key_pad;
+  int64_t spad, pad_len;
+  int64_t hd_pad, NH, parts;
+  std::vector<float> part_m, part_l, part_acc;  // per task when the keys are split
+
+  OneQuery(const T* q_, const T* k_, const T* v_, T* o_, int64_t B_, int64_t H_, int64_t S_,
+           int64_t hd_, const int64_t* sq_, const int64_t* sk_, const int64_t* sv_,
+           float scale_, const bool* key_pad_, int64_t spad_, int64_t pad_len_,
+           int64_t threads)
+      : q(q_), k(k_), v(v_), o(o_), B(B_), H(H_), S(S_), hd(hd_), sq(sq_), sk(sk_), sv(sv_),
+        scale(scale_), key_pad(key_pad_), spad(spad_), pad_len(pad_len_) {
+    hd_pad = (hd + kW - 1) / kW * kW;
+    NH = B * H;
+    parts = NH >= threads ? 1
+        : std::max<int64_t>(1, std::min((threads + NH - 1) / NH, S / kMinKeysPerPart));
+    if (parts > 1) {
+      part_m.resize(NH * parts);
+      part_l.resize(NH * parts);
+      part_acc.resize(NH * parts * hd_pad);
     }
-  });
-  if (parts == 1) return;
-  std::vector<float> out(hd_pad);
-  for (int64_t n = 0; n < NH; ++n) {  // rescale each part to the common max and add
+  }
+
+  int64_t tasks() const { return NH * parts; }
+  // floats of scratch a thread needs for its tasks
+  int64_t scratch() const { return 2 * hd_pad + std::max<int64_t>((S + parts - 1) / parts, 1); }
+
+  void task(int64_t t, float* scratch_) {
+    float* qf = scratch_;
+    float* acc = qf + hd_pad;
+    float* p = acc + hd_pad;
+    const int64_t n = t / parts, part = t % parts, b = n / H, h = n % H;
+    const int64_t j0 = S * part / parts, j1 = S * (part + 1) / parts;
+    const T* qp = q + b * sq[0] + h * sq[1];
+    for (int64_t i = 0; i < hd; ++i) qf[i] = static_cast<float>(qp[i]);
+    std::fill(qf + hd, qf + hd_pad, 0.f);
+    const bool* pad = key_pad == nullptr ? nullptr : key_pad + b * spad;
+    float* acc_t = parts > 1 ? part_acc.data() + t * hd_pad : acc;
+    float l = 0.f;
+    const float m = attend_keys<T>(qf, k + b * sk[0] + h * sk[1], sk[2], v + b * sv[0] + h * sv[1],
+                                   sv[2], j0, j1, hd, scale, pad, pad_len, p, acc_t, &l);
+    if (parts > 1) {
+      part_m[t] = m;
+      part_l[t] = l;
+      return;
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    T* op = o + n * hd;
+    for (int64_t i = 0; i < hd; ++i) op[i] = static_cast<T>(acc[i] * inv);
+  }
+
+  // pair n's parts rescaled to their common max and added (out: hd_pad floats of scratch)
+  void finish(int64_t n, float* out) const {
+    if (parts == 1) return;
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t r = 0; r < parts; ++r) mx = std::max(mx, part_m[n * parts + r]);
-    std::fill(out.begin(), out.end(), 0.f);
+    std::fill(out, out + hd_pad, 0.f);
     float sum = 0.f;
     if (mx != -std::numeric_limits<float>::infinity()) {
       for (int64_t r = 0; r < parts; ++r) {
@@ -983,13 +1031,30 @@ void one_query_kernel(const T* q, const T* k, const T* v, T* o, int64_t B, int64
         const Vec wv(w);
         const float* a = part_acc.data() + t * hd_pad;
         for (int64_t i = 0; i < hd_pad; i += kW)
-          at::vec::fmadd(wv, Vec::loadu(a + i), Vec::loadu(out.data() + i)).store(out.data() + i);
+          at::vec::fmadd(wv, Vec::loadu(a + i), Vec::loadu(out + i)).store(out + i);
       }
     }
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
     T* op = o + n * hd;
     for (int64_t i = 0; i < hd; ++i) op[i] = static_cast<T>(out[i] * inv);
   }
+};
+
+// key_pad (B, S) bool with row stride spad, or null: True keys are skipped; a query
+// with no key left gets o = 0. Keys from pad_len on are never padding (-1: S).
+template <typename T>
+void one_query_kernel(const T* q, const T* k, const T* v, T* o, int64_t B, int64_t H,
+                      int64_t S, int64_t hd, const int64_t* sq, const int64_t* sk,
+                      const int64_t* sv, float scale, const bool* key_pad = nullptr,
+                      int64_t spad = 0, int64_t pad_len = -1) {
+  OneQuery<T> att(q, k, v, o, B, H, S, hd, sq, sk, sv, scale, key_pad, spad,
+                  pad_len < 0 ? S : pad_len, at::get_num_threads());
+  at::parallel_for(0, att.tasks(), 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scratch(att.scratch());
+    for (int64_t t = t0; t < t1; ++t) att.task(t, scratch.data());
+  });
+  std::vector<float> out(att.hd_pad);
+  for (int64_t n = 0; n < att.NH; ++n) att.finish(n, out.data());
 }
 
 }  // namespace
@@ -1173,34 +1238,246 @@ void residual(const T* q, const T* o, float alpha, T* y, int64_t n) {
   }
 }
 
+// Rows r0 .. r1 - 1 and units j0 .. j1 - 1 of recurrence_step (below).
+template <typename T>
+void recurrence_cols(const T* U, int64_t k, const T* x, int64_t ldx, const float* c,
+                     const T* wc, const T* bias, float scale_x, T* h, float* c_new, int64_t D,
+                     int64_t r0, int64_t r1, int64_t j0, int64_t j1) {
+  const Vec one(1.f), sx(scale_x);
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* u = U + r * k * D;
+    const float* cr = c + r * D;
+    for (int64_t j = j0; j < j1; j += kW) {
+      const int n = static_cast<int>(std::min<int64_t>(kW, j1 - j));
+      // whole vectors but for the last (IO's partial loads go element by element)
+      auto in = [&](const T* p) { return n == kW ? IO<T>::load(p) : IO<T>::load(p, n); };
+      const Vec u0 = in(u + j), u1 = in(u + D + j), u2 = in(u + 2 * D + j);
+      const Vec cp = Vec::loadu(cr + j, n);
+      const Vec f = sigmoid(at::vec::fmadd(in(wc + j), cp, u1 + in(bias + j)));
+      const Vec rg = sigmoid(at::vec::fmadd(in(wc + D + j), cp, u2 + in(bias + D + j)));
+      const Vec cn = f * cp + (one - f) * u0;
+      const Vec s = k == 4 ? in(u + 3 * D + j) : in(x + r * ldx + j) * sx;
+      const Vec hv = s + rg * (cn - s);
+      cn.store(c_new + r * D + j, n);
+      if (n == kW) IO<T>::store(h + r * D + j, hv); else IO<T>::store(h + r * D + j, hv, n);
+    }
+  }
+}
+
 // One recurrence step for R rows of D units: U (R, k*D) planes [u0|u1|u2|u3], x (R, D)
 // the raw layer input (the skip when k == 3), c (R, D) fp32; writes h (R, D) and c_new.
 template <typename T>
 void recurrence_step(const T* U, int64_t k, const T* x, int64_t ldx, const float* c,
                      const T* wc, const T* bias, float scale_x, T* h, float* c_new, int64_t R,
                      int64_t D) {
-  const Vec one(1.f), sx(scale_x);
   // rows in parallel when there are many (batched streams); one row stays on this thread
   at::parallel_for(0, R, R >= 8 ? 4 : R, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const T* u = U + r * k * D;
-      const float* cr = c + r * D;
-      for (int64_t j = 0; j < D; j += kW) {
-        const int n = static_cast<int>(std::min<int64_t>(kW, D - j));
-        // whole vectors but for the last (IO's partial loads go element by element)
-        auto in = [&](const T* p) { return n == kW ? IO<T>::load(p) : IO<T>::load(p, n); };
-        const Vec u0 = in(u + j), u1 = in(u + D + j), u2 = in(u + 2 * D + j);
-        const Vec cp = Vec::loadu(cr + j, n);
-        const Vec f = sigmoid(at::vec::fmadd(in(wc + j), cp, u1 + in(bias + j)));
-        const Vec rg = sigmoid(at::vec::fmadd(in(wc + D + j), cp, u2 + in(bias + D + j)));
-        const Vec cn = f * cp + (one - f) * u0;
-        const Vec s = k == 4 ? in(u + 3 * D + j) : in(x + r * ldx + j) * sx;
-        const Vec hv = s + rg * (cn - s);
-        cn.store(c_new + r * D + j, n);
-        if (n == kW) IO<T>::store(h + r * D + j, hv); else IO<T>::store(h + r * D + j, hv, n);
+    recurrence_cols<T>(U, k, x, ldx, c, wc, bias, scale_x, h, c_new, D, r0, r1, 0, D);
+  });
+}
+
+// ---- The layer's step in one parallel region (float weights, few rows) ----------------
+//
+// At batch 1 the step is a chain of small pieces: three products, the attention, two
+// norms and the recurrence. As separate at::parallel_for regions each costs a fork and a
+// join, and between them the second thread idles while the first allocates and runs the
+// serial pieces (together about a third of a 5M model's step). Here the team enters
+// once per layer; the products, the attention's keys and the recurrence's units are
+// split over its threads, barriers stand between dependent pieces, the serial pieces run
+// on thread 0, and the intermediates live in a reused workspace. The arithmetic is the
+// other path's, piece for piece: the same kernels on the same rows, so the results are
+// bit for bit the same (tests/ops/test_layer_step.py checks it).
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+constexpr bool kBf16Dot = true;
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+inline int team_size() {
+#ifdef _OPENMP
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
+
+inline int team_rank() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+bool team_enabled = true;  // tests turn it off to compare the two paths
+
+template <typename T>
+const T* ptr_or_null(const std::optional<Tensor>& t) {
+  return t.has_value() && t->defined() ? t->data_ptr<T>() : nullptr;
+}
+
+// Raw pointers and sizes of one layer's step, as layer_step_run checked them.
+template <typename T>
+struct LayerView {
+  const T* x;
+  int64_t ldx, B, n_in, D, dp, kD, k, H, cached;
+  const float* c;
+  const T *w1, *w2, *w3;  // w3 null: no attention
+  float alpha;
+  const T *norm_w, *norm_b, *attn_norm_w, *attn_norm_b;  // null: no such norm
+  float norm_eps, attn_norm_eps, scale_x;
+  bool pre, post;
+  const T *wc, *bias;
+  T* kv;       // row kv_start of the [K | V] buffer (null: no attention)
+  int64_t kv_s0, kv_s1;
+  T* memory;   // row memory_start + cached, the token's own (null: no memory)
+  int64_t mem_s0;
+  const bool* pad;  // (B, cached) at row stride pad_s0, or null
+  int64_t pad_s0;
+};
+
+// A bump allocator over one thread-local buffer that only grows: no allocation per step.
+struct Workspace {
+  std::vector<float>& buf;
+  size_t used = 0;
+  explicit Workspace(size_t floats) : buf(storage()) {
+    if (buf.size() < floats) buf.resize(floats);
+  }
+  static std::vector<float>& storage() {
+    static thread_local std::vector<float> b;
+    return b;
+  }
+  template <typename U>
+  U* take(int64_t n) {  // n elements of U; the next take starts 64 bytes on at least
+    U* p = reinterpret_cast<U*>(buf.data() + used);
+    used += (static_cast<size_t>(n) * sizeof(U) + 63) / 64 * 16;
+    return p;
+  }
+};
+
+template <typename T>
+void layer_step_team(const LayerView<T>& L, T* h, float* c_new) {
+  const int64_t B = L.B, dp = L.dp, D = L.D, S = L.cached + 1, hd = L.dp / L.H;
+  const bool attention = L.w3 != nullptr;
+  // fp32 copies of the products' inputs for the generic kernel (bf16 without the dot
+  // instruction); fp32 tensors are their own copies
+  constexpr bool widen = std::is_same<T, BFloat16>::value && !kBf16Dot;
+  const int threads = at::get_num_threads();
+  const int64_t sq[2] = {dp, hd};
+  const int64_t skv[3] = {L.kv_s0, hd, L.kv_s1};
+  OneQuery<T> att(nullptr, L.kv, L.kv + dp, nullptr, B, L.H, S, hd, sq, skv, skv,
+                  1.f / std::sqrt(static_cast<float>(hd)), L.pad, L.pad_s0, L.cached,
+                  threads);
+  const int64_t widest = std::max(L.n_in, dp);
+  const int64_t att_stride = (att.scratch() + 15) / 16 * 16;  // floats per thread
+  auto floats = [](int64_t bytes) { return static_cast<size_t>((bytes + 63) / 64 * 16); };
+  Workspace ws(floats(B * L.n_in * sizeof(T)) + 4 * floats(B * dp * sizeof(T)) +
+               floats(B * L.kD * sizeof(T)) + floats(B * widest * 4) +
+               floats((threads * att_stride + att.hd_pad) * 4));
+  T* xin = L.pre ? ws.take<T>(B * L.n_in) : const_cast<T*>(L.x);
+  T* q = ws.take<T>(B * dp);
+  T* o = ws.take<T>(B * dp);
+  T* y = ws.take<T>(B * dp);
+  T* yn = ws.take<T>(B * dp);
+  T* U = ws.take<T>(B * L.kD);
+  float* wide = widen ? ws.take<float>(B * widest) : nullptr;
+  float* att_scratch = ws.take<float>(threads * att_stride + att.hd_pad);
+  att.q = q;
+  att.o = o;
+  // widen: `wide` = the next product's input in fp32 (thread 0, before a barrier)
+  auto widen_input = [&](const T* in, int64_t n) {
+    if (widen)
+      for (int64_t i = 0; i < n; ++i) wide[i] = static_cast<float>(in[i]);
+  };
+  // this thread's share of out (B rows ldo apart) = in (B, I) @ w (O, I)^T
+  auto product = [&](int tid, int nt, const T* in, const T* w, int64_t I, int64_t O, T* out,
+                     int64_t ldo) {
+    const int64_t chunk = ((O + nt - 1) / nt + 3) / 4 * 4;
+    const int64_t o0 = std::min(O, tid * chunk), o1 = std::min(O, o0 + chunk);
+    if (o0 >= o1) return;
+    if constexpr (std::is_same<T, float>::value) {
+      linear_rows_range<T>(in, w, I, nullptr, out, ldo, B, I, o0, o1);
+    } else {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+      linear_rows_bf16_dot_range(in, w, I, nullptr, out, ldo, B, I, o0, o1);
+#else
+      linear_rows_range<T>(wide, w, I, nullptr, out, ldo, B, I, o0, o1);
+#endif
+    }
+  };
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+#endif
+  {
+    const int nt = team_size(), tid = team_rank();
+    if (tid == 0) {
+      if (L.pre)
+        layer_norm_rows<T>(L.x, L.ldx, L.norm_w, L.norm_b, L.norm_eps, xin, L.n_in, B, L.n_in);
+      if (L.memory != nullptr)
+        for (int64_t r = 0; r < B; ++r)
+          std::memcpy(L.memory + r * L.mem_s0, xin + r * (L.pre ? L.n_in : L.ldx),
+                      sizeof(T) * L.n_in);
+      widen_input(xin, B * L.n_in);
+    }
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+    product(tid, nt, xin, L.w1, L.n_in, dp, q, dp);                       // q (B, d')
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+    const T* u_in = q;
+    if (attention) {
+      if (widen) {
+        if (tid == 0) widen_input(q, B * dp);
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+      }
+      product(tid, nt, q, L.w2, dp, 2 * dp, L.kv + L.cached * L.kv_s1, L.kv_s0);  // [K | V]
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+      float* mine = att_scratch + tid * att_stride;
+      for (int64_t t = tid; t < att.tasks(); t += nt) att.task(t, mine);
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+      u_in = y;
+      if (tid == 0) {
+        for (int64_t n = 0; n < att.NH; ++n) att.finish(n, att_scratch + threads * att_stride);
+        residual<T>(q, o, L.alpha, y, B * dp);
       }
     }
-  });
+    if (tid == 0) {
+      if (L.attn_norm_w != nullptr) {
+        layer_norm_rows<T>(u_in, dp, L.attn_norm_w, L.attn_norm_b, L.attn_norm_eps, yn, dp, B, dp);
+        u_in = yn;
+      }
+      widen_input(u_in, B * dp);
+    }
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+    // every thread reads the same choice thread 0 made (the norm is uniform)
+    const T* u_src = L.attn_norm_w != nullptr ? yn : (attention ? y : q);
+    product(tid, nt, u_src, attention ? L.w3 : L.w2, dp, L.kD, U, L.kD);  // U (B, k*D)
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+    const int64_t cols = ((D + nt - 1) / nt + kW - 1) / kW * kW;
+    const int64_t j0 = std::min(D, tid * cols), j1 = std::min(D, j0 + cols);
+    if (j0 < j1)
+      recurrence_cols<T>(U, L.k, L.x, L.ldx, L.c, L.wc, L.bias, L.scale_x, h, c_new, D, 0, B,
+                         j0, j1);
+    if (L.post) {
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+      if (tid == 0) layer_norm_rows<T>(h, D, L.norm_w, L.norm_b, L.norm_eps, h, D, B, D);
+    }
+  }
 }
 
 // layer_step_cpu, with the projections' weights W1, W2, W3 optionally int8: `quant` says
@@ -1247,51 +1524,101 @@ std::tuple<Tensor, Tensor> layer_step_run(
   TORCH_CHECK((k == 3 && x.size(1) == D) || k == 4, "srupp layer_step: U must have 3 planes "
               "(n_in == D) or 4, got ", kD, " rows for D = ", D);
   const bool pre = !normalize_after && norm_weight.has_value() && norm_weight->defined();
-  const Tensor xin = pre ? maybe_norm(x, norm_weight, norm_bias, norm_eps) : x;  // (B, n_in)
   TORCH_CHECK(cached >= 0 && kv_start >= 0 && memory_start >= 0,
               "srupp layer_step: kv_start, memory_start and cached must be >= 0");
-  if (memory.has_value() && memory->defined()) {
+  const bool has_memory = memory.has_value() && memory->defined();
+  if (has_memory) {
     TORCH_CHECK(memory->scalar_type() == dt && memory->dim() == 3 && memory->size(0) == B &&
                 memory->size(2) == x.size(1) && memory->stride(2) == 1 &&
                 memory_start + cached < memory->size(1),
                 "srupp layer_step: memory (B, > memory_start + cached, n_in) of x's dtype, "
                 "last dim contiguous");
-    write_row(*memory, memory_start + cached, xin);
   }
-  const Tensor q = project(xin, w1, few_rows, wscale[0], quant);                  // (B, d')
-  const int64_t dp = q.size(1);
-  Tensor U;
+  const int64_t dp = w1.size(0);
+  const int64_t S = cached + 1, H = num_heads, hd = H >= 1 ? dp / H : 0;  // keys: cached, then x's
+  Tensor pad;  // (B, cached) bool, last dim contiguous, or undefined
   if (attention) {
     TORCH_CHECK(kv.has_value() && kv->defined() && kv->scalar_type() == dt && kv->dim() == 3 &&
                 kv->size(0) == B && kv->size(2) == 2 * dp && kv->stride(2) == 1 &&
                 kv_start + cached < kv->size(1),
                 "srupp layer_step: kv (B, > kv_start + cached, 2*d') of x's dtype, last dim "
                 "contiguous");
-    const int64_t S = cached + 1, H = num_heads, hd = dp / H;  // keys: the cached ones, then x's
     TORCH_CHECK(H >= 1 && dp % H == 0, "srupp layer_step: num_heads must divide d'");
-    write_row(*kv, kv_start + cached,
-              project(q, w2, few_rows, wscale[1], quant).contiguous());           // new [K | V]
-    const bool* pad = nullptr;
-    Tensor pad_full;
+    TORCH_CHECK(alpha.has_value() && alpha->defined() && alpha->scalar_type() == dt &&
+                alpha->numel() == 1, "srupp layer_step: alpha (1,) of x's dtype");
     if (memory_pad.has_value() && memory_pad->defined()) {
       TORCH_CHECK(memory_pad->scalar_type() == at::kBool && memory_pad->dim() == 2 &&
                   memory_pad->size(0) == B && memory_pad->size(1) == S - 1,
                   "srupp layer_step: memory_pad (B, M) bool");
-      pad_full = at::cat({*memory_pad, at::zeros({B, 1}, memory_pad->options())}, 1);
-      pad = pad_full.data_ptr<bool>();
+      pad = memory_pad->stride(1) == 1 ? *memory_pad : memory_pad->contiguous();
     }
+  }
+  // the products' shapes (the one-region path reads the weights raw)
+  const int64_t n_in = x.size(1);
+  TORCH_CHECK(w1.dim() == 2 && w1.size(1) == n_in && w2.dim() == 2 && w2.size(1) == dp &&
+                  w2.size(0) == (attention ? 2 * dp : kD) &&
+                  (!attention || (w3->dim() == 2 && w3->size(1) == dp)),
+              "srupp layer_step: w1 (d', n_in), w2 (2 d', d') and w3 (k D, d') with attention, "
+              "w2 (k D, d') without; got ", w1.sizes(), " and ", w2.sizes());
+  auto check_norm = [&](const std::optional<Tensor>& g, const std::optional<Tensor>& b,
+                        int64_t n, const char* name) {
+    if (!g.has_value() || !g->defined()) return;
+    TORCH_CHECK(b.has_value() && b->defined() && g->numel() == n && b->numel() == n &&
+                    g->scalar_type() == dt && b->scalar_type() == dt && g->is_contiguous() &&
+                    b->is_contiguous(),
+                "srupp layer_step: ", name, " weight and bias (", n, ",) of x's dtype");
+  };
+  check_norm(norm_weight, norm_bias, normalize_after ? D : n_in, "norm");
+  check_norm(attn_norm_weight, attn_norm_bias, dp, "attn_norm");
+  if (quant == kFloatWeights && B <= few_rows && team_enabled) {  // the one-region path
+    Tensor h = at::empty({B, D}, x.options());
+    Tensor c_new = at::empty({B, D}, c.options());
+    SRUPP_DISPATCH_F32_BF16(dt, [&] {
+      using T = scalar_t;
+      LayerView<T> L;
+      L.x = x.data_ptr<T>(); L.ldx = x.stride(0); L.B = B; L.n_in = x.size(1); L.D = D;
+      L.dp = dp; L.kD = kD; L.k = k; L.H = attention ? H : 1; L.cached = cached;
+      L.c = c.data_ptr<float>();
+      L.w1 = w1.data_ptr<T>(); L.w2 = w2.data_ptr<T>();
+      L.w3 = attention ? w3->data_ptr<T>() : nullptr;
+      L.alpha = attention ? static_cast<float>(*alpha->data_ptr<T>()) : 0.f;
+      L.norm_w = ptr_or_null<T>(norm_weight); L.norm_b = ptr_or_null<T>(norm_bias);
+      L.attn_norm_w = ptr_or_null<T>(attn_norm_weight);
+      L.attn_norm_b = ptr_or_null<T>(attn_norm_bias);
+      L.norm_eps = static_cast<float>(norm_eps); L.attn_norm_eps = static_cast<float>(attn_norm_eps);
+      L.scale_x = static_cast<float>(scale_x);
+      L.pre = pre; L.post = normalize_after && L.norm_w != nullptr;
+      L.wc = weight_c.data_ptr<T>(); L.bias = bias.data_ptr<T>();
+      L.kv = attention ? kv->data_ptr<T>() + kv_start * kv->stride(1) : nullptr;
+      L.kv_s0 = attention ? kv->stride(0) : 0; L.kv_s1 = attention ? kv->stride(1) : 0;
+      L.memory = has_memory ? memory->data_ptr<T>() + (memory_start + cached) * memory->stride(1)
+                            : nullptr;
+      L.mem_s0 = has_memory ? memory->stride(0) : 0;
+      L.pad = pad.defined() ? pad.data_ptr<bool>() : nullptr;
+      L.pad_s0 = pad.defined() ? pad.stride(0) : 0;
+      layer_step_team<T>(L, h.data_ptr<T>(), c_new.data_ptr<float>());
+    });
+    return {h, c_new};
+  }
+  const Tensor xin = pre ? maybe_norm(x, norm_weight, norm_bias, norm_eps) : x;  // (B, n_in)
+  if (has_memory) write_row(*memory, memory_start + cached, xin);
+  const Tensor q = project(xin, w1, few_rows, wscale[0], quant);                  // (B, d')
+  Tensor U;
+  if (attention) {
+    write_row(*kv, kv_start + cached,
+              project(q, w2, few_rows, wscale[1], quant).contiguous());           // new [K | V]
     Tensor o = at::empty({B, dp}, x.options());
     const int64_t sq[2] = {dp, hd};
     const int64_t sk[3] = {kv->stride(0), hd, kv->stride(1)};
     const float scale = 1.f / std::sqrt(static_cast<float>(hd));
     Tensor y = at::empty({B, dp}, x.options());
-    TORCH_CHECK(alpha.has_value() && alpha->defined() && alpha->scalar_type() == dt &&
-                alpha->numel() == 1, "srupp layer_step: alpha (1,) of x's dtype");
     SRUPP_DISPATCH_F32_BF16(dt, [&] {
       const float a = static_cast<float>(*alpha->data_ptr<scalar_t>());
       const scalar_t* kvp = kv->data_ptr<scalar_t>() + kv_start * kv->stride(1);
       one_query_kernel<scalar_t>(q.data_ptr<scalar_t>(), kvp, kvp + dp, o.data_ptr<scalar_t>(),
-                                 B, H, S, hd, sq, sk, sk, scale, pad, S);
+                                 B, H, S, hd, sq, sk, sk, scale,
+                                 pad.defined() ? pad.data_ptr<bool>() : nullptr,
+                                 pad.defined() ? pad.stride(0) : 0, cached);
       residual<scalar_t>(q.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(), a,
                          y.data_ptr<scalar_t>(), B * dp);
     });
@@ -2057,5 +2384,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cached_bytes", []() { return static_cast<int64_t>(BlockCache::get().cached()); },
         "bytes held in the output-block cache");
   m.def("capability", &capability, "vector ISA the extension was compiled for");
+  m.def("set_layer_step_team", [](bool on) { layer_step_impl::team_enabled = on; },
+        "tests: whether a layer's step at few rows runs in one parallel region (default on)");
   m.def("vector_width", []() { return static_cast<int64_t>(kW); }, "floats per vector");
 }
