@@ -316,7 +316,7 @@ def test_one_query_reads_keys_of_a_cache_in_place():
 @pytest.mark.skipif(not ops.cpu_kernels.is_available(),
                     reason="the C++ CPU extension could not be built")
 @pytest.mark.parametrize("B,H,S,hd", [(1, 1, 1, 1), (1, 1, 200, 156), (2, 3, 5, 7),
-                                      (1, 2, 33, 40), (3, 1, 17, 16)])
+                                      (1, 2, 33, 40), (3, 1, 17, 16), (0, 2, 70, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_one_query_kernel_against_fp64(B, H, S, hd, dtype):
     # keys and values as views of one [K | V] cache (B, H, S, 2 hd), read in place;

@@ -145,13 +145,16 @@ def test_keys_split_over_threads(threads, dtype):
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", [c for c in CASES if c != "gemm_rows"]
-                         + ["long_memory", "long_padded"])
+                         + ["long_memory", "long_padded", "two_rows_heads_padded", "no_rows"])
 def test_one_region_path_is_the_other_path_bit_for_bit(case, dtype, threads):
     """At few rows with float weights the op runs the layer in one parallel region; it
     must give what the op's other path (a parallel region per piece) gives, to the bit,
     at any thread count (the keys split over threads in both)."""
     shapes = dict(CASES, long_memory=dict(B=1, n_in=64, D=64, dp=32, H=1, M=150),
-                  long_padded=dict(B=2, n_in=64, D=64, dp=32, H=1, M=90, pad=True))[case]
+                  long_padded=dict(B=2, n_in=64, D=64, dp=32, H=1, M=90, pad=True),
+                  # within bf16's few-rows limit (2), unlike heads_padded
+                  two_rows_heads_padded=dict(B=2, n_in=64, D=64, dp=16, H=4, M=7, pad=True),
+                  no_rows=dict(B=0, n_in=64, D=64, dp=16, H=2, M=3))[case]
     args = make_args(dtype, **shapes, seed=7)
     team = cpu_kernels.function("set_layer_step_team")
     before = torch.get_num_threads()

@@ -25,7 +25,9 @@
 // sums run serially over time. The weight_c / bias gradients are summed per batch row
 // into a (B, 4, D) buffer and then reduced over B serially, in index order. No
 // atomics: results are bit-for-bit identical from run to run, and do not even depend
-// on the thread count.
+// on the thread count. (The decoding attention further down is the exception: at batch
+// 1 it splits a query's keys over the threads, so its sums depend on the thread count,
+// though still not on the run.)
 //
 // Memory. The loops are bandwidth-bound, so the big outputs (h, the stored c, grad_U,
 // grad_x) are written with streaming stores when they are too large to stay in cache,
@@ -978,7 +980,7 @@ struct OneQuery {
         scale(scale_), key_pad(key_pad_), spad(spad_), pad_len(pad_len_) {
     hd_pad = (hd + kW - 1) / kW * kW;
     NH = B * H;
-    parts = NH >= threads ? 1
+    parts = NH == 0 || NH >= threads ? 1
         : std::max<int64_t>(1, std::min((threads + NH - 1) / NH, S / kMinKeysPerPart));
     if (parts > 1) {
       part_m.resize(NH * parts);
@@ -1366,7 +1368,7 @@ void layer_step_team(const LayerView<T>& L, T* h, float* c_new) {
   const int threads = at::get_num_threads();
   const int64_t sq[2] = {dp, hd};
   const int64_t skv[3] = {L.kv_s0, hd, L.kv_s1};
-  OneQuery<T> att(nullptr, L.kv, L.kv + dp, nullptr, B, L.H, S, hd, sq, skv, skv,
+  OneQuery<T> att(nullptr, L.kv, attention ? L.kv + dp : nullptr, nullptr, B, L.H, S, hd, sq, skv, skv,
                   1.f / std::sqrt(static_cast<float>(hd)), L.pad, L.pad_s0, L.cached,
                   threads);
   const int64_t widest = std::max(L.n_in, dp);
@@ -1407,7 +1409,7 @@ void layer_step_team(const LayerView<T>& L, T* h, float* c_new) {
     }
   };
 #ifdef _OPENMP
-#pragma omp parallel num_threads(threads)
+#pragma omp parallel num_threads(threads) if (!omp_in_parallel())
 #endif
   {
     const int nt = team_size(), tid = team_rank();
@@ -1518,11 +1520,14 @@ std::tuple<Tensor, Tensor> layer_step_run(
     wscale[i] = &*scales[i];
   }
   const int64_t B = x.size(0), D = weight_c.size(1);
+  TORCH_CHECK(weight_c.dim() == 2 && weight_c.size(0) == 2 && D >= 1 &&
+                  bias.numel() == 2 * D, "srupp layer_step: weight_c and bias (2, D), D >= 1");
   TORCH_CHECK(c.scalar_type() == at::kFloat && c.is_contiguous() && c.size(0) == B &&
               c.size(1) == D, "srupp layer_step: c (B, D) float32 contiguous");
   const int64_t kD = (attention ? *w3 : w2).size(0), k = kD / D;
-  TORCH_CHECK((k == 3 && x.size(1) == D) || k == 4, "srupp layer_step: U must have 3 planes "
-              "(n_in == D) or 4, got ", kD, " rows for D = ", D);
+  TORCH_CHECK(kD % D == 0 && ((k == 3 && x.size(1) == D) || k == 4),
+              "srupp layer_step: U must have 3 planes (n_in == D) or 4, got ", kD,
+              " rows for D = ", D);
   const bool pre = !normalize_after && norm_weight.has_value() && norm_weight->defined();
   TORCH_CHECK(cached >= 0 && kv_start >= 0 && memory_start >= 0,
               "srupp layer_step: kv_start, memory_start and cached must be >= 0");
