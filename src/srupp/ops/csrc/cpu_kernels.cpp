@@ -1368,7 +1368,9 @@ void layer_step_team(const LayerView<T>& L, T* h, float* c_new) {
   const int threads = at::get_num_threads();
   const int64_t sq[2] = {dp, hd};
   const int64_t skv[3] = {L.kv_s0, hd, L.kv_s1};
-  OneQuery<T> att(nullptr, L.kv, attention ? L.kv + dp : nullptr, nullptr, B, L.H, S, hd, sq, skv, skv,
+  // a layer without attention plans no keys: no split, no part buffers, no scratch for them
+  OneQuery<T> att(nullptr, L.kv, attention ? L.kv + dp : nullptr, nullptr, B, L.H,
+                  attention ? S : 0, hd, sq, skv, skv,
                   1.f / std::sqrt(static_cast<float>(hd)), L.pad, L.pad_s0, L.cached,
                   threads);
   const int64_t widest = std::max(L.n_in, dp);
