@@ -70,7 +70,7 @@ def boom(*args, **kwargs):
     raise OSError("disk full")
 
 
-@pytest.mark.parametrize("fail,outcome", [("save_model", "old"), ("atomic_write_json", "mixed"),
+@pytest.mark.parametrize("fail,outcome", [("save_weights", "old"), ("atomic_write_json", "mixed"),
                                           (None, "new")])
 def test_an_interrupted_save_never_loads_a_mix(tmp_path, monkeypatch, fail, outcome):
     """A save that stops in its first file, between the two, or not at all: old, error, new."""
@@ -135,3 +135,60 @@ def test_model_modules_import_each_other_without_a_cycle():
 
     for n in graph:
         visit(n)
+
+
+class _FlatViews(torch.nn.Module):
+    """Weights kept as views into one flat buffer, as cuDNN keeps an LSTM's on CUDA,
+    plus a pair of tied weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.flat = torch.zeros(14)
+        self.a = torch.nn.Parameter(self.flat[:6].view(2, 3))
+        self.b = torch.nn.Parameter(self.flat[6:])
+        self.emb = torch.nn.Linear(3, 2, bias=False)
+        self.out = torch.nn.Linear(3, 2, bias=False)
+        self.out.weight = self.emb.weight
+
+
+def test_weights_that_view_a_flat_buffer_and_tied_weights_save_and_load(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_model
+
+    src = _FlatViews()
+    with torch.no_grad():
+        for p in src.parameters():
+            p.copy_(torch.randn(p.shape))
+    with pytest.raises(RuntimeError, match="None is covering"):  # why save_weights exists
+        save_model(src, str(tmp_path / "refused.safetensors"))
+    base.save_weights(src, tmp_path / "w.safetensors", metadata={"save_id": "x"})
+    with safe_open(str(tmp_path / "w.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == ["a", "b", "emb.weight"]  # the tie is written once
+        assert f.metadata() == {"save_id": "x", "out.weight": "emb.weight"}
+
+    dst = _FlatViews()
+    base.load_weights(dst, tmp_path / "w.safetensors")
+    for (name, p), q in zip(dst.named_parameters(), src.parameters()):
+        assert torch.equal(p, q), name
+    assert dst.out.weight is dst.emb.weight
+    assert dst.a.data_ptr() == dst.flat.data_ptr()  # loaded into the buffer, still one
+    assert torch.equal(dst.flat, torch.cat([src.a.flatten(), src.b]))
+
+
+def test_weights_saved_by_safetensors_save_model_load_alike(tmp_path):
+    from safetensors.torch import save_model
+
+    src = build_model(dict(type="srupp", vocab_size=11, d_model=8, num_layers=1,
+                           tie_embeddings=True))
+    save_model(src, str(tmp_path / "old.safetensors"))
+    dst = build_model(dict(type="srupp", vocab_size=11, d_model=8, num_layers=1,
+                           tie_embeddings=True))
+    base.load_weights(dst, tmp_path / "old.safetensors")
+    for (name, p), q in zip(dst.state_dict().items(), src.state_dict().values()):
+        assert torch.equal(p, q), name
+
+
+def test_weights_of_another_model_are_refused_by_name(tmp_path):
+    base.save_weights(_FlatViews(), tmp_path / "w.safetensors")
+    with pytest.raises(RuntimeError, match=r"missing \[.*unexpected \['a', 'b'"):
+        base.load_weights(torch.nn.Linear(3, 2), tmp_path / "w.safetensors")

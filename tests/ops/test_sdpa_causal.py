@@ -62,13 +62,40 @@ def test_the_offset_form_equals_the_dense_mask(device, B, H, L, M, hd):
 @pytest.mark.filterwarnings("ignore::UserWarning")  # a CUDA build says why no kernel fits CPU tensors
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_lower_right_bias_is_the_memory_offset(dtype):
-    """What CUDA is given with memory, run here through PyTorch's own fallback."""
+    """What CUDA's fused kernels are given with memory, run here through PyTorch's own
+    fallback: causal_lower_right(L, S) is the causal mask over S - L memory keys."""
+    from torch.nn.attention.bias import causal_lower_right
+
     for L, M in ((5, 3), (1, 6), (8, 8)):
         q, k, v, go = _qkv(2, 2, L, M + L, 8, dtype, "cpu")
-        got = _with_grads(lambda *a: _sdpa_lower_right(*a, dropout_p=0.0), q, k, v, go)
+        lower_right = lambda q, k, v: F.scaled_dot_product_attention(  # noqa: E731
+            q, k, v, attn_mask=causal_lower_right(L, M + L))
+        got = _with_grads(lower_right, q, k, v, go)
         want = _with_grads(_dense(M), q, k, v, go)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, **tol(dtype))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_lower_right_goes_as_a_dense_mask_on_the_device_where_no_fused_kernel_takes_it(
+        device, sdpa_calls, monkeypatch):
+    """causal_lower_right's own fallback built its mask on the CPU (torch 2.11), which CUDA
+    refused; where no fused kernel takes the tensors, srupp builds the mask on their device."""
+    q, k, v, go = _qkv(2, 2, 5, 8, 8, torch.float32, device)
+    monkeypatch.setattr(attn_mod, "_fused_kernel_takes", lambda *a: False)
+    got = _with_grads(lambda *a: _sdpa_lower_right(*a, dropout_p=0.0), q, k, v, go)
+    assert sdpa_calls == [("dense", False)]
+    want = _with_grads(_dense(3), q, k, v, go)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **tol(torch.float32))
+
+
+def test_a_fused_cuda_kernel_takes_the_shapes_of_a_real_model(device):
+    """The offset form is worth having only if the kernels take real heads (64 wide, bf16)."""
+    if device.type != "cuda":
+        pytest.skip("needs CUDA: SDPA's fused kernels take only CUDA tensors")
+    q, k, v, _ = _qkv(2, 4, 16, 48, 64, torch.bfloat16, device)
+    assert attn_mod._fused_kernel_takes(q, k, v, 0.0)
 
 
 def test_offset_needs_as_many_keys_as_memory_and_queries():
@@ -127,7 +154,9 @@ def test_srupp_segments_attend_through_the_offset_form(device, sdpa_calls, monke
         sdpa_calls.clear()
         with use_attention_backend("sdpa"):
             got = _two_segments(layer, x, dtype)
-            memory_form = "lower_right" if device.type == "cuda" else "dense"
+            probe = torch.empty(2, 2, 5, 4, device=device, dtype=dtype, requires_grad=True)
+            fused = device.type == "cuda" and attn_mod._fused_kernel_takes(probe, probe, probe, 0)
+            memory_form = "lower_right" if fused else "dense"
             assert sdpa_calls[:4] == [(None, True)] * 2 + [(memory_form, False)] * 2
             with monkeypatch.context() as m:  # as before: memory always as a dense mask
                 m.setattr(attn_mod, "_offset_form", lambda *a: a[1] == 0)

@@ -15,8 +15,7 @@ from typing import Any, ClassVar, Optional, Tuple, Union
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_model as load_weights
-from safetensors.torch import save_model
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .._files import atomic_path, atomic_write_json
@@ -98,7 +97,7 @@ class SavedModel(nn.Module):
         d.mkdir(parents=True, exist_ok=True)
         save_id = uuid.uuid4().hex
         with atomic_path(d / MODEL_FILE) as tmp:
-            save_model(self, str(tmp), metadata={"save_id": save_id})
+            save_weights(self, tmp, metadata={"save_id": save_id})
         atomic_write_json(d / MODEL_CONFIG,
                           with_format_version({**self.config.to_dict(), "save_id": save_id}))
 
@@ -130,6 +129,57 @@ class SavedModel(nn.Module):
             raise UserError(f"{weights} is truncated or corrupt "
                             f"({str(e).splitlines()[0]})") from None
         return model.eval()  # like a freshly loaded model elsewhere: ready for inference
+
+
+def _same_tensor_key(t: torch.Tensor):
+    """Equal for two names of one tensor (tied weights), different for anything else."""
+    return t.device, t.data_ptr(), tuple(t.shape), t.stride()
+
+
+def _covers_its_storage(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
+def save_weights(model: nn.Module, path: Union[str, os.PathLike],
+                 metadata: Optional[dict] = None) -> None:
+    """Write ``model``'s state dict to a safetensors file.
+
+    Tied weights (two names, one tensor) are written once, under the first name
+    in sorted order; the others are recorded in the metadata as
+    ``{dropped: kept}`` (safetensors' own ``save_model`` does the same, so files
+    of either load alike). A tensor that is a view into a larger buffer is
+    written as a copy: on CUDA, cuDNN keeps an LSTM's or GRU's weights as views
+    into one flat buffer, which ``save_model`` refuses.
+    """
+    state = model.state_dict()
+    kept, out, metadata = {}, {}, dict(metadata or {})
+    for name in sorted(state):
+        t = state[name]
+        key = _same_tensor_key(t)
+        if key in kept:
+            metadata.setdefault(name, kept[key])
+            continue
+        kept[key] = name
+        out[name] = t if _covers_its_storage(t) else t.clone(memory_format=torch.contiguous_format)
+    save_file(out, str(path), metadata=metadata)
+
+
+def load_weights(model: nn.Module, path: Union[str, os.PathLike], device="cpu") -> None:
+    """Load a file written by :func:`save_weights` into ``model``, in place.
+
+    Copies into the model's own tensors, so tied weights stay tied and cuDNN's
+    flat buffer stays flat. Raises RuntimeError if the file's names are not the
+    model's (a tied name may be absent from the file: it is loaded through the
+    name it is tied to).
+    """
+    weights = load_file(str(path), device=str(device))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    state = model.state_dict()
+    loaded = {_same_tensor_key(state[n]) for n in weights if n in state}
+    missing = [n for n in missing if _same_tensor_key(state[n]) not in loaded]
+    if missing or unexpected:
+        raise RuntimeError(f"the weights do not fit {type(model).__name__}: missing "
+                           f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
 
 
 def describe(t) -> str:

@@ -35,6 +35,7 @@ from .._files import atomic_write_json
 from .._format import with_format_version
 from ..errors import UserError
 from ..models import build_model
+from ..models.base import load_weights
 from ..models.state import state_from_dict
 from ..ops import cpu_has_native_bf16, warm_up
 from ..runs import (MODEL_FILE, RUN_CONFIG, TRAINER_STATE, has_checkpoint, pointer_step,
@@ -337,8 +338,6 @@ class Trainer:
         return {"ranks": self.dist.gather_objects(mine)}
 
     def _restore(self, ckpt: Path, state: Optional[Dict[str, Any]] = None) -> None:
-        from safetensors.torch import load_model
-
         if state is None:
             state = load_trainer_state(ckpt)
         saved_world = state["world_size"]
@@ -359,7 +358,7 @@ class Trainer:
                             f"another --out")
         try:
             if not self.sharded:  # FSDP: each rank's shards come from trainer.pt, below
-                load_model(self.model, str(ckpt / MODEL_FILE), device=str(self.device))
+                load_weights(self.model, ckpt / MODEL_FILE, device=self.device)
         except Exception as e:
             raise UserError(f"{ckpt / MODEL_FILE} is truncated or corrupt or does "
                             f"not fit the config ({str(e).splitlines()[0][:200]})") from None
