@@ -14,12 +14,18 @@ one is recorded with its error and the next step still runs):
     bounds       the device's copy bandwidth and bf16 GEMM peak
     recurrence   the recurrence kernel's forward and backward bandwidth (fp32,
                  bf16, fp16; L = 512 to 4096) as a share of that copy bandwidth
+    pipeline     the same kernel at L = 1024 under other launch configurations:
+                 the time loop software-pipelined in 4 or 8 stages, 1 to 4 units
+                 per thread (the first run found the plain loop latency-bound)
     layer        one SRU++ layer's training and inference step, bf16 and fp32,
                  beside the reference sru==3.0.0.dev6 (its CUDA kernel, if it
                  compiles there)
     enwik8       the enwik8-base recipe (108M parameters) trained for 200 steps
                  on synthetic bytes in bf16 by the trainer: tokens/s, peak
                  memory, model FLOP utilisation against the measured GEMM peak
+    profile      where that recipe's training step spends its time: the GPU's
+                 kernels by kind (GEMM, attention, recurrence, optimizer, ...), the
+                 top kernels, and the share of the step the GPU is busy
 
 ``DIR/gpu.json`` is rewritten after every step, so a run cut short keeps what it
 measured; a markdown table goes to stdout at the end, and every step's output
@@ -56,11 +62,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # 8 minutes a GPU window allows, with room to spare)
 STEPS = (
     ("environment", 150, 10),  # the reference's CUDA kernel is compiled here
-    ("pytest", 210, 0),
-    ("bounds", 45, 15),
+    ("pytest", 180, 0),
+    ("bounds", 45, 10),
     ("recurrence", 75, 30),
-    ("layer", 150, 40),
-    ("enwik8", 150, 60),
+    ("pipeline", 90, 30),
+    ("layer", 150, 25),
+    ("enwik8", 150, 50),
+    ("profile", 90, 30),
 )
 DRY_TIMEOUT = 300  # a step on the CPU at tiny sizes
 
@@ -171,8 +179,17 @@ def import_reference() -> dict:
         return {"imported": False, "error": f"{type(e).__name__}: {e}"[:500]}
     failed = [str(w.message) for w in caught if "unsuccessful" in str(w.message)]
     return {"imported": True, "cuda_kernel_compiled": not failed,
-            "error": failed[0][-500:] if failed else None,
+            "error": compiler_errors(failed[0]) if failed else None,
             "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def compiler_errors(message: str, most: int = 12) -> str:
+    """The lines of a failed build's log that say why (nvcc's and g++'s ``error``
+    lines), and its last line; the log's tail alone is ninja's "build stopped"."""
+    lines = message.splitlines()
+    why = [ln.strip()[:400] for ln in lines if re.search(r"\berror\b", ln, re.I)
+           and "build stopped" not in ln][:most]
+    return "\n".join(why + lines[-1:])[:4000]
 
 
 def _has(module: str, name: str) -> bool:
@@ -319,13 +336,71 @@ def step_recurrence(args, done):
             "target_share": TARGETS["recurrence_share_of_copy"]}
 
 
-def _time_recurrence(mod, U, x, wc, bias, c0, gh, dev, copy, reps) -> dict:
-    """Forward (per-step state kept, as in training) and backward of one kernel module."""
+# The launch configurations the pipeline step compares: (units per program, warps,
+# pipeline stages). The first is today's default for B x D >= 65,536 (one unit a
+# thread, the plain loop); two units a thread let half-precision loads move 4 bytes,
+# the least an asynchronous copy takes.
+PIPELINE_CONFIGS = ((64, 2, None), (64, 2, 4), (64, 2, 8), (128, 2, 4), (128, 2, 8),
+                    (256, 2, 8))
+
+
+def step_pipeline(args, done):
+    """The Triton recurrence at L = 1024 under each of PIPELINE_CONFIGS, fp32 and bf16:
+    which launch configuration the kernel should default to."""
+    import torch
+
+    from srupp.ops import triton_kernel
+
+    dev = _device(args)
+    copy = (done.get("bounds") or {}).get("copy_GBps")
+    B, D, L = (2, 64, 8) if args.dry_run else (args.rec_batch, args.rec_units, 1024)
+    configs = PIPELINE_CONFIGS[:2] if args.dry_run else PIPELINE_CONFIGS
+    rows = []
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        g = torch.Generator().manual_seed(0)
+        U = torch.randn(B, L, 3, D, generator=g).to(dev, dtype)
+        x = torch.randn(B, L, D, generator=g).to(dev, dtype)
+        wc = (0.5 * torch.randn(2, D, generator=g)).to(dev)
+        bias, c0 = torch.zeros(2, D, device=dev), torch.zeros(B, D, device=dev)
+        gh = torch.randn(B, L, D, generator=g).to(dev, dtype)
+        first = None
+        for block, warps, stages in configs:
+            row = {"dtype": name, "L": L, "B": B, "D": D, "block": block, "num_warps": warps,
+                   "stages": stages}
+            try:
+                timed = _time_recurrence(triton_kernel, U, x, wc, bias, c0, gh, dev, copy,
+                                         reps=1 if args.dry_run else 10,
+                                         config=(block, warps, stages))
+                h = triton_kernel.sru_fwd(U, x, wc, bias, c0, None, None, 1.0, False, False,
+                                          config=(block, warps, stages))[0].float()
+                first = h if first is None else first
+                # every configuration computes the same thing: the same outputs, to
+                # the last bit in fp32 (only the loop's schedule differs)
+                timed["max_abs_diff_to_first"] = float((h - first).abs().max())
+                rows.append({**row, **timed})
+            except Exception as e:  # noqa: BLE001 - a configuration that fails to compile
+                rows.append({**row, "error": f"{type(e).__name__}: {e}"[:500]})
+        del U, x, gh
+    best = {}
+    for r in rows:
+        if "forward_ms" in r:
+            total = r["forward_ms"] + r["backward_ms"]
+            if r["dtype"] not in best or total < best[r["dtype"]][0]:
+                best[r["dtype"]] = (total, [r["block"], r["num_warps"], r["stages"]])
+    return {"rows": rows, "copy_GBps": copy,
+            "best_config": {k: v[1] for k, v in best.items()}}
+
+
+def _time_recurrence(mod, U, x, wc, bias, c0, gh, dev, copy, reps, config=None) -> dict:
+    """Forward (per-step state kept, as in training) and backward of one kernel module
+    (the Triton module's with ``config``, a launch configuration, if given)."""
     B, L, _, D = U.shape
-    fwd = lambda: mod.sru_fwd(U, x, wc, bias, c0, None, None, 1.0, False, True)  # noqa: E731
+    kw = {} if config is None else {"config": config}
+    fwd = lambda: mod.sru_fwd(U, x, wc, bias, c0, None, None, 1.0, False, True,  # noqa: E731
+                              **kw)
     c_all = fwd()[2]
     bwd = lambda: mod.sru_bwd(U, x, wc, bias, c0, None, None, c_all, gh, None,  # noqa: E731
-                              1.0, False, True)
+                              1.0, False, True, **kw)
     warmup = 1 if reps < 3 else 2
     f_ms, b_ms = median_ms(fwd, dev, reps, warmup), median_ms(bwd, dev, reps, warmup)
     el = U.element_size()
@@ -380,11 +455,11 @@ def step_layer(args, done):
             import sru
         failed = [str(w.message) for w in caught if "unsuccessful" in str(w.message)]
         if failed and dev.type == "cuda":
-            raise RuntimeError("the reference's CUDA kernel did not compile: "
-                               + failed[0].splitlines()[-1])
+            raise RuntimeError("the reference's CUDA kernel did not compile:\n"
+                               + compiler_errors(failed[0]))
         ref = sru.SRUpp(d, d, P, num_layers=1).to(dev)
     except Exception as e:  # noqa: BLE001 - reported, not fatal
-        res["reference_errors"]["import"] = f"{type(e).__name__}: {e}"[:2000]
+        res["reference_errors"]["import"] = f"{type(e).__name__}: {e}"[:4000]
         ref = None
     for prec in ("fp32", "bf16"):
         for mode, train in (("train", True), ("infer", False)):
@@ -405,35 +480,43 @@ def step_layer(args, done):
     return res
 
 
+def _enwik8_config(args, work: Path, steps: int):
+    """The enwik8-base recipe's config, on synthetic bytes written into ``work``, in
+    bf16 at --enwik8-batch streams a step (tiny on --dry-run)."""
+    import numpy as np
+
+    from srupp.train import build_config
+
+    n_bytes = 200_000 if args.dry_run else 4_000_000
+    rng = np.random.default_rng(0)
+    # printable ASCII and line breaks: bytes the byte tokenizer reads one to one
+    alphabet = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz ETAOIN,.\n0123456789", np.uint8)
+    (work / "bytes.txt").write_bytes(alphabet[rng.integers(0, len(alphabet), n_bytes)]
+                                     .tobytes())
+    sets = [f"data.corpus={work / 'bytes.txt'}", f"train.max_steps={steps}",
+            f"train.device={_device(args).type}", "train.warmup_steps=20",
+            f"train.log_every={2 if args.dry_run else 20}",
+            "train.eval_every=1000000", "train.save_every=1000000",
+            "eval.batch_size=4", "eval.mem_len=1024"]
+    if args.dry_run:
+        sets += ["model.d_model=32", "model.proj_size=8", "model.num_layers=2",
+                 "train.unroll=16", "train.batch_size=2", "eval.unroll=16",
+                 "eval.mem_len=16", "eval.batch_size=2", "train.precision=fp32"]
+    else:
+        sets += [f"train.batch_size={args.enwik8_batch}", "train.precision=bf16"]
+    return build_config(str(ROOT / "recipes" / "enwik8-base.toml"), sets)
+
+
 def step_enwik8(args, done):
     """The enwik8-base recipe trained by the trainer on synthetic bytes, in bf16."""
-    import numpy as np
     import torch
 
-    from srupp.train import Trainer, build_config
+    from srupp.train import Trainer
 
     dev = _device(args)
     work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     try:
-        n_bytes = 200_000 if args.dry_run else 4_000_000
-        rng = np.random.default_rng(0)
-        # printable ASCII and line breaks: bytes the byte tokenizer reads one to one
-        alphabet = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz ETAOIN,.\n0123456789", np.uint8)
-        (work / "bytes.txt").write_bytes(alphabet[rng.integers(0, len(alphabet), n_bytes)]
-                                         .tobytes())
-        steps = 6 if args.dry_run else args.enwik8_steps
-        sets = [f"data.corpus={work / 'bytes.txt'}", f"train.max_steps={steps}",
-                f"train.device={dev.type}", "train.warmup_steps=20",
-                f"train.log_every={2 if args.dry_run else 20}",
-                "train.eval_every=1000000", "train.save_every=1000000",
-                "eval.batch_size=4", "eval.mem_len=1024"]
-        if args.dry_run:
-            sets += ["model.d_model=32", "model.proj_size=8", "model.num_layers=2",
-                     "train.unroll=16", "train.batch_size=2", "eval.unroll=16",
-                     "eval.mem_len=16", "eval.batch_size=2", "train.precision=fp32"]
-        else:
-            sets += [f"train.batch_size={args.enwik8_batch}", "train.precision=bf16"]
-        cfg = build_config(str(ROOT / "recipes" / "enwik8-base.toml"), sets)
+        cfg = _enwik8_config(args, work, 6 if args.dry_run else args.enwik8_steps)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
@@ -463,6 +546,97 @@ def step_enwik8(args, done):
         shutil.rmtree(work, ignore_errors=True)
 
 
+# a kernel's kind, from its name (first match): what a training step's GPU time is
+KERNEL_KINDS = (
+    ("recurrence", r"_sru_"),
+    ("attention", r"flash|fmha|attention|efficient"),
+    ("gemm", r"gemm|cutlass|cublas|nvjet|xmma|wgmma|sm\d\d_|ampere_|hopper_|addmm|matmul|mm\b"),
+    ("optimizer", r"multi_tensor|foreach|adam|_amp_"),
+    ("norm", r"norm"),
+    ("softmax / loss", r"softmax|nll|cross_entropy|log_softmax"),
+    ("dropout", r"dropout|bernoulli|philox|fused_dropout"),
+    ("copy / cast", r"copy|cast|convert|cat|fill|memcpy|memset"),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, pattern in KERNEL_KINDS:
+        if re.search(pattern, low):
+            return kind
+    return "other element-wise"
+
+
+def step_profile(args, done):
+    """Where the enwik8-base training step's time goes: the trainer's own steps, after
+    a warm-up, under torch.profiler. On the GPU, its kernels' time by kind and the top
+    kernels, and the share of the step's wall time that the GPU was busy (the rest is
+    the host: Python, launches, waits); on the CPU (--dry-run), the top operators."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from srupp.train import Trainer
+
+    dev = _device(args)
+    warm, active = (2, 2) if args.dry_run else (6, 4)
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    try:
+        cfg = _enwik8_config(args, work, warm + active)
+        trainer = Trainer(cfg, work / "run", progress=False)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda"
+                                               else [])
+        prof = profile(activities=activities)
+        step_of_trainer, n, wall = trainer._train_step, 0, {}
+
+        def profiled_step(it):  # the trainer's own step, the last `active` ones profiled
+            nonlocal n
+            n += 1
+            if n == warm + 1:
+                _sync(dev)
+                prof.start()
+                wall["t0"] = time.perf_counter()
+            out = step_of_trainer(it)
+            if n == warm + active:
+                _sync(dev)
+                wall["seconds"] = time.perf_counter() - wall["t0"]
+                prof.stop()
+            return out
+
+        trainer._train_step = profiled_step
+        trainer.train()
+        if "seconds" not in wall:
+            raise RuntimeError(f"the trainer ran {n} steps, fewer than {warm + active}")
+        if dev.type == "cuda":
+            times = [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+                     if e.device_type == DeviceType.CUDA]
+        else:
+            times = [(e.key, e.self_cpu_time_total) for e in prof.key_averages()]
+        by_name, by_kind = {}, {}
+        for name, us in times:
+            by_name[name] = by_name.get(name, 0.0) + us
+            by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + us
+        busy_ms = sum(by_name.values()) / 1e3 / active
+        step_ms = wall["seconds"] * 1e3 / active
+        top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+        return {"steps_profiled": active, "step_ms": round(step_ms, 2),
+                "device_busy_ms": round(busy_ms, 2),
+                "device_busy_share": round(busy_ms / step_ms, 3),
+                "by_kind_ms": {k: round(v / 1e3 / active, 2)
+                               for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+                "top": [{"name": k[:160], "kind": kernel_kind(k),
+                         "ms_per_step": round(v / 1e3 / active, 3)} for k, v in top]}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _sync(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
 def model_flops_per_token(model, mem_len: int, unroll: int) -> int:
     """Training FLOPs a token costs: 6 per weight of every matrix product (forward 2,
     backward 4; embedding lookups are not products), plus, in each attention layer,
@@ -481,7 +655,8 @@ def model_flops_per_token(model, mem_len: int, unroll: int) -> int:
 
 
 STEP_FUNCS = {"environment": step_environment, "pytest": step_pytest, "bounds": step_bounds,
-              "recurrence": step_recurrence, "layer": step_layer, "enwik8": step_enwik8}
+              "recurrence": step_recurrence, "pipeline": step_pipeline, "layer": step_layer,
+              "enwik8": step_enwik8, "profile": step_profile}
 
 
 # --------------------------------------------------------------------------- report
@@ -506,6 +681,22 @@ def markdown(results: dict) -> str:
                 lines.append(f"| {r['kernel']} | {r['dtype']} | {r['L']} | {r['forward_GBps']} | "
                              f"{r['backward_GBps']} | {r.get('forward_share', '-')} | "
                              f"{r.get('backward_share', '-')} |")
+    pip = results["steps"].get("pipeline", {}).get("result") or {}
+    if pip.get("rows"):
+        lines += ["", "| dtype | block/warps/stages | fwd ms | bwd ms | fwd share | bwd share |",
+                  "|---|---|---|---|---|---|"]
+        for r in pip["rows"]:
+            cfg = f"{r['block']}/{r['num_warps']}/{r['stages']}"
+            if "error" in r:
+                lines.append(f"| {r['dtype']} | {cfg} | {r['error'][:80]} | | | |")
+            else:
+                lines.append(f"| {r['dtype']} | {cfg} | {r['forward_ms']} | {r['backward_ms']} "
+                             f"| {r.get('forward_share', '-')} | {r.get('backward_share', '-')} |")
+    prof = results["steps"].get("profile", {}).get("result") or {}
+    if prof.get("by_kind_ms"):
+        lines += ["", f"| enwik8 step {prof['step_ms']} ms, device busy "
+                      f"{prof['device_busy_share']} | ms per step |", "|---|---|"]
+        lines += [f"| {k} | {v} |" for k, v in prof["by_kind_ms"].items()]
     lay = results["steps"].get("layer", {}).get("result") or {}
     if lay.get("tokens_per_s"):
         lines += ["", "| layer (tokens/s) | value |", "|---|---|"]
@@ -525,10 +716,17 @@ def _headline(name: str, r: dict) -> str:
         return f"copy {x['copy_GBps']} GB/s, bf16 GEMM {x['gemm_bf16_TFLOPs']} TFLOP/s"
     if name == "recurrence":
         return f"worst share of copy bandwidth {x['worst_share']} (target {x['target_share']})"
+    if name == "pipeline":
+        return "fastest block/warps/stages: " + ", ".join(
+            f"{k} {'/'.join(map(str, v))}" for k, v in x["best_config"].items())
+    if name == "profile":
+        return (f"step {x['step_ms']} ms, device busy {x['device_busy_share']}; "
+                + ", ".join(f"{k} {v}" for k, v in list(x["by_kind_ms"].items())[:4]))
     if name == "layer":
         ratio = x.get("bf16_train_vs_best_reference")
         return (f"bf16 training {ratio}x the reference (target {x['target_vs_reference']})"
-                if ratio is not None else f"reference: {x.get('reference_errors')}"[:200])
+                if ratio is not None else ("reference: " + "; ".join(
+                    f"{k}: {v}" for k, v in x.get("reference_errors", {}).items()))[:200].replace("\n", " / "))
     if name == "enwik8":
         return (f"{x['tokens_per_s']:,} tokens/s, MFU {x.get('mfu')} (target {x['target_mfu']}), "
                 f"peak {x.get('peak_memory_gib')} GiB")
@@ -608,7 +806,7 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=float, default=470, help="seconds for the whole run")
     p.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD)")
     p.add_argument("--maxfail", type=int, default=25, help="pytest stops after this many failures")
-    p.add_argument("--workers", type=int, default=4, help="pytest-xdist workers (if installed)")
+    p.add_argument("--workers", type=int, default=8, help="pytest-xdist workers (if installed)")
     p.add_argument("--pytest-targets", nargs="+", default=None)
     p.add_argument("--rec-batch", type=int, default=16)
     p.add_argument("--rec-units", type=int, default=2048)

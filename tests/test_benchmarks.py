@@ -218,7 +218,8 @@ def test_gpu_check_dry_run(tmp_path):
     r = run_benchmark("gpu_check.py", "--dry-run", "--out", str(tmp_path), timeout=900)
     report = json.loads((tmp_path / "gpu.json").read_text())
     steps = report["steps"]
-    assert list(steps) == ["environment", "pytest", "bounds", "recurrence", "layer", "enwik8"]
+    assert list(steps) == ["environment", "pytest", "bounds", "recurrence", "pipeline", "layer",
+                           "enwik8", "profile"]
     assert r["ok"], {k: v.get("error") for k, v in steps.items() if not v["ok"]}
     assert steps["environment"]["result"]["torch"]
     assert steps["pytest"]["result"]["counts"]["passed"] > 0
@@ -234,6 +235,39 @@ def test_gpu_check_dry_run(tmp_path):
     assert min(steps["layer"]["result"]["tokens_per_s"].values()) > 0
     lm = steps["enwik8"]["result"]
     assert lm["steps"] == 6 and lm["tokens_per_s"] > 0 and 0 < lm["mfu"]
+    # the pipelined launch configurations compute what the plain loop does
+    pipe = steps["pipeline"]["result"]
+    assert [(x["dtype"], x["stages"]) for x in pipe["rows"]] == [
+        ("fp32", None), ("fp32", 4), ("bf16", None), ("bf16", 4)]
+    assert all(x["max_abs_diff_to_first"] == 0 and x["forward_ms"] > 0 for x in pipe["rows"])
+    assert set(pipe["best_config"]) == {"fp32", "bf16"}
+    prof = steps["profile"]["result"]
+    assert prof["steps_profiled"] == 2 and prof["step_ms"] > 0 and prof["top"]
+    assert sum(prof["by_kind_ms"].values()) > 0
+
+
+def test_gpu_check_reads_why_a_build_failed_and_names_kernel_kinds():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    log = ("[1/3] nvcc -c sru_cuda_kernel.cu\nFAILED: sru_cuda_kernel.cuda.o\n"
+           "sru_cuda_kernel.cu(12): error: identifier \"THCState\" is undefined\n"
+           "1 error detected in the compilation of \"sru_cuda_kernel.cu\".\n"
+           "[2/3] g++ -c sru_cuda_impl.cpp\nninja: build stopped: subcommand failed.")
+    assert gpu_check.compiler_errors(log).splitlines() == [
+        'sru_cuda_kernel.cu(12): error: identifier "THCState" is undefined',
+        '1 error detected in the compilation of "sru_cuda_kernel.cu".',
+        "ninja: build stopped: subcommand failed."]
+    kinds = {name: gpu_check.kernel_kind(name) for name in (
+        "_sru_fwd_kernel", "nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT",
+        "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm>",
+        "pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<...>",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::sigmoid_kernel>")}
+    assert list(kinds.values()) == ["recurrence", "gemm", "gemm", "attention", "optimizer",
+                                    "other element-wise"]
 
 
 def test_gpu_check_isolates_a_failing_step(tmp_path):

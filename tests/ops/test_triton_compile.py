@@ -196,3 +196,26 @@ def test_compiles_for_sm80_and_sm90_without_spills(specs):
     print(f"compiled {len(results)} variants ({len(subset)} x sm_80, sm_90) in {wall:.1f} s; "
           f"median {per_variant:.2f} s a variant; registers "
           f"{min(r['n_regs'] for r in results)}-{max(r['n_regs'] for r in results)}")
+
+
+@pytest.mark.parametrize("dtype,block", [(torch.float32, 64), (torch.bfloat16, 128)],
+                         ids=["fp32", "bf16"])
+def test_a_pipelined_time_loop_compiles_to_asynchronous_copies(dtype, block):
+    """PIPELINE_STAGES (not yet the default): for sm_90 the pipelined loop's loads
+    become asynchronous copies (cp.async) without spilling, and the plain loop's are
+    not. bf16 takes two units a thread (block 128, 2 warps): an asynchronous copy
+    moves 4 bytes or more."""
+    common = dict(dtype=dtype, param_dtype=torch.float32, x_dtype=dtype, k=3, mask=False,
+                  dropout=False, bidirectional=False, block=block, num_warps=2)
+    specs = [tk.Specialization("fwd", store_c=True, stages=stages, **common)
+             for stages in (None, 4)]
+    specs += [tk.Specialization("bwd", grad_x=True, stages=4, **common)]
+    results = tk.compile_specializations(specs, [90], workers=2)
+    errors = [f"{r['name']}: {r['error']}" for r in results if "error" in r]
+    assert not errors, "\n".join(errors)
+    by_name = {r["name"]: r for r in results}
+    plain, fwd, bwd = (by_name[s.name] for s in specs)
+    assert plain["async_copies"] == 0
+    for r in (fwd, bwd):
+        assert r["async_copies"] > 0, f"{r['name']}: no cp.async in the PTX"
+        assert r["n_spills"] == 0 and r["spill_bytes"] == 0, r

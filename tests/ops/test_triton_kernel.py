@@ -268,6 +268,27 @@ def test_shapes(B, L, D, block, bidir, device):
         check(tri, ref, inputs)
 
 
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bidir,pad,k", [(False, False, 3), (True, True, 3), (False, True, 4)])
+def test_pipelined_time_loop(stages, dtype, bidir, pad, k, device, monkeypatch):
+    """PIPELINE_STAGES: the loads of later steps in flight while a step computes give
+    the same results; L = 7 is not a multiple of the stages (the loop's prologue and
+    epilogue). With --device cuda also a long fp32 run against float64, where the
+    compiled pipeline really runs ahead."""
+    monkeypatch.setattr(tk, "PIPELINE_STAGES", stages)
+    U, x, wc, bias, c0, mask, dm = make_inputs(3, 7, 6, k, True, pad=pad, dropout=True,
+                                               dtype=dtype, seed=stages, device=device)
+    tri, ref, inputs = run_both(U, x, wc, bias, c0, mask, dm, bidir=bidir)
+    check(tri, ref, inputs, dtype=dtype)
+    if device.type == "cuda" and dtype == torch.float32:
+        U, x, wc, bias, c0, mask, dm = make_inputs(4, 67, 300, k, True, pad=pad, dropout=True,
+                                                   seed=stages, device=device)
+        tri, ref, inputs = run_both(U, x, wc, bias, c0, mask, dm, bidir=bidir, block_size=None)
+        check_against_fp64(tri, ref, reference_fp64((U, x, wc, bias, c0), mask, dm,
+                                                    bidir=bidir), inputs)
+
+
 @pytest.mark.parametrize("scale_x", [1.0, 0.37, 2.5])
 def test_scale_x(scale_x, device):
     U, x, wc, bias, c0, mask, dm = make_inputs(2, 3, 6, 3, True, device=device)

@@ -74,6 +74,14 @@ __all__ = ["sru_fwd", "sru_bwd", "BLOCK_SIZE", "ARCHS", "Launch", "Specializatio
 #: blocks, so that D is not a multiple of the block and blocks straddle directions.
 BLOCK_SIZE: Optional[int] = None
 
+#: Software-pipeline depth of the time loop (``tl.range(num_stages=...)``): with
+#: S stages the loads of steps t+1 .. t+S-1 are in flight while step t computes.
+#: None: the plain loop, one step's loads at a time. Each step of the plain loop
+#: waits for a DRAM round trip, which held it to 0.09-0.18 of an H200's copy
+#: bandwidth (docs/performance.md, "On a GPU"). Not yet the default: no GPU has
+#: timed the pipelined loop (benchmarks/gpu_check.py times both).
+PIPELINE_STAGES: Optional[int] = None
+
 
 # --------------------------------------------------------------------------- #
 # kernels
@@ -95,7 +103,7 @@ def _sru_fwd_kernel(
     sCb, sCl, sCd,
     K4: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_DROP: tl.constexpr, BIDIR: tl.constexpr, STORE_C: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -113,7 +121,7 @@ def _sru_fwd_kernel(
         rev = j >= d_half
 
     u_row = U_ptr + b * sUb + j * sUd
-    for s in range(0, L):
+    for s in tl.range(0, L, num_stages=STAGES):
         if BIDIR:
             t = tl.where(rev, L - 1 - s, s).to(tl.int64)
         else:
@@ -171,7 +179,7 @@ def _sru_bwd_kernel(
     sGXb, sGXl, sGXd,
     K4: tl.constexpr, HAS_SKIP: tl.constexpr, STORE_GX: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_DROP: tl.constexpr, BIDIR: tl.constexpr, HAS_GCL: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, STAGES: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -209,7 +217,7 @@ def _sru_bwd_kernel(
     else:
         t0 = (L - 1 + tl.zeros((), tl.int64)).to(tl.int64)
     c_cur = tl.load(c_row + t0 * sCl, mask=jm, other=0.0).to(tl.float32)
-    for s in range(0, L):
+    for s in tl.range(0, L, num_stages=STAGES):
         if BIDIR:
             t = tl.where(rev, s, L - 1 - s).to(tl.int64)
             tp = tl.where(rev, t + 1, t - 1)
@@ -300,13 +308,13 @@ def _sru_bwd_kernel(
 _LAUNCH_CONFIGS = ((1 << 16, 64, 2), (0, 32, 1))
 
 
-def _launch_config(B: int, D: int) -> Tuple[int, int]:
-    """(BLOCK, num_warps) for a (B, ·, ·, D) problem."""
+def _launch_config(B: int, D: int) -> Tuple[int, int, Optional[int]]:
+    """(BLOCK, num_warps, pipeline stages) for a (B, ·, ·, D) problem."""
     if BLOCK_SIZE is not None:
-        return BLOCK_SIZE, max(1, min(4, BLOCK_SIZE // 32))
+        return BLOCK_SIZE, max(1, min(4, BLOCK_SIZE // 32)), PIPELINE_STAGES
     for least, block, num_warps in _LAUNCH_CONFIGS:
         if B * D >= least:
-            return block, num_warps
+            return block, num_warps, PIPELINE_STAGES
     raise AssertionError("the last launch configuration takes every size")
 
 
@@ -420,7 +428,7 @@ def _fwd_setup(U, x, weight_c, bias, c0, mask_pad, dropout_mask, scale_x, bidire
     x_, xs = _optional(x, U, 3)
     mp, ms = _optional(mask_pad, U, 2)
     dm, ds = _optional(dropout_mask, U, 2)
-    BLOCK, num_warps = config
+    BLOCK, num_warps, stages = config
     launch = Launch(
         _sru_fwd_kernel, (B, triton.cdiv(D, BLOCK)),
         (U, x_, weight_c, bias, c0, mp, dm,
@@ -429,7 +437,7 @@ def _fwd_setup(U, x, weight_c, bias, c0, mask_pad, dropout_mask, scale_x, bidire
          *U.stride(), *xs, *weight_c.stride(), *bias.stride(), *c0.stride(), *ms, *ds,
          *h.stride(), *(c_all.stride() if store_c else (0, 0, 0))),
         dict(_fwd_constexprs(k, x is not None, mask_pad is not None, dropout_mask is not None,
-                             bidirectional, store_c), BLOCK=BLOCK),
+                             bidirectional, store_c), BLOCK=BLOCK, STAGES=stages),
         num_warps)
     return (h, c_last, c_all), launch
 
@@ -463,7 +471,7 @@ def _bwd_setup(U, x, weight_c, bias, c0, mask_pad, dropout_mask, c_all, grad_h, 
     gx, gxs = _optional(grad_x if store_gx else None, grad_U, 3)
     mp, ms = _optional(mask_pad, U, 2)
     dm, ds = _optional(dropout_mask, U, 2)
-    BLOCK, num_warps = config
+    BLOCK, num_warps, stages = config
     launch = Launch(
         _sru_bwd_kernel, (B, triton.cdiv(D, BLOCK)),
         (grad_h, gcl, U, x_, weight_c, bias, c0, c_all, mp, dm,
@@ -474,23 +482,26 @@ def _bwd_setup(U, x, weight_c, bias, c0, mask_pad, dropout_mask, c_all, grad_h, 
          *ms, *ds, *grad_U.stride(), *gxs),
         dict(_bwd_constexprs(k, x is not None, need_grad_x, mask_pad is not None,
                              dropout_mask is not None, bidirectional, grad_c_last is not None),
-             BLOCK=BLOCK),
+             BLOCK=BLOCK, STAGES=stages),
         num_warps)
     return (grad_U, grad_x, grad_c0, partial), launch
 
 
 def sru_fwd(U: Tensor, x: Optional[Tensor], weight_c: Tensor, bias: Tensor,
             c0: Optional[Tensor], mask_pad: Optional[Tensor], dropout_mask: Optional[Tensor],
-            scale_x: float, bidirectional: bool, store_c: bool) -> Tuple[Tensor, Tensor, Tensor]:
+            scale_x: float, bidirectional: bool, store_c: bool,
+            config: Optional[Tuple[int, int, Optional[int]]] = None
+            ) -> Tuple[Tensor, Tensor, Tensor]:
     """Forward recurrence.  Returns ``(h, c_last, c_all)``.
 
     h (B, L, D) in U's dtype; c_last (B, D) fp32 ([c_fwd(L-1), c_bwd(0)] when
     bidirectional); c_all (B, L, D) fp32, the state after every step, when
-    ``store_c`` (else an empty tensor).
+    ``store_c`` (else an empty tensor). ``config``: (BLOCK, num_warps, pipeline
+    stages) instead of :func:`_launch_config`'s (benchmarks compare them).
     """
     B, _, _, D = U.shape
     outputs, launch = _fwd_setup(U, x, weight_c, bias, c0, mask_pad, dropout_mask, scale_x,
-                                 bidirectional, store_c, _launch_config(B, D))
+                                 bidirectional, store_c, config or _launch_config(B, D))
     if launch is not None:
         _run(launch)
     return outputs
@@ -499,7 +510,8 @@ def sru_fwd(U: Tensor, x: Optional[Tensor], weight_c: Tensor, bias: Tensor,
 def sru_bwd(U: Tensor, x: Optional[Tensor], weight_c: Tensor, bias: Tensor,
             c0: Optional[Tensor], mask_pad: Optional[Tensor], dropout_mask: Optional[Tensor],
             c_all: Tensor, grad_h: Tensor, grad_c_last: Optional[Tensor], scale_x: float,
-            bidirectional: bool, need_grad_x: bool
+            bidirectional: bool, need_grad_x: bool,
+            config: Optional[Tuple[int, int, Optional[int]]] = None
             ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward recurrence, from ``c_all``, the fp32 (B, L, D) state that
     :func:`sru_fwd` stored (``store_c=True``).
@@ -507,12 +519,12 @@ def sru_bwd(U: Tensor, x: Optional[Tensor], weight_c: Tensor, bias: Tensor,
     Returns ``(grad_U, grad_x, grad_weight_c, grad_bias, grad_c0)``: grad_U
     (B, L, k, D) in U's dtype, grad_x (B, L, D) in x's dtype (an empty tensor when x
     is None or ``need_grad_x`` is False), grad_weight_c / grad_bias (2, D) in
-    weight_c's / bias's dtype, grad_c0 (B, D) fp32.
+    weight_c's / bias's dtype, grad_c0 (B, D) fp32. ``config`` as :func:`sru_fwd`'s.
     """
     B, _, _, D = U.shape
     (grad_U, grad_x, grad_c0, partial), launch = _bwd_setup(
         U, x, weight_c, bias, c0, mask_pad, dropout_mask, c_all, grad_h, grad_c_last, scale_x,
-        bidirectional, need_grad_x, _launch_config(B, D))
+        bidirectional, need_grad_x, config or _launch_config(B, D))
     if launch is not None:
         _run(launch)
     if x is not None:
@@ -566,6 +578,7 @@ class Specialization:
     store_c: bool = False
     grad_c_last: bool = False
     grad_x: bool = False
+    stages: Optional[int] = None   # PIPELINE_STAGES
 
     @property
     def constexprs(self) -> Dict[str, Any]:
@@ -576,18 +589,20 @@ class Specialization:
         else:
             flags = _bwd_constexprs(self.k, self.x_dtype is not None, self.grad_x, self.mask,
                                     self.dropout, self.bidirectional, self.grad_c_last)
-        return dict(flags, BLOCK=self.block)
+        return dict(flags, BLOCK=self.block, STAGES=self.stages)
 
     @property
     def name(self) -> str:
-        """A short readable name, e.g. ``bwd bf16 p=fp32 x=fp32 k3 mask gx BLOCK=64/2w``."""
+        """A short readable name, e.g. ``bwd bf16 p=fp32 x=fp32 k3 mask gx BLOCK=64/2w``
+        (``/4s`` after it: pipelined in 4 stages)."""
         x = f" x={_DTYPE_NAMES[self.x_dtype]}" if self.x_dtype is not None else ""
         flags = [f for f, on in (("mask", self.mask), ("drop", self.dropout),
                                  ("bidir", self.bidirectional), ("store_c", self.store_c),
                                  ("gcl", self.grad_c_last), ("gx", self.grad_x)) if on]
         return " ".join([f"{self.kernel} {_DTYPE_NAMES[self.dtype]}",
                          f"p={_DTYPE_NAMES[self.param_dtype]}{x} k{self.k}", *flags,
-                         f"BLOCK={self.block}/{self.num_warps}w"])
+                         f"BLOCK={self.block}/{self.num_warps}w"
+                         + (f"/{self.stages}s" if self.stages is not None else "")])
 
     def to_dict(self) -> Dict[str, Any]:
         """JSON-ready fields (dtypes by their short names)."""
@@ -654,7 +669,7 @@ def example_launch(spec: Specialization, device="meta") -> Launch:
     weight_c, bias = empty(2, D, dtype=spec.param_dtype), empty(2, D, dtype=spec.param_dtype)
     mask = empty(B, L, dtype=torch.bool) if spec.mask else None
     drop = empty(B, D, dtype=_DROPOUT_DTYPE) if spec.dropout else None
-    config = (spec.block, spec.num_warps)
+    config = (spec.block, spec.num_warps, spec.stages)
     if spec.kernel == "fwd":
         _, launch = _fwd_setup(U, x, weight_c, bias, None, mask, drop, 1.0, spec.bidirectional,
                                spec.store_c, config)
@@ -737,6 +752,8 @@ def compile_specialization(spec: Specialization, arch: int) -> Dict[str, Any]:
         n_spills=found["stack_frame"] // 4,
         spill_bytes=found["spill_stores"] + found["spill_loads"],
         shared=compiled.metadata.shared,
+        async_copies=compiled.asm.get("ptx", "").count("cp.async.ca")
+        + compiled.asm.get("ptx", "").count("cp.async.cg"),
         ptx=".entry" in compiled.asm.get("ptx", ""), cubin=bool(compiled.asm.get("cubin")),
         compile_s=round(seconds, 3))
 
