@@ -240,9 +240,11 @@ def test_gpu_check_dry_run(tmp_path):
     assert [(x["dtype"], x["stages"]) for x in pipe["rows"]] == [
         ("fp32", None), ("fp32", 4), ("bf16", None), ("bf16", 4)]
     assert all(x["max_abs_diff_to_first"] == 0 and x["forward_ms"] > 0 for x in pipe["rows"])
+    assert [x["default"] for x in pipe["rows"]] == [True, False] * 2 and not pipe["cut_short"]
     assert set(pipe["best_config"]) == {"fp32", "bf16"}
     prof = steps["profile"]["result"]
-    assert prof["steps_profiled"] == 2 and prof["step_ms"] > 0 and prof["top"]
+    assert prof["steps_profiled"] == 2 == prof["steps_timed"] and prof["step_ms"] > 0
+    assert prof["top"]
     assert sum(prof["by_kind_ms"].values()) > 0
 
 

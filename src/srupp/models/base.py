@@ -132,7 +132,10 @@ class SavedModel(nn.Module):
 
 
 def _same_tensor_key(t: torch.Tensor):
-    """Equal for two names of one tensor (tied weights), different for anything else."""
+    """Equal for two names of one tensor (tied weights), different for anything else
+    (empty tensors, whose data pointers may all be 0, are never tied)."""
+    if t.numel() == 0:
+        return id(t)
     return t.device, t.data_ptr(), tuple(t.shape), t.stride()
 
 

@@ -131,31 +131,12 @@ def attention_sdpa_causal(q: Tensor, k: Tensor, v: Tensor, offset: int = 0,
 
 
 def _sdpa_lower_right(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
-    """SDPA with the causal mask aligned bottom-right, as the CUDA kernels take it.
-
-    Where neither the flash nor the memory-efficient kernel takes these tensors
-    (a head size or dtype they lack, or CPU tensors), the dense mask goes
-    instead, built on the tensors' device: ``causal_lower_right``'s own
-    fallback builds it on the CPU in some torch versions (2.11), which the CUDA
-    kernels then refuse.
-    """
+    """SDPA with the causal mask aligned bottom-right, as the CUDA kernels take it."""
     from torch.nn.attention.bias import causal_lower_right
 
-    L, S = q.shape[-2], k.shape[-2]
-    if not _fused_kernel_takes(q, k, v, dropout_p):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(L, S - L, q.device),
-                                              dropout_p=dropout_p)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(L, S),
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[-2],
+                                                                                k.shape[-2]),
                                           dropout_p=dropout_p)
-
-
-def _fused_kernel_takes(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> bool:
-    """Whether SDPA's flash or memory-efficient CUDA kernel takes q, k, v unmasked:
-    the kernels that apply a bottom-right causal mask without building it."""
-    from torch.backends.cuda import SDPAParams, can_use_efficient_attention, can_use_flash_attention
-
-    params = SDPAParams(q, k, v, None, dropout_p, False, False)
-    return can_use_flash_attention(params) or can_use_efficient_attention(params)
 
 
 def _offset_form(device_type: str, offset: Optional[int], has_mask: bool, traced: bool) -> bool:

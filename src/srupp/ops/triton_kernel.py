@@ -649,8 +649,8 @@ def specializations() -> List[Specialization]:
                 else:  # a gradient for x exists only with an x
                     extras = [dict(grad_c_last=g, grad_x=gx) for g in both
                               for gx in (both if x is not None else (False,))]
-                out += [Specialization(kernel, u, p, x, k, mask, drop, bidir, block, warps, **e)
-                        for e in extras]
+                out += [Specialization(kernel, u, p, x, k, mask, drop, bidir, block, warps,
+                                       stages=PIPELINE_STAGES, **e) for e in extras]
     return out
 
 
