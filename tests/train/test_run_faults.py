@@ -131,14 +131,14 @@ class Fault:
             return FailingFile(f, self.limit)
         return f
 
-    def save_model(self, real):
-        """A stand-in for safetensors' save_model: part of the file, then its own error."""
+    def save_file(self, real):
+        """A stand-in for safetensors' save_file: part of the file, then its own error."""
         from safetensors import SafetensorError
 
-        def save(model, filename, metadata=None):
+        def save(tensors, filename, metadata=None):
             if not self.strikes(Path(filename).name):
-                return real(model, filename, metadata=metadata)
-            real(model, filename, metadata=metadata)
+                return real(tensors, filename, metadata=metadata)
+            real(tensors, filename, metadata=metadata)
             data = Path(filename).read_bytes()
             Path(filename).write_bytes(data[:min(self.limit, len(data) - 1)])
             if self.limit % 2:  # as safetensors says it, or as the plain OSError
@@ -151,7 +151,7 @@ class Fault:
 # where: (what it patches, which file names, which of their writes may fail, bytes before)
 POINTS = {
     # the weights of the checkpoint at step 8 or 12 (one model.safetensors per folder)
-    "weights": ("save_model", lambda n: n == ".model.safetensors.tmp", (2, 3), 40000),
+    "weights": ("save_file", lambda n: n == ".model.safetensors.tmp", (2, 3), 40000),
     # trainer.pt (the optimiser's state, through torch.save): at step 8, 12, or the
     # final evaluation's (which replaces trainer.pt of the folder of step 12)
     "optimizer": ("files", lambda n: n == ".trainer.pt.tmp", (2, 3, 4), 90000),
@@ -176,9 +176,9 @@ def test_a_full_disk_is_one_line_and_resume_continues(tmp_path, corpus, referenc
     run = tmp_path / "run"
     fault = Fault(run, matches, rng.choice(nths), rng.randrange(most))
     what = f"{point}: write {fault.nth} fails after {fault.limit} bytes"
-    if patch == "save_model":
-        monkeypatch.setattr(srupp.models.base, "save_model",
-                            fault.save_model(srupp.models.base.save_model))
+    if patch == "save_file":
+        monkeypatch.setattr(srupp.models.base, "save_file",
+                            fault.save_file(srupp.models.base.save_file))
     else:
         module = srupp._files if patch == "files" else srupp.train.metrics
         monkeypatch.setattr(module, "open", fault.open, raising=False)
@@ -241,8 +241,8 @@ def test_a_full_disk_while_exporting_leaves_no_half_export(tmp_path, monkeypatch
     (folder / "tokenizer.json").write_text(json.dumps({"type": "byte"}))
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
     fault = Fault(tmp_path, lambda n: n == ".model.safetensors.tmp", 1, 1001)
-    monkeypatch.setattr(srupp.models.base, "save_model",
-                        fault.save_model(srupp.models.base.save_model))
+    monkeypatch.setattr(srupp.models.base, "save_file",
+                        fault.save_file(srupp.models.base.save_file))
     with pytest.raises(OSError) as e:
         load_model(folder).save_pretrained(folder)
     assert e.value.errno == errno.ENOSPC
