@@ -1,4 +1,5 @@
-"""The paper recipes: valid configs whose parameter counts match the paper's (within 3%)."""
+"""The recipes: the paper's are valid configs whose parameter counts match the paper's (within 3%);
+the CPU ones are the configurations their published figures were measured with."""
 
 import json
 from pathlib import Path
@@ -38,3 +39,19 @@ def test_word_params_need_a_vocab_size(capsys):
     assert main(["params", "--set", "data.tokenizer=word", "data.corpus=nowhere"]) == 2
     err = capsys.readouterr().err
     assert "data.vocab_size" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_long_byte_recipe_is_the_crossover_cell_it_was_measured_in():
+    """shakespeare-cpu-long is what `srupp compare --data shakespeare --budget 1920
+    --params 5000000 --models srupp-attn-last-1 --set srupp-attn-last-1:train.lr=5e-3`
+    trained (docs/results.md), so its published bpc is this recipe's."""
+    from srupp.train.compare import size_model
+
+    long = build_config(RECIPES / "shakespeare-cpu-long.toml")
+    base = build_config(RECIPES / "shakespeare-cpu.toml", ["train.max_seconds=1920"])
+    sized = size_model("srupp-attn-last-1", base, 256, 5_000_000, ["train.lr=5e-3"])
+    assert {**sized.cfg.model, "type": "srupp"} == {**long.model, "type": "srupp"}
+    same = ("max_seconds", "lr", "batch_size", "unroll", "precision", "weight_decay",
+            "warmup_steps", "grad_clip", "optimizer", "schedule", "label_smoothing")
+    assert {k: getattr(long.train, k) for k in same} == {k: getattr(sized.cfg.train, k) for k in same}
+    assert long.model["attention_last_n_layers"] == 1 and long.train.max_seconds == 1920
