@@ -49,6 +49,18 @@ kernels run without reading a dense mask (flash takes none at all).
 ``SRUPP_ATTENTION=auto|sdpa|matmul``) forces one (a forced "matmul" still defers
 to SDPA for dropout).
 
+On CUDA, :func:`cuda_sdpa_backend` says which kernel PyTorch's SDPA would run
+for a head dim, dtype, mask form and compute capability ("cudnn", "flash",
+"efficient" or "math"), by PyTorch's documented constraints. Where that is the
+math fallback (it materialises the scores, in fp32 for 16-bit inputs), srupp
+takes a fused kernel instead (:func:`cuda_attention_route`): the head dim is
+zero-padded to the memory-efficient kernel's alignment (q·k and P·V are
+unchanged; the padded output columns are dropped), and 16-bit inputs on GPUs
+without a fused kernel for them take the explicit bf16 products. SRU++'s
+single-head d′ = 768 (enwik8, WikiText-103) is past flash's 256 and runs on the
+memory-efficient kernel; :func:`attention_calls` lists a config's attention
+calls and the backend of each.
+
 The timings behind these rules are in docs/performance.md ("Attention backends").
 """
 
@@ -56,7 +68,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import Any, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -69,7 +81,9 @@ __all__ = ["attend", "attention_reference", "attention_matmul", "attention_causa
            "attention_one_query", "attention_sdpa_causal", "causal_mask",
            "causal_block", "set_attention_backend",
            "get_attention_backend", "use_attention_backend",
-           "ATTENTION_BACKENDS", "MAX_PROB_BYTES"]
+           "ATTENTION_BACKENDS", "MAX_PROB_BYTES",
+           "cuda_sdpa_backend", "cuda_attention_route", "attention_sdpa", "attention_calls",
+           "attention_backend_for", "AttentionCall", "SDPA_MASKS", "CUDNN_OF_TORCH_2_11"]
 
 ATTENTION_BACKENDS = CHOICES["attention"]
 
@@ -102,7 +116,7 @@ def causal_mask(L: int, offset: int = 0, device=None) -> Tensor:
 
 
 def attention_sdpa_causal(q: Tensor, k: Tensor, v: Tensor, offset: int = 0,
-                          dropout_p: float = 0.0) -> Tensor:
+                          dropout_p: float = 0.0, scale: Optional[float] = None) -> Tensor:
     """SDPA with the causal mask over ``offset`` memory keys, in the form its kernels take.
 
     Query i sees keys j <= offset + i (S = offset + L keys): the same result as
@@ -115,6 +129,7 @@ def attention_sdpa_causal(q: Tensor, k: Tensor, v: Tensor, offset: int = 0,
 
     Args:
         q: (B, H, L, hd).  k, v: (B, H, S, hd) with S = offset + L.
+        scale: of the scores; None is 1/√hd.
     Returns:
         o (B, H, L, hd).
     """
@@ -123,20 +138,22 @@ def attention_sdpa_causal(q: Tensor, k: Tensor, v: Tensor, offset: int = 0,
         raise ValueError(f"causal attention with offset {offset} needs S = offset + L = "
                          f"{offset + L} keys, got {S}")
     if offset == 0:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p,
+                                              scale=scale)
     if q.device.type == "cuda":
-        return _sdpa_lower_right(q, k, v, dropout_p)
+        return _sdpa_lower_right(q, k, v, dropout_p, scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(L, offset, q.device),
-                                          dropout_p=dropout_p)
+                                          dropout_p=dropout_p, scale=scale)
 
 
-def _sdpa_lower_right(q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
+def _sdpa_lower_right(q: Tensor, k: Tensor, v: Tensor, dropout_p: float,
+                      scale: Optional[float] = None) -> Tensor:
     """SDPA with the causal mask aligned bottom-right, as the CUDA kernels take it."""
     from torch.nn.attention.bias import causal_lower_right
 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[-2],
                                                                                 k.shape[-2]),
-                                          dropout_p=dropout_p)
+                                          dropout_p=dropout_p, scale=scale)
 
 
 def _offset_form(device_type: str, offset: Optional[int], has_mask: bool, traced: bool) -> bool:
@@ -158,10 +175,34 @@ def _offset_form(device_type: str, offset: Optional[int], has_mask: bool, traced
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
           dropout_p: float, offset: Optional[int]) -> Tensor:
-    """SDPA; a causal mask (``offset`` not None) in the form :func:`_offset_form` picks."""
-    if _offset_form(q.device.type, offset, attn_mask is not None, tracing()):
-        return attention_sdpa_causal(q, k, v, offset, dropout_p)
-    return attention_reference(q, k, v, attn_mask, is_causal, dropout_p)
+    """SDPA; a causal mask (``offset`` not None) in the form :func:`_offset_form` picks.
+
+    On CUDA the call takes :func:`cuda_attention_route`'s way round the math fallback."""
+    as_offset = _offset_form(q.device.type, offset, attn_mask is not None, tracing())
+    if q.device.type == "cuda":
+        return _sdpa_cuda(q, k, v, attn_mask, is_causal, dropout_p, offset, as_offset)
+    return _sdpa_call(q, k, v, attn_mask, is_causal, dropout_p, offset if as_offset else None)
+
+
+def attention_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
+                   is_causal: bool = False, dropout_p: float = 0.0) -> Tensor:
+    """``F.scaled_dot_product_attention`` itself, except that on CUDA a call SDPA would
+    run on its math kernel takes :func:`cuda_attention_route`'s fused way instead.
+
+    For callers that want SDPA's numerics on every device rather than :func:`attend`'s
+    CPU paths (a decoder's cross-attention). Arguments and result as
+    :func:`attention_reference`.
+    """
+    return _sdpa(q, k, v, attn_mask, is_causal, dropout_p, None)
+
+
+def _sdpa_call(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
+               dropout_p: float, offset: Optional[int], scale: Optional[float] = None) -> Tensor:
+    """One SDPA call: the causal offset form when ``offset`` is given, else the arguments."""
+    if offset is not None:
+        return attention_sdpa_causal(q, k, v, offset, dropout_p, scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                                          dropout_p=dropout_p, scale=scale)
 
 
 class _MatmulAttention(torch.autograd.Function):
@@ -412,3 +453,318 @@ def attend(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None,
         if native_bf16:
             return _MatmulAttention.apply(q, k, v, attn_mask)
     return _sdpa(q, k, v, attn_mask, is_causal, dropout_p, offset)
+
+
+# ------------------------------------------------------------------ CUDA: which SDPA kernel runs
+
+SDPA_MASKS = ("none", "causal", "causal_lower_right", "dense")
+
+# cuDNN 9.17.1, which torch 2.11's CUDA 13 wheels load (pytorch/pytorch#173216, "fail-safe
+# target for 2.11"); the H200 runs of docs/gpu.json used torch 2.11.0+cu130.
+CUDNN_OF_TORCH_2_11 = 91701
+
+# What the rule below relies on. PyTorch's SDPA on CUDA tries its backends in a priority
+# order and takes the first whose checks pass (select_sdp_backend, can_use_*_attention and
+# their check_* gates in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, read in the
+# 2.11 line and on main in 2026; restated here, not copied):
+#
+# - order: flash, efficient, math, cudnn (aten/src/ATen/Context.h's sdp_priority_order;
+#   cuDNN after math is never reached), except that
+#   cuDNN goes first on sm90/sm100/sm103 when the loaded cuDNN is newer than 9.15
+#   (check_prefer_cudnn_attention; pytorch/pytorch#162073; torch 2.11's cuDNN is the first
+#   to pass, huggingface/transformers#48163).
+# - flash (check_head_dim_size_flash, check_flash_attention_hardware_support,
+#   check_dtypes_low_precision, check_for_attn_mask, check_flash_causal_non_square_seqlens,
+#   check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120): fp16/bf16,
+#   sm80-sm121, equal q/k/v head dims of at most 256 (any size: PyTorch pads it to a
+#   multiple of 8 for the kernel), no attn_mask, is_causal only with L == S; in training
+#   on sm86-sm89 and sm120-sm121 only head dims <= 192, or > 224 without dropout.
+# - memory-efficient, CUTLASS (check_mem_efficient_hardware_support,
+#   check_head_dim_size_mem_efficient, minimum_gemm_alignment): sm50-sm121; fp16/fp32, and
+#   bf16 from sm80; any head dim that is a multiple of the GEMM alignment: 8 for 16-bit
+#   and 4 for fp32 from sm80, 8 for 16-bit and 1 for fp32 on sm70-sm75, 1 before. It takes
+#   attn_mask (dense bool or additive), dropout, the backward, and both causal alignments
+#   (is_causal is top-left; causal_lower_right reaches it as custom_mask_type 2). It is the
+#   only fused kernel past head dim 256 (huggingface/transformers#45636: 320 on sm90).
+# - cuDNN (check_cudnn_tensor_shapes, check_cudnn_hardware_support,
+#   check_cudnn_d256_bprop_head_dim, check_cudnn_dropout): fp16/bf16, sm80-sm121, head
+#   dim a multiple of 8 and at most 128; on sm90 with cuDNN >= 9.10 at most 256 in the
+#   2.11 line (the code of early 2026). Newer torch (pytorch/pytorch#185553, mid 2026: cuDNN
+#   > 9.22 with cudnn-frontend 1.24) allows 256 on sm90/sm10x but trains only <= 128 or 256, and
+#   takes dropout only in steps of 1/16; cuDNN 9.11-9.13 take no dropout. Here cuDNN
+#   > 9.22 stands for that newer torch.
+# - causal_lower_right (torch/nn/attention/bias.py, CausalBias._dispatch): with L != S it
+#   asks flash, then the memory-efficient kernel, directly (cuDNN is never asked); if
+#   neither takes the call it materialises the mask and calls SDPA with it (as "dense").
+#
+# What "math" costs: it materialises the (L, S) scores and, for 16-bit inputs, computes
+# them in fp32 (torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp is off by default).
+
+
+def _half(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float16, torch.bfloat16)
+
+
+def _in_sm(cap: Tuple[int, int], lo: Tuple[int, int], hi: Tuple[int, int]) -> bool:
+    return lo <= cap <= hi
+
+
+def _flash_admits(hd: int, dtype: torch.dtype, dense_mask: bool, dropout: bool,
+                  cap: Tuple[int, int]) -> bool:
+    if dense_mask or not _half(dtype) or hd > 256 or not _in_sm(cap, (8, 0), (12, 1)):
+        return False
+    if _in_sm(cap, (8, 6), (8, 9)) or _in_sm(cap, (12, 0), (12, 1)):  # its backward's limits
+        return hd <= 192 or (hd > 224 and not dropout)
+    return True
+
+
+def _efficient_alignment(dtype: torch.dtype, cap: Tuple[int, int]) -> int:
+    """The head-dim multiple the memory-efficient kernel needs: 16 bytes of elements where
+    its GEMMs use tensor cores (16-bit from sm70, fp32 from sm80), else 1."""
+    tensor_cores = cap[0] >= 8 or (cap[0] == 7 and _half(dtype))
+    return max(1, 16 // dtype.itemsize) if tensor_cores else 1
+
+
+def _efficient_admits(hd: int, dtype: torch.dtype, cap: Tuple[int, int]) -> bool:
+    if not _in_sm(cap, (5, 0), (12, 1)):
+        return False
+    if dtype not in (torch.float16, torch.float32) and not (dtype == torch.bfloat16
+                                                            and cap[0] >= 8):
+        return False
+    return hd % _efficient_alignment(dtype, cap) == 0
+
+
+def _cudnn_admits(hd: int, dtype: torch.dtype, dropout: Union[bool, float],
+                  cap: Tuple[int, int], cudnn: Optional[int]) -> bool:
+    if not cudnn or cudnn < 90000 or not _half(dtype) or not _in_sm(cap, (8, 0), (12, 1)):
+        return False
+    if dropout and 91100 < cudnn < 91400:
+        return False
+    if hd % 8:
+        return False
+    if cudnn > 92200:  # the newer checks (see above)
+        if dropout and (isinstance(dropout, bool) or dropout * 16 != math.floor(dropout * 16)):
+            return False  # True: a probability not known to be on cuDNN's 1/16 grid
+        d256 = (cap == (9, 0) or cap[0] == 10) and not (cap == (10, 7) and cudnn <= 92500)
+        return hd <= 128 or (d256 and hd == 256)
+    return hd <= (256 if cap == (9, 0) and cudnn >= 91000 else 128)
+
+
+def _cudnn_first(cap: Tuple[int, int], cudnn: Optional[int]) -> bool:
+    return bool(cudnn) and cudnn > 91500 and cap[0] in (9, 10) and cap[1] in (0, 3)
+
+
+def _check_rule_args(head_dim, dtype, mask, capability) -> Tuple[int, int]:
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+        raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (torch.bfloat16, ...), got {dtype!r}")
+    if mask not in SDPA_MASKS:
+        raise ValueError(f"mask must be one of {SDPA_MASKS}, got {mask!r}")
+    try:
+        major, minor = (int(c) for c in capability)
+    except (TypeError, ValueError):
+        raise ValueError(f"capability must be (major, minor), such as (9, 0), "
+                         f"got {capability!r}") from None
+    return major, minor
+
+
+def cuda_sdpa_backend(head_dim: int, dtype: torch.dtype, mask: str, dropout: bool = False,
+                      capability: tuple = (9, 0), *,
+                      cudnn_version: Optional[int] = CUDNN_OF_TORCH_2_11) -> str:
+    """The kernel PyTorch's SDPA runs on CUDA for these arguments, in training.
+
+    A pure function of its arguments, by PyTorch's documented constraints (the
+    comment above it says which, and where they come from); the default
+    ``cudnn_version`` is torch 2.11's, the project's GPU. Tensors are taken as
+    SRU++ makes them: q, k and v of one dtype and head dim, 4-D, last stride 1,
+    none empty; no ``sdpa_kernel`` restriction and no deterministic mode.
+
+    Args:
+        head_dim: hd, q's, k's and v's last dim.
+        dtype: of q, k and v (under autocast, the autocast dtype).
+        mask: "none"; "causal" (``is_causal`` with L == S); "causal_lower_right"
+            (causal over memory keys, as :func:`attention_sdpa_causal` passes it on
+            CUDA); "dense" (an ``attn_mask`` tensor).
+        dropout: whether attention dropout is on, or its probability (cuDNN on
+            newer torch takes only multiples of 1/16; True counts as off that grid).
+        capability: the GPU's compute capability, (major, minor).
+        cudnn_version: ``torch.backends.cudnn.version()``, or None without cuDNN.
+    Returns:
+        "cudnn", "flash", "efficient" or "math".
+    """
+    cap = _check_rule_args(head_dim, dtype, mask, capability)
+    if mask == "causal_lower_right":
+        if _flash_admits(head_dim, dtype, False, bool(dropout), cap):
+            return "flash"
+        if _efficient_admits(head_dim, dtype, cap):
+            return "efficient"
+        mask = "dense"  # CausalBias materialises the mask and calls SDPA with it
+    dense = mask == "dense"
+    if _cudnn_first(cap, cudnn_version) and _cudnn_admits(head_dim, dtype, dropout, cap,
+                                                          cudnn_version):
+        return "cudnn"
+    if _flash_admits(head_dim, dtype, dense, bool(dropout), cap):
+        return "flash"
+    if _efficient_admits(head_dim, dtype, cap):
+        return "efficient"
+    return "math"
+
+
+def cuda_attention_route(head_dim: int, dtype: torch.dtype, mask: str,
+                         dropout: Union[bool, float] = False, capability: tuple = (9, 0), *,
+                         cudnn_version: Optional[int] = CUDNN_OF_TORCH_2_11) -> Tuple[str, int]:
+    """What srupp runs on CUDA instead of the math fallback: (backend, head dim run at).
+
+    Where :func:`cuda_sdpa_backend` is a fused kernel, that kernel at ``head_dim``.
+    Where it is "math", the head dim zero-padded to the memory-efficient kernel's
+    alignment when a fused kernel then takes the call (exact: the padded columns
+    add nothing to q·k, and give output columns that are dropped); else, for
+    16-bit inputs without dropout, "matmul": the explicit products in that dtype
+    (:func:`attention_matmul`, :func:`attention_causal_matmul`), used while P
+    fits in :data:`MAX_PROB_BYTES`; else "math".
+    """
+    rule = dict(cudnn_version=cudnn_version)
+    name = cuda_sdpa_backend(head_dim, dtype, mask, dropout, capability, **rule)
+    if name != "math":
+        return name, head_dim
+    step = _efficient_alignment(dtype, tuple(int(c) for c in capability))
+    padded = -(-head_dim // step) * step
+    if padded != head_dim:
+        name = cuda_sdpa_backend(padded, dtype, mask, dropout, capability, **rule)
+        if name != "math":
+            return name, padded
+    if _half(dtype) and not dropout:
+        return "matmul", head_dim
+    return "math", head_dim
+
+
+_DEVICE_FACTS: dict = {}
+
+
+@torch.compiler.assume_constant_result
+def _cuda_facts(index: int) -> Tuple[Tuple[int, int], Optional[int]]:
+    """(compute capability, cuDNN version) of CUDA device ``index``, looked up once."""
+    if index not in _DEVICE_FACTS:
+        cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        _DEVICE_FACTS[index] = (tuple(torch.cuda.get_device_capability(index)), cudnn)
+    return _DEVICE_FACTS[index]
+
+
+def _sdpa_cuda(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], is_causal: bool,
+               dropout_p: float, offset: Optional[int], as_offset: bool) -> Tensor:
+    """SDPA on CUDA, on the way :func:`cuda_attention_route` picks."""
+    run_offset = offset if as_offset else None
+    hd = q.shape[-1]
+    if not (q.dtype == k.dtype == v.dtype and k.shape[-1] == v.shape[-1] == hd):
+        return _sdpa_call(q, k, v, attn_mask, is_causal, dropout_p, run_offset)
+    square = q.shape[-2] == k.shape[-2]
+    if run_offset is not None:
+        mask = "causal" if run_offset == 0 else "causal_lower_right"
+    elif is_causal and square and attn_mask is None:
+        mask = "causal"
+    elif attn_mask is not None or is_causal:
+        mask = "dense"  # (is_causal with L != S, top-left: flash refuses it, as a mask)
+    else:
+        mask = "none"
+    cap, cudnn = _cuda_facts(q.device.index or 0)
+    name, run_hd = cuda_attention_route(hd, q.dtype, mask, dropout_p, cap, cudnn_version=cudnn)
+    if run_hd != hd:
+        pad = (0, run_hd - hd)
+        o = _sdpa_call(F.pad(q, pad), F.pad(k, pad), F.pad(v, pad), attn_mask, is_causal,
+                       dropout_p, run_offset, scale=1.0 / math.sqrt(hd))   # (B, H, L, run_hd)
+        return o[..., :hd]
+    small = q.shape[:-1].numel() * k.shape[-2] * q.element_size() <= MAX_PROB_BYTES  # P fits
+    if name == "matmul" and small and not tracing():
+        if offset is not None:
+            return attention_causal_matmul(q, k, v, offset)
+        if not is_causal:
+            return _MatmulAttention.apply(q, k, v, attn_mask)
+        if square and attn_mask is None:
+            return attention_causal_matmul(q, k, v)
+    return _sdpa_call(q, k, v, attn_mask, is_causal, dropout_p, run_offset)
+
+
+# --------------------------------------------------------------------------- a config's calls
+
+class AttentionCall(NamedTuple):
+    """One kind of attention call a model makes in training, and what runs it on CUDA."""
+
+    name: str          # which attention, e.g. "self-attention over memory"
+    head_dim: int
+    mask: str          # one of SDPA_MASKS
+    dropout: float
+    routed: bool       # through srupp's attend (and its route), or SDPA itself
+    pytorch: str       # what SDPA alone runs: cuda_sdpa_backend
+    backend: str       # what runs: cuda_attention_route's backend when routed
+    run_head_dim: int  # the head dim it runs at (padded where the route pads)
+
+
+_PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _field(config: Any, name: str, default: Any = None) -> Any:
+    if isinstance(config, Mapping):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+def attention_calls(config: Any, precision: Union[str, torch.dtype] = "bf16",
+                    capability: tuple = (9, 0), *,
+                    cudnn_version: Optional[int] = CUDNN_OF_TORCH_2_11) -> List[AttentionCall]:
+    """The attention calls an SRU++ model makes in training, and the backend of each on CUDA.
+
+    Args:
+        config: an SRU++ model config (``RunConfig.model_config(...)``, or
+            ``srupp.models.config_from_dict``), or a mapping of its fields; read:
+            task, type, resolved_proj_size (or proj_size), num_heads, attn_dropout,
+            mem_len (language models), cross_attention (translation).
+        precision: "fp32", "bf16", "fp16" (the recipe's ``train.precision``) or a dtype.
+        capability, cudnn_version: as :func:`cuda_sdpa_backend`.
+    Returns:
+        The calls, the one that carries training first: a language model's over its
+        memory (the first segment has none), the padded self-attention otherwise.
+    """
+    dtype = _PRECISIONS.get(precision, precision)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"precision must be one of {tuple(_PRECISIONS)} or a torch.dtype, "
+                         f"got {precision!r}")
+    task, kind = _field(config, "task", "lm"), _field(config, "type", "srupp")
+    if kind != "srupp":
+        raise ValueError(f"attention_calls maps SRU++ models (type 'srupp'), got type {kind!r}")
+    width = _field(config, "resolved_proj_size") or _field(config, "proj_size")
+    heads = _field(config, "num_heads", 1)
+    if not isinstance(width, int) or not isinstance(heads, int) or heads < 1 or width % heads:
+        raise ValueError(f"the config needs proj_size (d') divisible by num_heads; got "
+                         f"proj_size={width!r}, num_heads={heads!r}")
+    hd, p = width // heads, float(_field(config, "attn_dropout", 0.0) or 0.0)
+    if task == "lm":
+        wanted = [("self-attention, first segment", "causal", True)]
+        if _field(config, "mem_len") != 0:
+            wanted.insert(0, ("self-attention over memory", "causal_lower_right", True))
+    elif task == "classify":
+        wanted = [("self-attention, padded keys", "dense", True)]
+    elif task == "translate":
+        wanted = [("encoder self-attention, padded keys", "dense", True),
+                  ("decoder self-attention, causal and padded", "dense", True)]
+        if _field(config, "cross_attention", "sublayer") == "sublayer":
+            wanted.append(("cross-attention sub-layer, padded source", "dense", False))
+    else:
+        raise ValueError(f"task must be lm, classify or translate, got {task!r}")
+    calls = []
+    rule = dict(cudnn_version=cudnn_version)
+    for name, mask, routed in wanted:
+        pytorch = cuda_sdpa_backend(hd, dtype, mask, p, capability, **rule)
+        backend, run_hd = (cuda_attention_route(hd, dtype, mask, p, capability, **rule)
+                           if routed else (pytorch, hd))
+        calls.append(AttentionCall(name, hd, mask, p, routed, pytorch, backend, run_hd))
+    return calls
+
+
+def attention_backend_for(config: Any, precision: Union[str, torch.dtype] = "bf16",
+                          capability: tuple = (9, 0), *,
+                          cudnn_version: Optional[int] = CUDNN_OF_TORCH_2_11) -> str:
+    """The backend of the attention call that carries an SRU++ model's training on CUDA
+    (the first of :func:`attention_calls`): "cudnn", "flash", "efficient", "matmul" or
+    "math"."""
+    return attention_calls(config, precision, capability, cudnn_version=cudnn_version)[0].backend
