@@ -204,11 +204,8 @@ def test_every_recipe_attends_on_a_fused_kernel(path):
         for precision in ("bf16", "fp16", "fp32", run.train.precision):
             calls = attention_calls(model, precision, cap)
             assert calls and calls[0].backend == attention_backend_for(model, precision, cap)
-            for call in calls:
-                # the translation recipes' cross-attention sub-layer calls SDPA itself
-                # (models/backbones/cross_attention.py), outside srupp's route
-                if call.routed:
-                    assert call.backend in FUSED, (cap, precision, call)
+            for call in calls:  # the decoders' cross-attention included
+                assert call.routed and call.backend in FUSED, (cap, precision, call)
 
 
 def test_what_the_paper_recipes_run_on_an_h200():

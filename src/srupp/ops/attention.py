@@ -748,7 +748,7 @@ def attention_calls(config: Any, precision: Union[str, torch.dtype] = "bf16",
         wanted = [("encoder self-attention, padded keys", "dense", True),
                   ("decoder self-attention, causal and padded", "dense", True)]
         if _field(config, "cross_attention", "sublayer") == "sublayer":
-            wanted.append(("cross-attention sub-layer, padded source", "dense", False))
+            wanted.append(("cross-attention sub-layer, padded source", "dense", True))
     else:
         raise ValueError(f"task must be lm, classify or translate, got {task!r}")
     calls = []

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...nn.linear import Linear
+from ...ops.attention import attention_sdpa
 
 
 class CrossAttention(nn.Module):
@@ -63,10 +63,11 @@ class CrossAttention(nn.Module):
         attend, or None -> (B, L, d)."""
         B, L, _ = h.shape
         q = self._heads(self.query(self.layer_norm(h)))                 # (B, H, L, width/H)
-        # SDPA itself, not srupp.ops.attend: attend would send an unmasked single query to
-        # its one-query kernel and CPU bf16 to its matmul path, changing the numerics
-        # that the translation tests and results were made with
-        o = F.scaled_dot_product_attention(
+        # SDPA's numerics, not srupp.ops.attend's: attend would send an unmasked single
+        # query to its one-query kernel and CPU bf16 to its matmul path, changing the
+        # numerics that the translation tests and results were made with. On CUDA a
+        # call SDPA would run on its math kernel takes a fused kernel instead.
+        o = attention_sdpa(
             q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
             dropout_p=self.attn_dropout if self.training else 0.0)     # (B, H, L, width/H)
         return h + self.dropout(self.out(o.transpose(1, 2).reshape(B, L, -1)))

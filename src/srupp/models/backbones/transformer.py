@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from ...nn.append import append_steps
 from ...nn.linear import Linear
 from ...ops import attend
-from ...ops.attention import attention_sdpa_causal
+from ...ops.attention import attention_sdpa, attention_sdpa_causal
 from ..state import TensorState
 from .base import Backbone, EncoderOutput
 from .cross_attention import CrossAttention
@@ -141,7 +141,7 @@ class Block(nn.Module):
         elif causal:  # as an offset, not a mask tensor: SDPA's fused kernels take it
             a = attention_sdpa_causal(q, k, v, causal_offset, dropout_p=p)
         else:  # padded or non-causal: SDPA itself, as the cross-attention (see there why)
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
+            a = attention_sdpa(q, k, v, attn_mask=attn_mask, dropout_p=p)
         x = x + self.drop(self.proj(a.transpose(1, 2).reshape(B, L, d)))
         if self.cross is not None:
             x = self.cross(x, *source)
