@@ -126,3 +126,51 @@ def test_a_saved_run_config_is_read_as_saved():
         build_config(None, base={"task": "lm", "model": {"type": "gru", "d_modle": 16}})
     with pytest.raises(UserError, match="names no task"):
         build_config(None, base={"model": {"type": "gru"}})
+
+
+# train.compile was a bool before it was a choice: true (and the words _coerce reads as
+# true) is "model", false "off", in a recipe, on the command line and in a saved run
+@pytest.mark.parametrize("value, mode", [
+    ("true", "model"), ("True", "model"), ("1", "model"), ("yes", "model"),
+    ("false", "off"), ("0", "off"), ("no", "off"),
+    ("off", "off"), ("model", "model"), ("layers", "layers")])
+def test_compile_is_a_choice_that_reads_old_booleans(value, mode):
+    assert build_config(None, [f"train.compile={value}"]).train.compile == mode
+
+
+def test_compile_from_toml_and_a_saved_config(tmp_path):
+    r = tmp_path / "r.toml"
+    r.write_text("[train]\ncompile = true\n")
+    assert build_config(r).train.compile == "model"
+    assert build_config(None).train.compile == "off"  # the default
+    saved = build_config(None).to_dict()
+    saved["train"]["compile"] = True  # a run's config.json from before (a JSON bool)
+    assert build_config(None, base=saved).train.compile == "model"
+    saved["train"]["compile"] = False
+    assert build_config(None, base=saved).train.compile == "off"
+    saved["train"]["compile"] = "layers"  # and what this version writes
+    assert build_config(None, base=saved).train.compile == "layers"
+
+
+@pytest.mark.parametrize("item, match", [
+    ("train.compile=fast", r"train.compile must be off, model, layers or layers-cudagraphs "
+                           r"\(true and false read as model and off\), got 'fast'"),
+    ("train.compile=layers-cudagraphs", r"records CUDA graphs: it needs train.device=cuda, "
+                                        r"got train.device=cpu; on the CPU use "
+                                        r"train.compile=layers"),
+    ("train.optimizer_impl=fastest", r"train.optimizer_impl must be auto, fused, foreach "
+                                     r"or loop, got 'fastest'"),
+    ("train.optimizer_impl=fused", r"train.optimizer_impl=fused: torch .* has no fused RAdam; "
+                                   r"use train.optimizer_impl=foreach \(or auto\), or "
+                                   r"train.optimizer=adamw")])
+def test_bad_compile_or_optimizer_impl_is_a_user_error(item, match):
+    with pytest.raises(UserError, match=match):
+        build_config(None, [item])
+
+
+def test_optimizer_impl_choices():
+    assert build_config(None).train.optimizer_impl == "auto"
+    for impl in ("auto", "foreach", "loop"):
+        assert build_config(None, [f"train.optimizer_impl={impl}"]).train.optimizer_impl == impl
+    cfg = build_config(None, ["train.optimizer=adamw", "train.optimizer_impl=fused"])
+    assert cfg.train.optimizer_impl == "fused"

@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 from srupp.cli import main
 from srupp.errors import UserError
 from srupp.train import Trainer, build_config
-from srupp.train.trainer import build_optimizer
+from srupp.train.config import has_fused
+from srupp.train.trainer import build_optimizer, optimizer_impl
 
 from lm_helpers import TINY, baseline_config, config, metrics, one_line_error
 from test_trainer import _same_losses, _signal_inside_a_step
@@ -143,3 +144,75 @@ def test_a_resume_with_another_optimizer_is_refused(tmp_path, corpus, capsys):
     Trainer(config(corpus, *ADAMW, "train.max_steps=4"), other, progress=False).train()
     with pytest.raises(UserError, match="was trained with train.optimizer=adamw"):
         Trainer(config(corpus, "train.max_steps=8"), other, resume=True, progress=False)
+
+
+# ---------------------------------------------------------------- train.optimizer_impl
+
+def _flags(opt):
+    return {k: opt.defaults[k] for k in ("foreach", "fused") if k in opt.defaults}
+
+
+@pytest.mark.parametrize("name, impl, flags", [
+    ("adamw", "fused", {"foreach": None, "fused": True}),
+    ("adamw", "foreach", {"foreach": True, "fused": None}),
+    ("adamw", "loop", {"foreach": False, "fused": None}),
+    ("adamw", "auto", {"foreach": None, "fused": None}),  # on the CPU: torch's default
+    ("radam", "foreach", {"foreach": True}),
+    ("radam", "loop", {"foreach": False}),
+    ("radam", "auto", {"foreach": None}),
+])
+def test_optimizer_impl_sets_torchs_flags(name, impl, flags):
+    cfg = build_config(None, [f"train.optimizer={name}", f"train.optimizer_impl={impl}"])
+    opt = build_optimizer([{"params": [torch.nn.Parameter(torch.zeros(2))]}], cfg.train)
+    assert _flags(opt) == flags
+
+
+def test_auto_is_fused_on_cuda_where_torch_has_it():
+    """auto on CUDA: AdamW fused (one kernel; under fp16, no wait in GradScaler.step),
+    RAdam foreach (torch has no fused RAdam); explicit choices are kept."""
+    t = build_config(None, ["train.optimizer=adamw"]).train
+    assert optimizer_impl(t, "cuda") == "fused" and optimizer_impl(t, "cpu") == "default"
+    assert has_fused("adamw") and not has_fused("radam")
+    t = build_config(None, ["train.optimizer=radam"]).train
+    assert optimizer_impl(t, torch.device("cuda", 0)) == "foreach"
+    t = build_config(None, ["train.optimizer=adamw", "train.optimizer_impl=loop"]).train
+    assert optimizer_impl(t, "cuda") == "loop"
+
+
+def test_fused_adamw_trains_as_the_loop(tmp_path, corpus):
+    """Fused AdamW (torch runs it on the CPU too) takes the for-loop's steps: the same
+    update, rounded in another order, so the weights agree to rounding after 8 steps."""
+    runs = {}
+    for impl in ("loop", "fused"):
+        cfg = config(corpus, *ADAMW, f"train.optimizer_impl={impl}", "train.max_steps=8",
+                     "model.dropout=0")
+        runs[impl] = Trainer(cfg, tmp_path / impl, progress=False)
+        runs[impl].train()
+    assert runs["fused"].optimizer.defaults["fused"] is True
+    for (n, a), (_, b) in zip(runs["loop"].model.named_parameters(),
+                              runs["fused"].model.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=n)  # 3e-8 seen
+
+
+def test_a_foreach_checkpoint_resumes_fused(tmp_path, corpus):
+    """The implementations keep the same state: a run saved with foreach resumes fused
+    (not, silently, foreach again: a state dict carries its groups' flags), with the step
+    counts where fused keeps them (on the parameters' device, fp32)."""
+    steps = (*ADAMW, "train.max_steps=8", "model.dropout=0")
+    full = tmp_path / "full"
+    Trainer(config(corpus, *steps, "train.optimizer_impl=foreach"), full,
+            progress=False).train()
+    part = tmp_path / "part"
+    t = Trainer(config(corpus, *steps, "train.optimizer_impl=foreach"), part, progress=False)
+    _signal_inside_a_step(t, at=[5])
+    assert t.train() == {"interrupted": True, "step": 5}
+    resumed = Trainer(config(corpus, *steps, "train.optimizer_impl=fused"), part, resume=True,
+                      progress=False)
+    assert resumed.step == 5
+    assert all(g["fused"] is True and not g["foreach"] for g in resumed.optimizer.param_groups)
+    state = next(iter(resumed.optimizer.state.values()))
+    assert state["step"].dtype == torch.float32 and state["step"].item() == 5
+    resumed.train()
+    a, b = _weights(part), _weights(full)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)

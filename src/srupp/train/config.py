@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import inspect
 import math
 import re
 import sys
@@ -26,6 +27,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import (Any, Dict, List, Optional, Type, Union, get_args, get_origin,
                     get_type_hints)
+
+import torch
 
 from .._ranges import check, check_fields
 from ..data import SentencePieceTokenizer
@@ -49,8 +52,33 @@ def _check_numbers(section: str, cfg: Any) -> None:
     check_fields(cfg, prefix=f"{section}.", error=UserError)
 
 
-# train.optimizer's choices (the trainer's build_optimizer builds each)
-OPTIMIZERS = ("radam", "adamw")
+# train.optimizer's choices (the trainer's build_optimizer builds each), by their torch class
+OPTIMIZERS = {"radam": torch.optim.RAdam, "adamw": torch.optim.AdamW}
+
+# train.optimizer_impl: torch's kernels for the update. "fused": one kernel for all tensors
+# (where torch has one: AdamW, not RAdam); "foreach": a few kernels per op over tensor lists
+# (torch's default on CUDA); "loop": tensor by tensor (torch's default on the CPU); "auto":
+# fused on CUDA where torch has it, else foreach on CUDA, torch's default on the CPU
+OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "loop")
+
+# train.compile: "off"; "model": torch.compile of the whole training forward; "layers": each
+# repeated layer of the backbone compiled alone (regional compilation); "layers-cudagraphs":
+# the same with CUDA graphs (mode="reduce-overhead"), CUDA only. Runs saved before the choice
+# say true or false: true was "model".
+COMPILE_MODES = ("off", "model", "layers", "layers-cudagraphs")
+_COMPILE_BOOLS = {"true": "model", "1": "model", "yes": "model",
+                  "false": "off", "0": "off", "no": "off"}
+
+
+def _one_of(choices) -> str:
+    """'a, b or c'."""
+    return f"{', '.join(choices[:-1])} or {choices[-1]}"
+
+
+def has_fused(optimizer: str) -> bool:
+    """Whether torch has a fused implementation of ``train.optimizer`` (its ``fused`` flag)."""
+    return "fused" in inspect.signature(OPTIMIZERS[optimizer]).parameters
+
 
 # The tasks a run can train, by the recipe's ``task`` key (srupp.train.tasks)
 TASKS: Dict[str, Type[Task]] = {t.name: t for t in (LMTask, TranslationTask, ClassificationTask)}
@@ -127,6 +155,8 @@ class TrainConfig:
     label_smoothing: float = 0.1      # translate: ε of the label-smoothed loss
     lr: float = 2e-3                  # peak learning rate
     optimizer: str = "radam"          # radam (the SRU++ paper's) or adamw (GPT recipes')
+    optimizer_impl: str = "auto"      # auto, fused, foreach or loop: torch's kernels for the
+                                      # update (OPTIMIZER_IMPLS); the results agree to rounding
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])  # moments' decays β1, β2;
                                       # GPT recipes (nanoGPT) take 0.9, 0.95
     weight_decay: float = 0.1         # decoupled (AdamW-style) for both optimizers
@@ -147,7 +177,8 @@ class TrainConfig:
     calibration_steps: int = 20       # timed steps that fix the schedule length under max_seconds
     threads: Optional[int] = None     # torch intra-op threads (None: torch's default)
     device: str = "cpu"               # "cpu" or "cuda"
-    compile: bool = False             # torch.compile the training forward (docs/performance.md)
+    compile: str = "off"              # torch.compile in training: off, model, layers or
+                                      # layers-cudagraphs (COMPILE_MODES; true = model)
     dist_backend: str = "auto"        # torchrun: gloo on CPU, nccl on CUDA, or a backend name
     shard: str = "ddp"                # torchrun: "ddp" (replicas) or "fsdp" (FSDP2: sharded weights)
     dist_timeout: float = 300.0       # torchrun: seconds a collective waits for a rank that died
@@ -176,6 +207,21 @@ class TrainConfig:
         if self.optimizer not in OPTIMIZERS:
             raise UserError(f"train.optimizer must be {' or '.join(OPTIMIZERS)}, "
                             f"got {self.optimizer!r}")
+        if self.optimizer_impl not in OPTIMIZER_IMPLS:
+            raise UserError(f"train.optimizer_impl must be {_one_of(OPTIMIZER_IMPLS)}, "
+                            f"got {self.optimizer_impl!r}")
+        if self.optimizer_impl == "fused" and not has_fused(self.optimizer):
+            raise UserError(f"train.optimizer_impl=fused: torch {torch.__version__} has no fused "
+                            f"{OPTIMIZERS[self.optimizer].__name__}; use train.optimizer_impl="
+                            f"foreach (or auto), or train.optimizer=adamw")
+        self.compile = _COMPILE_BOOLS.get(str(self.compile).lower(), self.compile)
+        if self.compile not in COMPILE_MODES:
+            raise UserError(f"train.compile must be {_one_of(COMPILE_MODES)} (true and false "
+                            f"read as model and off), got {self.compile!r}")
+        if self.compile == "layers-cudagraphs" and self.device != "cuda":
+            raise UserError(f"train.compile=layers-cudagraphs records CUDA graphs: it needs "
+                            f"train.device=cuda, got train.device={self.device}; on the CPU "
+                            f"use train.compile=layers")
         if len(self.betas) != 2:
             raise UserError(f"train.betas must be two numbers (β1, β2), e.g. "
                             f"train.betas=0.9,0.95; got {self.betas!r}")

@@ -42,7 +42,8 @@ from ..runs import (MODEL_FILE, RUN_CONFIG, TRAINER_STATE, has_checkpoint, point
                     read_run_config, read_run_files, resolve_checkpoint)
 from .checkpoint import (check_same_shape, load_carried_state, load_trainer_state,
                          save_checkpoint)
-from .config import RunConfig, TrainConfig
+from .compile import compile_layers
+from .config import RunConfig, TrainConfig, has_fused
 from .device import synchronize
 from .distributed import SINGLE, Dist
 from .lock import LOCK_FILE, trainer_lock
@@ -268,8 +269,17 @@ class Trainer:
 
     def _wrap(self, model):
         """The module the training steps call: DDP under torchrun (or FSDP2 in place, with
-        train.shard=fsdp), compiled with train.compile."""
+        train.shard=fsdp), compiled with train.compile.
+
+        ``train.compile=layers`` compiles each layer in place first, so that FSDP's
+        gathers stay around the compiled layer, outside it (:func:`compile_layers`)."""
         t = self.cfg.train
+        if t.compile in ("layers", "layers-cudagraphs"):
+            if not compile_layers(model, cudagraphs=t.compile == "layers-cudagraphs"):
+                kind = self.cfg.model.get("type", "srupp")
+                raise UserError(f"train.compile={t.compile} compiles the repeated layers of "
+                                f"SRU, SRU++ and Transformer backbones; model.type={kind} has "
+                                f"none: use train.compile=model or off")
         if self.sharded:
             from .distributed import fully_shard_model
 
@@ -280,7 +290,7 @@ class Trainer:
             ids = [self.device.index] if self.device.type == "cuda" else None
             # the model has no buffers that change in training: nothing to broadcast per step
             model = DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
-        if t.compile:
+        if t.compile == "model":
             model = torch.compile(model)
         return model
 
@@ -369,10 +379,13 @@ class Trainer:
                 load_local_shards(self.model, self.optimizer,
                                   state["ranks"][self.dist.rank]["shards"])
                 for group, saved in zip(self.optimizer.param_groups,
-                                        state["optimizer"]["param_groups"], strict=True):
+                                        self._this_impl(state["optimizer"]["param_groups"]),
+                                        strict=True):
                     group.update(saved)
             else:
-                self.optimizer.load_state_dict(state["optimizer"])
+                saved = state["optimizer"]
+                self.optimizer.load_state_dict(
+                    {**saved, "param_groups": self._this_impl(saved["param_groups"])})
             self.scheduler.load_state_dict(state["scheduler"])
             self.batcher.load_state_dict(state["ranks"][self.dist.rank]["data"]
                                          if self.dist.enabled else state["data"])
@@ -402,6 +415,19 @@ class Trainer:
         if self.dist.is_main and not self.finished:
             self.metrics.truncate(self.step, state["metrics_lines"])
 
+    def _this_impl(self, saved_groups) -> list:
+        """A checkpoint's optimiser groups with this run's ``train.optimizer_impl`` flags.
+
+        The implementations keep the same state, and a resume may change the
+        implementation (a GPU run compares them); but loading a state dict
+        also loads its groups' ``fused`` and ``foreach`` flags, which would
+        silently bring the saved implementation back.
+        """
+        flags = [{k: g[k] for k in IMPL_FLAGS if k in g} for g in self.optimizer.param_groups]
+        if len(flags) != len(saved_groups):
+            return list(saved_groups)  # load_state_dict names the mismatch
+        return [{**saved, **mine} for saved, mine in zip(saved_groups, flags)]
+
     # --------------------------------------------------------------- logging
     def _log(self, record: Dict[str, Any]) -> None:
         if self.dist.is_main:
@@ -416,6 +442,9 @@ class Trainer:
         """
         t = self.cfg.train
         model, count, tokens = self.train_model, 0, 0
+        if t.compile == "layers-cudagraphs":
+            # a new step: the CUDA graphs may reuse the memory of the last step's outputs
+            torch.compiler.cudagraph_mark_step_begin()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._mid_step = True
         # micro-batches of sentences hold different numbers of tokens (and so do the
@@ -715,17 +744,45 @@ class Trainer:
 
 def build_optimizer(param_groups, t: TrainConfig) -> torch.optim.Optimizer:
     """``train.optimizer`` over ``param_groups``, with ``train.lr``, ``train.betas`` and
-    ``train.weight_decay`` (a group's own ``weight_decay`` wins).
+    ``train.weight_decay`` (a group's own ``weight_decay`` wins), in the implementation
+    ``train.optimizer_impl`` picks for the parameters' device (:func:`optimizer_impl`).
 
     Both decay the weights decoupled from the gradient (AdamW-style), so that
     switching optimiser keeps the meaning of ``train.weight_decay``.
     """
-    common = dict(lr=t.lr, betas=(t.betas[0], t.betas[1]), weight_decay=t.weight_decay)
+    groups = list(param_groups)
+    first = next((p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])),
+                 None)
+    device = first.device if first is not None else torch.device("cpu")
+    common = dict(lr=t.lr, betas=(t.betas[0], t.betas[1]), weight_decay=t.weight_decay,
+                  **IMPL_KWARGS[optimizer_impl(t, device)])
     if t.optimizer == "radam":  # the SRU++ paper's
-        return torch.optim.RAdam(param_groups, decoupled_weight_decay=True, **common)
+        return torch.optim.RAdam(groups, decoupled_weight_decay=True, **common)
     if t.optimizer == "adamw":  # GPT recipes' (nanoGPT)
-        return torch.optim.AdamW(param_groups, **common)
+        return torch.optim.AdamW(groups, **common)
     raise ValueError(f"unknown optimizer {t.optimizer!r}")  # TrainConfig refuses it first
+
+
+# The optimiser flags of each train.optimizer_impl ("default": torch's own choice)
+IMPL_KWARGS = {"fused": {"fused": True}, "foreach": {"foreach": True},
+               "loop": {"foreach": False}, "default": {}}
+IMPL_FLAGS = ("fused", "foreach")  # the groups' keys that name the implementation
+
+
+def optimizer_impl(t: TrainConfig, device) -> str:
+    """The implementation ``train.optimizer_impl`` asks for on ``device``: fused, foreach,
+    loop, or default (torch's own choice: the loop on the CPU).
+
+    ``auto`` is fused on CUDA where torch has a fused kernel for the optimiser
+    (AdamW: one kernel for every tensor, and with fp16 no wait for the loss
+    scaler's check: GradScaler hands it to the kernel), foreach on CUDA
+    otherwise (RAdam), and torch's default on the CPU.
+    """
+    if t.optimizer_impl != "auto":
+        return t.optimizer_impl
+    if torch.device(device).type != "cuda":
+        return "default"
+    return "fused" if has_fused(t.optimizer) else "foreach"
 
 
 def _new_interval() -> Dict[str, float]:
