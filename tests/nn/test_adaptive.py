@@ -209,3 +209,52 @@ def test_other_bad_settings():
     out = ProjectedAdaptiveLogSoftmax(V, D, cutoffs=CUTOFFS, div_val=2, emb_dim=D)
     with pytest.raises(ValueError, match="targets"):
         out.loss(torch.randn(2, D), torch.tensor([1, V]))
+
+
+def _gathered(inp, ids):
+    """AdaptiveInput as it was written before: each cluster's rows gathered (nonzero),
+    embedded, projected and put back; the masked form must give the same."""
+    flat = ids.reshape(-1)
+    weight = inp.emb_layers[0].weight
+    out = torch.zeros(flat.shape[0], inp.d_model, device=weight.device, dtype=weight.dtype)
+    cluster = torch.bucketize(flat, inp._cutoff_tensor.to(flat.device), right=True)
+    for i, lo in enumerate(inp.bounds[:-1]):
+        idx = (cluster == i).nonzero().squeeze(1)
+        e = inp.emb_layers[i](flat.index_select(0, idx) - lo)
+        if inp.projection(i) is not None:
+            e = torch.nn.functional.linear(e, inp.projection(i))
+        out = out.index_copy(0, idx, e.to(out.dtype))
+    return out.view(*ids.shape, inp.d_model)
+
+
+@pytest.mark.parametrize("ids", [[[0, 9, 10, 19], [20, 34, 35, 49]],  # every cluster
+                                 [[3, 3, 12, 49], [0, 1, 2, 48]]],   # none in cluster 2
+                         ids=["all-clusters", "one-missing"])
+def test_adaptive_input_masks_as_the_gathered_form_computed(ids, device):
+    """Every cluster embeds every id and a mask keeps its rows (no nonzero, which waits for
+    the GPU): outputs and gradients are the gathered form's. A cluster with no id now gets a
+    zero gradient (an nn.Embedding's absent rows get zeros too) where it got none."""
+    torch.manual_seed(0)
+    inp = AdaptiveInput(V, D, cutoffs=CUTOFFS, div_val=2, emb_dim=8).to(device)
+    ids = torch.tensor(ids).to(device)
+    g = torch.randn(2, 4, D).to(device)
+    (inp(ids) * g).sum().backward()
+    mine = {n: p.grad.clone() for n, p in inp.named_parameters()}
+    inp.zero_grad(set_to_none=True)
+    out = _gathered(inp, ids)
+    torch.testing.assert_close(inp(ids), out, **fp32_tol(device))
+    (out * g).sum().backward()
+    for n, p in inp.named_parameters():
+        theirs = p.grad if p.grad is not None else torch.zeros_like(p)
+        torch.testing.assert_close(mine[n], theirs, **fp32_tol(device), msg=n)
+
+
+@pytest.mark.parametrize("bad", [V, V + 7, -1, -101])
+def test_a_target_out_of_range_is_a_value_error_on_the_cpu(bad):
+    """On the CPU at once; on CUDA the same check is a device-side assertion, which needs
+    no wait for the GPU (a failure stops the process at its next synchronisation)."""
+    out = ProjectedAdaptiveLogSoftmax(V, D, cutoffs=CUTOFFS, div_val=2, emb_dim=D)
+    with pytest.raises(ValueError, match=rf"^targets must be in \[0, {V - 1}\] \(or -100 "
+                                         rf"to ignore\)$"):
+        out.loss(torch.randn(3, D), torch.tensor([1, bad, -100]))
+    assert out.loss(torch.randn(3, D), torch.tensor([1, V - 1, -100]))[2] == 0
