@@ -200,3 +200,27 @@ def test_the_recorder_sees_what_waits():
     names = [op.split(".")[1] for op, _, _ in rec.calls]
     assert names == ["_local_scalar_dense", "_local_scalar_dense", "nonzero", "index",
                      "equal", "bincount", "repeat_interleave"], names
+
+
+@pytest.mark.parametrize("optimizer, waits", [("adamw", 0), ("radam", 1)])
+def test_fp16_loss_scaling_waits_once_a_step_unless_the_optimizer_is_fused(
+        tmp_path, corpus, device, optimizer, waits):
+    """fp16's loss scaler skips a step whose gradients overflowed: torch's GradScaler reads
+    that flag back (one wait a step) unless the optimiser takes it on the device, as the
+    fused AdamW does (train.optimizer_impl=auto on CUDA); torch has no fused RAdam. fp16
+    needs CUDA: on the CPU the run is fp32 with the scaler turned on, the same logic."""
+    steps = 2
+    precision = "fp16" if device.type == "cuda" else "fp32"
+    cfg = config(corpus, f"train.optimizer={optimizer}", f"train.precision={precision}",
+                 f"train.device={device.type}", "train.max_steps=100", "train.log_every=50",
+                 "train.save_every=50", "train.eval_every=50",
+                 *(["train.optimizer_impl=fused"] if optimizer == "adamw" else []))
+    trainer = Trainer(cfg, tmp_path / "run", progress=False)
+    try:
+        if device.type == "cpu":
+            trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        counts, where = _waits_in_steps(trainer, steps)
+    finally:
+        trainer.close()
+    expected = collections.Counter({"aten._local_scalar_dense.default": waits * steps})
+    assert counts == +expected, "\n".join(f"{op}: {w}" for op, w in where)
