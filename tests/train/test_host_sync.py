@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from srupp.train import Trainer
 
-from lm_helpers import config
+from lm_helpers import baseline_config, config
 
 # The ATen ops that wait for a CUDA device, and why:
 SYNCING = {
@@ -124,6 +124,17 @@ def _host_step_counters(optimizer):
             if isinstance(s.get("step"), torch.Tensor) and s["step"].device.type == "cpu"]
 
 
+def _host_windows(state):
+    """A transformer's carried window (the keys it keeps), which every forward reads as a
+    number: it lives on the host whatever the model's device (checked here), so that
+    reading it never waits; on a CPU-only run it is left out by identity."""
+    window = getattr(state, "tensors", {}).get("window")
+    if window is None:
+        return []
+    assert window.device.type == "cpu", "the transformer's window must stay on the host"
+    return [window]
+
+
 def _waits_in_steps(trainer, steps: int):
     """The host waits of ``steps`` training steps (after one that builds the optimiser's
     state), as the loop runs them between its intervals: {op: count}, and where."""
@@ -143,9 +154,11 @@ def _waits_in_steps(trainer, steps: int):
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
-    counters = _host_step_counters(trainer.optimizer)
+    counters, windows = _host_step_counters(trainer.optimizer), _host_windows(trainer.carried)
+    # (each step's state detaches the window: a new tensor over the same memory)
     found = [(op, where) for op, t, where in rec.calls
-             if not any(t is c for c in counters)]
+             if not any(t is c for c in counters)
+             and not any(t.data_ptr() == w.data_ptr() for w in windows)]
     # a wait outside any ATen op (a kernel launcher's own copy, a synchronize())
     found += [("CUDA sync outside an op", f"{w.filename}:{w.lineno}") for w in elsewhere
               if _is_cuda_sync(w)]
@@ -158,15 +171,21 @@ ADAPTIVE = ("model.adaptive_cutoffs=60,100", "model.div_val=2", "model.emb_dim=1
             "model.tie_embeddings=true")
 
 
-@pytest.mark.parametrize("output", ["softmax", "adaptive"])
+# the transformer baseline, with memory: its state carries keys, values and the window
+TRANSFORMER = ("model.mem_len=8",)
+
+
+@pytest.mark.parametrize("output", ["softmax", "adaptive", "transformer"])
 @pytest.mark.parametrize("optimizer", ["radam", "adamw"])
 def test_training_steps_never_wait_for_the_device(tmp_path, corpus, device, output, optimizer):
     steps, accum = 2, 2
-    extra = ADAPTIVE if output == "adaptive" else ()
+    extra = {"adaptive": ADAPTIVE, "transformer": TRANSFORMER}.get(output, ())
     # intervals past the steps run here: only the steps themselves are recorded
-    cfg = config(corpus, *extra, f"train.optimizer={optimizer}", f"train.grad_accum={accum}",
-                 f"train.device={device.type}", "train.max_steps=100", "train.log_every=50",
-                 "train.save_every=50", "train.eval_every=50")
+    make = ((lambda *a: baseline_config(corpus, "transformer", *a)) if output == "transformer"
+            else (lambda *a: config(corpus, *a)))
+    cfg = make(*extra, f"train.optimizer={optimizer}", f"train.grad_accum={accum}",
+               f"train.device={device.type}", "train.max_steps=100", "train.log_every=50",
+               "train.save_every=50", "train.eval_every=50")
     trainer = Trainer(cfg, tmp_path / "run", progress=False)
     try:
         counts, where = _waits_in_steps(trainer, steps)
@@ -224,3 +243,18 @@ def test_fp16_loss_scaling_waits_once_a_step_unless_the_optimizer_is_fused(
         trainer.close()
     expected = collections.Counter({"aten._local_scalar_dense.default": waits * steps})
     assert counts == +expected, "\n".join(f"{op}: {w}" for op, w in where)
+
+
+def test_the_transformer_keeps_its_window_on_the_host(corpus):
+    """On any device (here the meta device, standing in for a GPU) the transformer's
+    state keeps the window it reads every forward on the host, and its forward
+    never reads a value from the model's device."""
+    from srupp.models import build_model
+
+    cfg = baseline_config(corpus, "transformer", "model.mem_len=8")
+    model = build_model(cfg.model_config(256), device="meta")
+    state = model.backbone.initial_state(2)
+    assert state["window"].device.type == "cpu" and state["pos"].device.type == "meta"
+    tokens = torch.zeros(2, 5, dtype=torch.long, device="meta")
+    out = model(tokens, state)  # a read from a meta tensor would raise
+    assert out.state["window"].device.type == "cpu"

@@ -202,10 +202,12 @@ class TransformerBackbone(Backbone):
 
     def generation_state(self, batch_size: int, mem_len: Optional[int] = None) -> TensorState:
         """A KV cache for decoding: unbounded when ``mem_len`` is None."""
+        # the window lives on the CPU: every forward reads it as a number, which from
+        # a CUDA tensor would make the host wait for the device each call
         dev = self.device
         return TensorState({"pos": torch.zeros(batch_size, dtype=torch.long, device=dev),
                             "window": torch.tensor(-1 if mem_len is None else mem_len,
-                                                   dtype=torch.long, device=dev)},
+                                                   dtype=torch.long)},
                            {"pos": 0, "window": None})
 
     def init_decoder(self, enc: EncoderOutput, *, steps: bool = True) -> TensorState:
