@@ -212,6 +212,12 @@ def test_triton_compile():
     assert r["compilations"] == 2 and not r["errors"] and not r["spilling"]
 
 
+def test_gpu_model():
+    r = run_benchmark("gpu_model.py", "--recipe", RECIPE, "--json", "--set", "model.d_model=64",
+                      "model.proj_size=16", "model.num_layers=2")
+    assert r["predicted_step_ms"] > 0 and r["calibration"]["measured_ms"] > 0
+
+
 def test_gpu_check_dry_run(tmp_path):
     """benchmarks/gpu_check.py's every step, on the CPU at tiny sizes: the command a
     GPU window runs must not arrive broken."""
