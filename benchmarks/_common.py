@@ -172,3 +172,25 @@ def lm_training_step(cfg, vocab: int, bf16: bool, *, compiled: bool = False,
             opt.zero_grad(set_to_none=True)
 
     return step, model
+
+
+def model_flops_per_token(model, mem_len: int, unroll: int) -> int:
+    """Training FLOPs a token costs, as MFU counts them (no recomputation, no
+    element-wise work): 6 per weight of every matrix product (forward 2, backward 4;
+    embedding lookups are not products), plus, in each attention layer, scores and
+    values (2 products of the attention width per key, forward and backward:
+    3 x 2 x 2) over the keys a query sees on average (the memory and half the segment).
+
+    The attention width is d' for an SRU++ layer and d_model for a transformer block.
+    """
+    import torch
+
+    from srupp.models.backbones.transformer import Block
+    from srupp.nn.srupp import SRUppAttention
+
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    matmul = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and id(p) not in embeddings)
+    keys = mem_len + (unroll + 1) / 2
+    widths = [m.linear1.out_features for m in model.modules() if isinstance(m, SRUppAttention)]
+    widths += [m.proj.out_features for m in model.modules() if isinstance(m, Block)]
+    return int(6 * matmul + sum(3 * 2 * 2 * keys * w for w in widths))

@@ -2,11 +2,13 @@
 
 Run from the repository root, from source, on the GPU machine's own Python:
 
-    PYTHONPATH=src python3 benchmarks/gpu_check.py --out DIR      # about 7-9 minutes on an H100
+    PYTHONPATH=src python3 benchmarks/gpu_check.py --out DIR      # at most 560 s
+    PYTHONPATH=src python3 benchmarks/gpu_check.py --quick --out DIR   # at most 230 s
     PYTHONPATH=src python3 benchmarks/gpu_check.py --dry-run      # the same code on CPU, tiny sizes
 
 Steps, in order, each in its own process (a crash, a hang or a CUDA error in
-one is recorded with its error and the next step still runs):
+one is recorded with its error and the next step still runs; --quick runs
+only environment, bounds, pipeline and side_by_side):
 
     environment  device, driver, torch, CUDA, triton and library versions; imports
                  the reference (which compiles its CUDA kernel once)
@@ -20,9 +22,13 @@ one is recorded with its error and the next step still runs):
     layer        one SRU++ layer's training and inference step, bf16 and fp32,
                  beside the reference sru==3.0.0.dev6 (its CUDA kernel, if it
                  compiles there)
-    enwik8       the enwik8-base recipe (108M parameters) trained for 200 steps
-                 on synthetic bytes in bf16 by the trainer: tokens/s, peak
-                 memory, model FLOP utilisation against the measured GEMM peak
+    side_by_side the enwik8-base recipe (108M parameters) and the project's
+                 Transformer at the same parameter count, batch and length, each
+                 trained for --steps steps on synthetic bytes in bf16 by the
+                 trainer under every setting of SIDE_BY_SIDE (eager, compiled by
+                 layer, CUDA graphs, fused and foreach AdamW; the Transformer eager
+                 and compiled): tokens/s, peak memory, model FLOP utilisation
+                 against the measured GEMM peak, and SRU++ / Transformer tokens/s
     profile      where that recipe's training step spends its time: the GPU's
                  kernels by kind (GEMM, attention, recurrence, optimizer, ...), the
                  top kernels, and the share of the step the GPU is busy
@@ -53,29 +59,34 @@ import traceback
 import warnings
 from pathlib import Path
 
-from _common import median_seconds
+from _common import median_seconds, model_flops_per_token
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # (name, the most seconds it may take on a GPU, the seconds kept for it while
-# earlier steps run); the whole run fits --budget (default 520 s: inside the
-# 10 minutes one call of the device tool allows, with room for its start-up)
+# earlier steps run); the whole run fits --budget (default 560 s: inside the
+# 10 minutes one call of the device tool allows)
 STEPS = (
     ("environment", 150, 10),  # the reference's CUDA kernel is compiled here
-    ("pytest", 180, 0),
+    ("pytest", 150, 0),
     ("bounds", 45, 10),
-    ("recurrence", 75, 30),
-    ("pipeline", 90, 30),
-    ("layer", 150, 25),
-    ("enwik8", 150, 50),
+    ("recurrence", 60, 20),
+    ("pipeline", 90, 40),
+    ("layer", 60, 15),
+    ("side_by_side", 240, 150),
     ("profile", 90, 30),
 )
+# --quick: versions, the bounds, the recurrence sweep and both models side by side,
+# in at most QUICK_BUDGET seconds (two such calls fit one 15-minute GPU loan)
+QUICK_STEPS = ("environment", "bounds", "pipeline", "side_by_side")
+QUICK_BUDGET = 230
 DRY_TIMEOUT = 300  # a step on the CPU at tiny sizes
 
 TARGETS = {  # the figures a GPU run is held to (the GPU-readiness issue)
     "recurrence_share_of_copy": 0.70,
     "layer_bf16_train_vs_reference": 2.0,
     "enwik8_mfu": 0.35,
+    "srupp_over_transformer": 0.8,
 }
 
 
@@ -162,7 +173,8 @@ def step_environment(args, done):
     info["fully_shard"] = (_has("torch.distributed.fsdp", "fully_shard")
                            or _has("torch.distributed._composable.fsdp", "fully_shard"))
     info["nccl"] = bool(torch.distributed.is_available() and torch.distributed.is_nccl_available())
-    info["reference"] = import_reference()
+    # (--quick leaves the reference out: compiling its CUDA kernel takes a minute)
+    info["reference"] = "not imported (--quick)" if args.quick else import_reference()
     return info
 
 
@@ -512,43 +524,127 @@ def _enwik8_config(args, work: Path, steps: int):
     return build_config(str(ROOT / "recipes" / "enwik8-base.toml"), sets)
 
 
-def step_enwik8(args, done):
-    """The enwik8-base recipe trained by the trainer on synthetic bytes, in bf16."""
+# The contenders of the side-by-side step, in the order they run (the most telling
+# first, so that a step cut short by its time limit keeps them): (row name, model,
+# settings). Each trains the same steps, batch and length through the trainer.
+# "srupp" is the enwik8-base recipe as it stands (eager, RAdam); "transformer" is
+# the project's Transformer at the same parameter count, GPT-style (12 layers,
+# heads 64 wide, flash SDPA with is_causal, fused AdamW); a row whose setting a
+# GPU has not yet confirmed says so only by its figures.
+SIDE_BY_SIDE = (
+    ("srupp eager", "srupp", []),
+    ("transformer eager", "transformer", []),
+    ("srupp compiled by layer", "srupp", ["train.compile=layers"]),
+    ("transformer compiled", "transformer", ["train.compile=model"]),
+    ("srupp compiled by layer, CUDA graphs", "srupp", ["train.compile=layers-cudagraphs"]),
+    ("srupp AdamW fused", "srupp", ["train.optimizer=adamw", "train.optimizer_impl=fused"]),
+    ("srupp AdamW foreach", "srupp", ["train.optimizer=adamw", "train.optimizer_impl=foreach"]),
+)
+TRANSFORMER_SETS = ["model.num_layers=12", "train.optimizer=adamw", "eval.mem_len=0"]
+
+
+def _transformer_config(srupp_cfg, params: int):
+    """The project's Transformer sized to ``params`` as ``srupp compare`` sizes it, on
+    the SRU++ run's data, batch and length; 12 layers (GPT-2 small's depth) and
+    learned positions over the whole segment, without memory."""
+    from srupp.train.compare import size_model
+
+    sets = TRANSFORMER_SETS + [f"model.max_positions={srupp_cfg.train.unroll}"]
+    if srupp_cfg.model.get("d_model", 0) < 256:  # --dry-run: a tiny model
+        sets[0] = "model.num_layers=2"
+    return size_model("transformer", srupp_cfg, 256, params, sets).cfg
+
+
+def _train_row(cfg, work: Path, dev, peak) -> dict:
+    """Train ``cfg`` for its steps; tokens/s (median of the logged intervals after the
+    first, which holds the warm-up), MFU against ``peak`` and peak memory."""
+    import gc
+
     import torch
 
     from srupp.train import Trainer
 
-    dev = _device(args)
-    work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg, work, progress=False)
     try:
-        cfg = _enwik8_config(args, work, 6 if args.dry_run else args.enwik8_steps)
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        trainer = Trainer(cfg, work / "run", progress=False)
         summary = trainer.train()
-        wall = time.perf_counter() - t0
-        rows = [json.loads(ln) for ln in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+        rows = [json.loads(ln) for ln in (work / "metrics.jsonl").read_text().splitlines()]
         speeds = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
-        # the first interval holds the warm-up (allocator, kernel compilation)
         tok_s = statistics.median(speeds[1:] or speeds)
-        model = trainer.model
-        flops = model_flops_per_token(model, trainer.model_config.mem_len, cfg.train.unroll)
-        peak = (done.get("bounds") or {}).get("gemm_bf16_TFLOPs")
-        out = {"params": model.num_parameters(), "steps": summary["step"],
-               "batch": cfg.train.batch_size, "unroll": cfg.train.unroll,
-               "precision": cfg.train.precision, "tokens_per_s": round(tok_s),
-               "train_seconds": round(summary.get("train_seconds", 0.0), 1),
-               "wall_seconds": round(wall, 1), "flops_per_token": flops,
-               "valid_bpc": summary.get("valid_bpc")}
-        if dev.type == "cuda":
-            out["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        flops = model_flops_per_token(trainer.model, trainer.model_config.mem_len or 0,
+                                      cfg.train.unroll)
+        out = {"params": trainer.model.num_parameters(), "steps": summary["step"],
+               "tokens_per_s": round(tok_s), "flops_per_token": flops,
+               "wall_seconds": round(time.perf_counter() - t0, 1)}
         if peak:
             out["mfu"] = float(f"{tok_s * flops / (peak * 1e12):.3g}")
-        out["target_mfu"] = TARGETS["enwik8_mfu"]
+        if dev.type == "cuda":
+            out["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         return out
     finally:
+        del trainer
+        gc.collect()
+        torch._dynamo.reset()  # each row compiles afresh: no cache from the row before
+
+
+def step_side_by_side(args, done):
+    """SRU++ (enwik8-base) and the project's Transformer at the same parameter count,
+    batch and length, trained for the same steps in this one process, each under
+    every setting of SIDE_BY_SIDE: tokens/s, MFU and peak memory per row, and
+    ``srupp_over_transformer``, the best SRU++ row's tokens/s over the best
+    Transformer row's (the headline, first in the result)."""
+    dev = _device(args)
+    peak = (done.get("bounds") or {}).get("gemm_bf16_TFLOPs")
+    steps = 6 if args.dry_run else args.steps
+    work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    t0, rows = time.perf_counter(), []
+    try:
+        srupp_cfg = _enwik8_config(args, work, steps)
+        from srupp.models import parameter_counts
+
+        params = parameter_counts(srupp_cfg.model_config(256))["params"]
+        base = {"srupp": srupp_cfg, "transformer": _transformer_config(srupp_cfg, params)}
+        for i, (name, model, sets) in enumerate(SIDE_BY_SIDE):
+            row = {"name": name, "model": model, "settings": sets}
+            left = args.step_timeout - (time.perf_counter() - t0)
+            if left < (30 if dev.type == "cuda" else 5):  # keep what was measured
+                rows.append({**row, "skipped": f"not run: {left:.0f} s left in the step"})
+                continue
+            if "cudagraphs" in " ".join(sets) and dev.type != "cuda":
+                rows.append({**row, "skipped": "CUDA graphs need a CUDA device"})
+                continue
+            try:
+                from srupp.train import build_config
+
+                cfg = build_config(None, list(sets), base=base[model].to_dict())
+                rows.append({**row, **_train_row(cfg, work / f"run{i}", dev, peak)})
+            except Exception as e:  # noqa: BLE001 - one row's failure is its result
+                rows.append({**row, "error": f"{type(e).__name__}: {e}"[-2000:]})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
         shutil.rmtree(work, ignore_errors=True)
+
+    def best(model):
+        timed = [r for r in rows if r["model"] == model and "tokens_per_s" in r]
+        return max(timed, key=lambda r: r["tokens_per_s"], default=None)
+
+    def ratio(a, b):
+        return float(f"{a['tokens_per_s'] / b['tokens_per_s']:.3g}") if a and b else None
+
+    eager = {m: next((r for r in rows if r["name"] == f"{m} eager" and "tokens_per_s" in r),
+                     None) for m in ("srupp", "transformer")}
+    s_best, t_best = best("srupp"), best("transformer")
+    return {"srupp_over_transformer": ratio(s_best, t_best),
+            "srupp_over_transformer_eager": ratio(eager["srupp"], eager["transformer"]),
+            "best": {"srupp": s_best and s_best["name"], "transformer": t_best and t_best["name"]},
+            "srupp_mfu": s_best and s_best.get("mfu"),
+            "batch": srupp_cfg.train.batch_size, "unroll": srupp_cfg.train.unroll,
+            "precision": srupp_cfg.train.precision, "params_target": params,
+            "rows": rows, "targets": {"srupp_over_transformer": TARGETS["srupp_over_transformer"],
+                                      "enwik8_mfu": TARGETS["enwik8_mfu"]}}
 
 
 # a kernel's kind, from its name (first match): what a training step's GPU time is
@@ -649,26 +745,9 @@ def _sync(dev) -> None:
         torch.cuda.synchronize(dev)
 
 
-def model_flops_per_token(model, mem_len: int, unroll: int) -> int:
-    """Training FLOPs a token costs: 6 per weight of every matrix product (forward 2,
-    backward 4; embedding lookups are not products), plus, in each attention layer,
-    scores and values (2 products of d' per key, forward and backward: 3 x 2 x 2)
-    over the keys a query sees on average (the memory and half the segment)."""
-    import torch
-
-    from srupp.nn.srupp import SRUppAttention
-
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    matmul = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and id(p) not in embeddings)
-    keys = mem_len + (unroll + 1) / 2
-    attention = sum(3 * 2 * 2 * keys * m.linear1.out_features for m in model.modules()
-                    if isinstance(m, SRUppAttention))
-    return int(6 * matmul + attention)
-
-
 STEP_FUNCS = {"environment": step_environment, "pytest": step_pytest, "bounds": step_bounds,
               "recurrence": step_recurrence, "pipeline": step_pipeline, "layer": step_layer,
-              "enwik8": step_enwik8, "profile": step_profile}
+              "side_by_side": step_side_by_side, "profile": step_profile}
 
 
 # --------------------------------------------------------------------------- report
@@ -705,6 +784,17 @@ def markdown(results: dict) -> str:
             else:
                 lines.append(f"| {r['dtype']} | {cfg} | {r['forward_ms']} | {r['backward_ms']} "
                              f"| {r.get('forward_share', '-')} | {r.get('backward_share', '-')} |")
+    side = results["steps"].get("side_by_side", {}).get("result") or {}
+    if side.get("rows"):
+        lines += ["", f"| side by side (SRU++ / Transformer {side['srupp_over_transformer']}) "
+                      "| tokens/s | MFU | peak GiB |", "|---|---|---|---|"]
+        for r in side["rows"]:
+            if "tokens_per_s" in r:
+                lines.append(f"| {r['name']} | {r['tokens_per_s']:,} | {r.get('mfu', '-')} | "
+                             f"{r.get('peak_memory_gib', '-')} |")
+            else:
+                why = (r.get("error") or r.get("skipped", ""))[:80].replace("|", "/")
+                lines.append(f"| {r['name']} | {why} | | |".replace("\n", " "))
     prof = results["steps"].get("profile", {}).get("result") or {}
     if prof.get("by_kind_ms"):
         lines += ["", f"| enwik8 step {prof['step_ms']} ms, device busy "
@@ -740,9 +830,11 @@ def _headline(name: str, r: dict) -> str:
         return (f"bf16 training {ratio}x the reference (target {x['target_vs_reference']})"
                 if ratio is not None else ("reference: " + "; ".join(
                     f"{k}: {v}" for k, v in x.get("reference_errors", {}).items()))[:200].replace("\n", " / "))
-    if name == "enwik8":
-        return (f"{x['tokens_per_s']:,} tokens/s, MFU {x.get('mfu')} (target {x['target_mfu']}), "
-                f"peak {x.get('peak_memory_gib')} GiB")
+    if name == "side_by_side":
+        return (f"SRU++ / Transformer tokens/s {x['srupp_over_transformer']} (eager "
+                f"{x['srupp_over_transformer_eager']}; target "
+                f"{x['targets']['srupp_over_transformer']}); SRU++ MFU {x['srupp_mfu']} "
+                f"(target {x['targets']['enwik8_mfu']})")
     return ""
 
 
@@ -765,13 +857,21 @@ def run_one(args) -> None:
     Path(args.result).write_text(json.dumps(record))
 
 
+def plan(args) -> tuple:
+    """The steps to run (STEPS' entries, in order) and the seconds for them all:
+    --only's steps, or all; with --quick, only those of QUICK_STEPS."""
+    names = [s for s in STEPS if (not args.only or s[0] in args.only)
+             and (not args.quick or s[0] in QUICK_STEPS)]
+    return names, args.budget or (QUICK_BUDGET if args.quick else 560)
+
+
 def run_all(args, passthrough) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = open(out / "gpu_check.log", "w")
-    results = {"dry_run": args.dry_run, "targets": TARGETS, "steps": {}}
-    deadline = time.monotonic() + args.budget
-    names = [s for s in STEPS if not args.only or s[0] in args.only]
+    results = {"dry_run": args.dry_run, "quick": args.quick, "targets": TARGETS, "steps": {}}
+    names, budget = plan(args)
+    deadline = time.monotonic() + budget
     with tempfile.TemporaryDirectory() as tmp:
         state, result = Path(tmp) / "state.json", Path(tmp) / "result.json"
         for i, (name, cap, _) in enumerate(names):
@@ -816,7 +916,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default=".", help="folder for gpu.json and gpu_check.log")
     p.add_argument("--dry-run", action="store_true", help="every step on the CPU, tiny sizes")
     p.add_argument("--only", nargs="+", choices=[s[0] for s in STEPS], help="these steps only")
-    p.add_argument("--budget", type=float, default=520, help="seconds for the whole run")
+    p.add_argument("--budget", type=float, default=None,
+                   help=f"seconds for the whole run (default 560; {QUICK_BUDGET} with --quick)")
     p.add_argument("--commit", default=None, help="the commit measured (default: git's HEAD)")
     p.add_argument("--maxfail", type=int, default=25, help="pytest stops after this many failures")
     p.add_argument("--workers", type=int, default=8, help="pytest-xdist workers (if installed)")
@@ -825,7 +926,10 @@ def parse_args(argv=None):
     p.add_argument("--rec-units", type=int, default=2048)
     p.add_argument("--layer-L", type=int, default=1024)
     p.add_argument("--layer-B", type=int, default=8)
-    p.add_argument("--enwik8-steps", type=int, default=200)
+    p.add_argument("--quick", action="store_true",
+                   help=f"only {', '.join(QUICK_STEPS)}, in at most {QUICK_BUDGET} s")
+    p.add_argument("--steps", type=int, default=50,
+                   help="training steps of each side-by-side row")
     p.add_argument("--enwik8-batch", type=int, default=16, help="streams of 1,024 bytes a step")
     # a child process's own arguments
     p.add_argument("--step", choices=list(STEP_FUNCS), help=argparse.SUPPRESS)
@@ -837,7 +941,7 @@ def parse_args(argv=None):
 
 # arguments the driver hands on to each step's process
 _PASSED_ON = ("dry_run", "commit", "maxfail", "workers", "pytest_targets", "rec_batch",
-              "rec_units", "layer_L", "layer_B", "enwik8_steps", "enwik8_batch")
+              "rec_units", "layer_L", "layer_B", "steps", "enwik8_batch", "quick")
 
 
 def main(argv=None):

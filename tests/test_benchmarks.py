@@ -225,7 +225,7 @@ def test_gpu_check_dry_run(tmp_path):
     report = json.loads((tmp_path / "gpu.json").read_text())
     steps = report["steps"]
     assert list(steps) == ["environment", "pytest", "bounds", "recurrence", "pipeline", "layer",
-                           "enwik8", "profile"]
+                           "side_by_side", "profile"]
     assert r["ok"], {k: v.get("error") for k, v in steps.items() if not v["ok"]}
     assert steps["environment"]["result"]["torch"]
     assert steps["pytest"]["result"]["counts"]["passed"] > 0
@@ -239,8 +239,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert {x["dtype"] for x in rows if x["kernel"] == "triton" and x["backward_GBps"] > 0} \
         == {"fp32", "bf16", "fp16"}
     assert min(steps["layer"]["result"]["tokens_per_s"].values()) > 0
-    lm = steps["enwik8"]["result"]
-    assert lm["steps"] == 6 and lm["tokens_per_s"] > 0 and 0 < lm["mfu"]
+    _check_side_by_side(steps["side_by_side"]["result"])
     # the pipelined launch configurations compute what the plain loop does
     pipe = steps["pipeline"]["result"]
     assert [(x["dtype"], x["stages"]) for x in pipe["rows"]] == [
@@ -252,6 +251,41 @@ def test_gpu_check_dry_run(tmp_path):
     assert prof["steps_profiled"] == 2 == prof["steps_timed"] and prof["step_ms"] > 0
     assert prof["top"]
     assert sum(prof["by_kind_ms"].values()) > 0
+
+
+def _check_side_by_side(side):
+    """Every SIDE_BY_SIDE row trained (CUDA graphs, CUDA-only, skipped with its reason),
+    at the same batch and length, with SRU++ and the Transformer within 10% in size."""
+    names = [r["name"] for r in side["rows"]]
+    assert names == [n for n, _, _ in _gpu_check().SIDE_BY_SIDE]
+    for r in side["rows"]:
+        if "cudagraphs" in " ".join(r["settings"]):
+            assert r["skipped"] == "CUDA graphs need a CUDA device"
+        else:
+            assert r.get("error") is None and r["steps"] == 6 and r["tokens_per_s"] > 0, r
+            assert abs(r["params"] - side["params_target"]) <= 0.1 * side["params_target"]
+    assert list(side)[0] == "srupp_over_transformer" and side["srupp_over_transformer"] > 0
+    assert side["best"]["srupp"].startswith("srupp") and side["srupp_mfu"] > 0
+
+
+def _gpu_check():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return gpu_check
+
+
+def test_gpu_check_quick_runs_the_four_steps_in_its_budget():
+    gpu_check = _gpu_check()
+    names, budget = gpu_check.plan(gpu_check.parse_args(["--quick"]))
+    assert [n for n, _, _ in names] == ["environment", "bounds", "pipeline", "side_by_side"]
+    assert budget == gpu_check.QUICK_BUDGET <= 240  # two calls fit a 15-minute GPU loan
+    names, budget = gpu_check.plan(gpu_check.parse_args(["--quick", "--only", "bounds", "layer"]))
+    assert [n for n, _, _ in names] == ["bounds"] and budget == gpu_check.QUICK_BUDGET
+    names, budget = gpu_check.plan(gpu_check.parse_args([]))
+    assert len(names) == len(gpu_check.STEPS) and budget == 560
 
 
 def test_gpu_check_reads_why_a_build_failed_and_names_kernel_kinds():
