@@ -13,6 +13,15 @@ Exits with status 1 if a variant fails to compile or spills.
 
 ``--pairwise`` compiles the subset CI compiles (tests/ops/test_triton_compile.py);
 ``--limit N`` the first N variants only.
+
+``--sweep`` compiles instead the launch configurations a GPU times
+(``triton_kernel.SWEEP_CONFIGS``), each kernel's heaviest variant in fp32 and bf16
+(``sweep_specializations()``), and the summary has one row per configuration,
+kernel, dtype and arch: registers, spills, shared memory, asynchronous copies and
+where each time loop's loads sit (PTX: loads before the first ex2; SASS: loads
+issued before the first instruction that needs one).
+
+    .venv/bin/python benchmarks/triton_compile.py --sweep
 """
 
 from __future__ import annotations
@@ -47,6 +56,21 @@ def summarise(records):
             max_spill_bytes=max(r["spill_bytes"] for r in rs),
             max_shared=max(r["shared"] for r in rs),
             median_compile_s=round(statistics.median(r["compile_s"] for r in rs), 2)))
+    return rows
+
+
+def summarise_sweep(records):
+    """One row per launch configuration x kernel x U dtype x arch."""
+    rows = []
+    for r in records:
+        rows.append(dict(
+            config=r["name"].split("BLOCK=")[1], kernel=r["kernel"], dtype=r["dtype"],
+            arch=r["arch"], n_regs=r["n_regs"], spill_bytes=r["spill_bytes"],
+            shared=r["shared"], async_copies=r["async_copies"],
+            # per time loop (the blocks', then the plain tail's)
+            ptx_loads_before_ex2=[(p["loads"], p["before_first_ex2"]) for p in r["ptx_loops"]],
+            sass_loads_before_use=[(x["loads"], x["before_first_use"]) for x in r["loops"]],
+            compile_s=r["compile_s"]))
     return rows
 
 
@@ -88,10 +112,15 @@ def main(argv=None):
     ap.add_argument("--pairwise", action="store_true",
                     help="only the pairwise cover of the variants that CI compiles")
     ap.add_argument("--limit", type=int, help="only the first N variants")
+    ap.add_argument("--sweep", action="store_true",
+                    help="the GPU sweep's launch configurations (SWEEP_CONFIGS) instead, "
+                         "each kernel's heaviest variant in fp32 and bf16")
     ap.add_argument("--markdown", metavar="PATH", help="write the summary table here")
     args = ap.parse_args(argv)
 
-    specs = tk.specializations()
+    if args.sweep and args.markdown:
+        ap.error("--markdown writes the table of the production variants; not with --sweep")
+    specs = tk.sweep_specializations() if args.sweep else tk.specializations()
     if args.kernel:
         specs = [s for s in specs if s.kernel == args.kernel]
     if args.pairwise:
@@ -113,7 +142,7 @@ def main(argv=None):
     errors = [r for r in records if "error" in r]
     ok = [r for r in records if "error" not in r]
     spilling = [r for r in ok if r["n_spills"] or r["spill_bytes"]]
-    rows = summarise(ok)
+    rows = summarise_sweep(ok) if args.sweep else summarise(ok)
     command = "benchmarks/triton_compile.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result = dict(
         triton=triton.__version__, python=platform.python_version(), archs=args.archs,

@@ -11,6 +11,11 @@ them (every pair of values of two fields that occurs in the full list occurs in
 the subset: some 25 variants, about 30 s on 2 cores), and
 ``benchmarks/triton_compile.py`` compiles them all.
 
+The launch configurations a GPU sweep times (``SWEEP_CONFIGS``) are compiled too,
+each kernel's heaviest variant (every flag on) in fp32 and bf16, on sm_80 and sm_90
+(about 45 s on 2 cores); their PTX shows that explicit blocks of time steps issue
+every step's loads before the first update.
+
 The variants' list must not drift from the launches: the launches of real calls
 (through the dispatcher and the layers, under the interpreter) and of the two
 launch configurations are checked to be in it.
@@ -219,3 +224,70 @@ def test_a_pipelined_time_loop_compiles_to_asynchronous_copies(dtype, block):
     for r in (fwd, bwd):
         assert r["async_copies"] > 0, f"{r['name']}: no cp.async in the PTX"
         assert r["n_spills"] == 0 and r["spill_bytes"] == 0, r
+
+
+def test_sweep_configs_are_listed():
+    """SWEEP_CONFIGS, the launch configurations a GPU times: few enough for the GPU
+    check's minute, the production defaults among them, and every kind of variant."""
+    configs = tk.SWEEP_CONFIGS
+    assert len(set(configs)) == len(configs) <= 14
+    assert all(tk._config(c) == c for c in configs)
+    assert {tk.LaunchConfig(block, warps) for _, block, warps in tk._LAUNCH_CONFIGS} <= set(configs)
+    assert {(128, 4), (256, 8)} <= {(c.block, c.num_warps) for c in configs if c.steps is None}
+    assert {4, 8} <= {c.stages for c in configs if c.steps is None}
+    assert {4, 8, 12} <= {c.steps for c in configs}
+    assert any(c.stages and c.steps for c in configs)
+    assert tk.PIPELINE_STAGES is None and tk.STEPS_PER_BLOCK is None  # not the default yet
+
+
+@pytest.fixture(scope="module")
+def sweep_results():
+    """Every sweep configuration's heaviest forward and backward
+    (sweep_specializations()), compiled for sm_80 and sm_90: fp32 on one arch and bf16
+    on the other, alternating from one configuration to the next."""
+    specs = tk.sweep_specializations()
+    assert {s.config for s in specs} == set(tk.SWEEP_CONFIGS)
+    index = {c: i for i, c in enumerate(tk.SWEEP_CONFIGS)}
+    on_80 = [s for s in specs if (index[s.config] + (s.dtype == torch.bfloat16)) % 2 == 0]
+    on_90 = [s for s in specs if s not in on_80]
+    start = time.perf_counter()
+    results = (tk.compile_specializations(on_80, [80], workers=2)
+               + tk.compile_specializations(on_90, [90], workers=2))
+    print(f"compiled {len(results)} sweep variants in {time.perf_counter() - start:.1f} s")
+    assert len(results) == len(specs)
+    return results
+
+
+def test_sweep_configs_compile_for_sm80_and_sm90_without_spills(sweep_results):
+    errors = [f"{r['name']} sm_{r['arch']}: {r['error']}" for r in sweep_results if "error" in r]
+    assert not errors, "\n".join(errors)
+    seen = {(r["name"].split("BLOCK=")[1], r["kernel"], r["arch"]) for r in sweep_results}
+    assert seen == {(c.name, k, a) for c in tk.SWEEP_CONFIGS for k in ("fwd", "bwd")
+                    for a in tk.ARCHS}
+    for r in sweep_results:
+        where = f"{r['name']} sm_{r['arch']}"
+        assert r["ptx"] and r["cubin"], f"{where}: no PTX or cubin"
+        assert r["n_spills"] == 0 and r["spill_bytes"] == 0, (
+            f"{where} spills: {r['spill_bytes']} bytes of spill stores and loads, "
+            f"{r['n_spills']} words of local memory, {r['n_regs']} registers")
+        assert 0 < r["n_regs"] <= 255
+
+
+def test_explicit_blocks_issue_their_loads_first(sweep_results):
+    """In the PTX, a block of K steps issues all its K steps' loads before the first
+    ex2 (the first sigmoid) of its updates, where the plain loop issues one step's;
+    the steps after the last whole block run the plain loop. (ptxas then moves many
+    of them down among the first updates: the SASS figures, r["loops"], are reported,
+    not asserted.) The variants here load u0, u1, u2, x and the padding flag each step,
+    and in the backward also c_{t-1} and grad_h."""
+    for r in sweep_results:
+        if "error" in r or r["stages"] is not None:  # (pipelined: asynchronous copies)
+            continue
+        per_step = 5 if r["kernel"] == "fwd" else 7
+        loops = [(p["loads"], p["before_first_ex2"]) for p in r["ptx_loops"]]
+        where = f"{r['name']} sm_{r['arch']}: {loops}"
+        if r["steps"] is None:
+            assert loops == [(per_step, per_step)], where
+        else:
+            block = r["steps"] * per_step
+            assert loops == [(block, block), (per_step, per_step)], where

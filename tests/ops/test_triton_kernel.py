@@ -83,9 +83,9 @@ def triton_backend(monkeypatch, device):
     for name in calls:
         calls[name] = 0
 
-        def counted(*args, _real=getattr(tk, name), _name=name):
+        def counted(*args, _real=getattr(tk, name), _name=name, **kwargs):
             calls[_name] += 1
-            return _real(*args)
+            return _real(*args, **kwargs)
 
         monkeypatch.setattr(tk, name, counted)
     with ops.use_backend("triton"):
@@ -268,25 +268,99 @@ def test_shapes(B, L, D, block, bidir, device):
         check(tri, ref, inputs)
 
 
-@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("stages,steps", [(2, None), (4, None), (None, 3), (2, 3)],
+                         ids=["2s", "4s", "k3", "2s-k3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("bidir,pad,k", [(False, False, 3), (True, True, 3), (False, True, 4)])
-def test_pipelined_time_loop(stages, dtype, bidir, pad, k, device, monkeypatch):
-    """PIPELINE_STAGES: the loads of later steps in flight while a step computes give
-    the same results; L = 7 is not a multiple of the stages (the loop's prologue and
-    epilogue). With --device cuda also a long fp32 run against float64, where the
-    compiled pipeline really runs ahead."""
+def test_pipelined_time_loop(stages, steps, dtype, bidir, pad, k, device, monkeypatch):
+    """PIPELINE_STAGES and STEPS_PER_BLOCK, through the dispatcher: the loads of later
+    steps in flight while a step computes give the same results; L = 7 is not a
+    multiple of the stages (the loop's prologue and epilogue) nor of the blocks (two
+    blocks of 3 steps, then one step of the plain loop). With --device cuda also a
+    long fp32 run against float64, where the compiled pipeline really runs ahead."""
     monkeypatch.setattr(tk, "PIPELINE_STAGES", stages)
+    monkeypatch.setattr(tk, "STEPS_PER_BLOCK", steps)
     U, x, wc, bias, c0, mask, dm = make_inputs(3, 7, 6, k, True, pad=pad, dropout=True,
-                                               dtype=dtype, seed=stages, device=device)
+                                               dtype=dtype, seed=stages or 1, device=device)
     tri, ref, inputs = run_both(U, x, wc, bias, c0, mask, dm, bidir=bidir)
     check(tri, ref, inputs, dtype=dtype)
     if device.type == "cuda" and dtype == torch.float32:
         U, x, wc, bias, c0, mask, dm = make_inputs(4, 67, 300, k, True, pad=pad, dropout=True,
-                                                   seed=stages, device=device)
+                                                   seed=stages or 1, device=device)
         tri, ref, inputs = run_both(U, x, wc, bias, c0, mask, dm, bidir=bidir, block_size=None)
         check_against_fp64(tri, ref, reference_fp64((U, x, wc, bias, c0), mask, dm,
                                                     bidir=bidir), inputs)
+
+
+def low_level(config, U, x, wc, bias, c0, mask, dm, gh, gcl, bidir):
+    """The forward (keeping c_all) and the backward in one launch configuration, on
+    detached inputs: every output of both."""
+    U, x, wc, bias, c0 = (None if t is None else t.detach() for t in (U, x, wc, bias, c0))
+    args = (U, x, wc, bias, c0, mask, dm, 1.3, bidir)
+    h, c_last, c_all = tk.sru_fwd(*args, True, config=config)
+    grads = tk.sru_bwd(*args[:7], c_all, gh, gcl, 1.3, bidir, x is not None, config=config)
+    return (h, c_last, c_all, *grads)
+
+
+# (k, skip term, bidirectional, padding, dropout): together every feature of the kernels
+CONFIG_CASES = {"k3-bidir-pad-drop": (3, True, True, True, True),
+                "k4-pad": (4, True, False, True, False),
+                "k3-noskip-bidir-drop": (3, False, True, False, True)}
+# Each configuration in fp32 and bf16, each with another case (the interpreter takes a
+# second a case); on CUDA only the first (each configuration compiles its own kernels).
+SWEEP_CASES = [(config, dtype, list(CONFIG_CASES)[(i + n) % len(CONFIG_CASES)])
+               for i, config in enumerate(tk.SWEEP_CONFIGS)
+               for n, dtype in enumerate((torch.float32, torch.bfloat16))]
+
+
+@pytest.mark.parametrize("config,dtype,case", SWEEP_CASES,
+                         ids=[f"{c.name}-{'fp32' if d == torch.float32 else 'bf16'}-{case}"
+                              for c, d, case in SWEEP_CASES])
+def test_sweep_configs(config, dtype, case, device, monkeypatch):
+    """Every launch configuration of the GPU sweep (SWEEP_CONFIGS): through the
+    dispatcher, the custom ops and autograd it matches the reference on every output
+    and gradient, and at the low level it equals the plain loop to the last bit, every
+    output (h, c_last, c_all, and all gradients), fp32 and bf16: every variant runs
+    the same update code, the same operations in the same order, and only moves the
+    loads. L = 14 is not a multiple of 4, 8 or 12 (blocks, then 2 or 6 steps of the
+    plain loop); D = 6 puts both directions in one program."""
+    if device.type == "cuda" and dtype != torch.float32:
+        pytest.skip("on CUDA one case a configuration (each compiles its own kernels)")
+    k, skip, bidir, pad, dropout = CONFIG_CASES[case]
+    B, L, D = 3 if pad else 2, 14, 6
+    monkeypatch.setattr(tk, "_launch_config", lambda B, D: config)
+    U, x, wc, bias, c0, mask, dm = make_inputs(B, L, D, k, skip, pad=pad, dropout=dropout,
+                                               dtype=dtype, seed=L + k, device=device)
+    tri, ref, inputs = run_both(U, x, wc, bias, c0, mask, dm, bidir=bidir)
+    check(tri, ref, inputs, dtype=dtype)
+
+    g = torch.Generator().manual_seed(2)
+    gh = torch.randn(B, L, D, generator=g).to(device=device, dtype=dtype)
+    gcl = torch.randn(B, D, generator=g).to(device)
+    plain = low_level(tk.LaunchConfig(4, 1), U, x, wc, bias, c0, mask, dm, gh, gcl, bidir)
+    got = low_level(config, U, x, wc, bias, c0, mask, dm, gh, gcl, bidir)
+    names = ["h", "c_last", "c_all", "grad_U", "grad_x", "grad_weight_c", "grad_bias", "grad_c0"]
+    for name, a, b in zip(names, got, plain):
+        assert torch.equal(a, b), f"{name} differs from the plain loop's"
+
+
+def test_config_argument(device):
+    """config= takes a LaunchConfig or a plain tuple, and says what is wrong with a bad one."""
+    U, x, wc, bias, c0, mask, dm = make_inputs(1, 2, 4, 3, True, device=device)
+    U, x, wc, bias, c0 = (t.detach() for t in (U, x, wc, bias, c0))
+    args = (U, x, wc, bias, c0, None, None, 1.0, False, False)
+    h, _, _ = tk.sru_fwd(*args, config=tk.LaunchConfig(32, 1, None, 2))
+    assert torch.equal(h, tk.sru_fwd(*args, config=(32, 1))[0])
+    assert torch.equal(h, tk.sru_fwd(*args, config=(32, 1, None, 2))[0])
+    for bad, error, words in [((48, 2), ValueError, "block must be a power of two"),
+                              ((32, 3), ValueError, "num_warps must be a power of two"),
+                              ((32, 1, 0), ValueError, "stages must be None"),
+                              ((32, 1, None, 2.5), ValueError, "steps must be None"),
+                              ((32,), TypeError, "LaunchConfig"), ("32/1w", TypeError, "tuple")]:
+        with pytest.raises(error, match=words):
+            tk.sru_fwd(*args, config=bad)
+    assert tk.LaunchConfig(128, 4, 2, 8).name == "128/4w/2s/k8"
+    assert tk.LaunchConfig(64, 2).name == "64/2w"
 
 
 @pytest.mark.parametrize("scale_x", [1.0, 0.37, 2.5])

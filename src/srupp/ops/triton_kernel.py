@@ -21,6 +21,13 @@ from its unit index (units >= D/2 run t = L-1 .. 0), so a block may straddle the
 two halves.  State and all accumulation are fp32 whatever the input dtype; h
 and grad_U are written in U's dtype.
 
+How a program walks time is a launch configuration (:class:`LaunchConfig`: units and
+warps a program, Triton's software pipelining, explicit blocks of time steps; the
+comment above the kernels says how each works); all of them compute the same
+results to the last bit. :data:`SWEEP_CONFIGS` lists those a GPU should time before
+one replaces today's default (:data:`PIPELINE_STAGES` and :data:`STEPS_PER_BLOCK`
+None).
+
 The peephole/bias gradients are reduced deterministically: every program
 writes its per-batch-row partial sums into a (B, 4, D) fp32 buffer, which is
 then summed over B with torch (no atomics).
@@ -66,9 +73,11 @@ from torch import Tensor
 
 from .settings import debug_nan_fill
 
-__all__ = ["sru_fwd", "sru_bwd", "BLOCK_SIZE", "ARCHS", "Launch", "Specialization",
-           "specializations", "example_launch", "launch_key", "compile_specialization",
-           "compile_specializations", "pairwise_cover"]
+__all__ = ["sru_fwd", "sru_bwd", "BLOCK_SIZE", "PIPELINE_STAGES", "STEPS_PER_BLOCK",
+           "LaunchConfig", "SWEEP_CONFIGS", "ARCHS", "Launch", "Specialization",
+           "specializations", "sweep_specializations", "example_launch", "launch_key",
+           "compile_specialization", "compile_specializations", "pairwise_cover",
+           "loop_loads"]
 
 #: Units per program (a power of two); None picks by size. The tests set small
 #: blocks, so that D is not a multiple of the block and blocks straddle directions.
@@ -82,10 +91,121 @@ BLOCK_SIZE: Optional[int] = None
 #: timed the pipelined loop (benchmarks/gpu_check.py times both).
 PIPELINE_STAGES: Optional[int] = None
 
+#: Time steps per explicit block (K): the kernels issue the loads of K steps, then run
+#: their K dependent updates, so that a program waits for one DRAM round trip per K
+#: steps rather than per step; L % K steps left over run the plain loop. With
+#: PIPELINE_STAGES too, the loop over blocks is software-pipelined. None: no blocks.
+#: Not yet the default: no GPU has timed it (:data:`SWEEP_CONFIGS`).
+STEPS_PER_BLOCK: Optional[int] = None
+
 
 # --------------------------------------------------------------------------- #
 # kernels
 # --------------------------------------------------------------------------- #
+
+
+# Both kernels walk time in one of two ways, chosen by the STEPS constexpr:
+#
+# * STEPS None, the plain loop: each iteration loads one step's inputs and updates the
+#   state with them.  No load can move above the previous step's stores (the compiler
+#   can't know that outputs and inputs never overlap), so every step waits for a DRAM
+#   round trip.
+# * STEPS = K, explicit blocks of K steps: each iteration issues the loads of K steps
+#   (in the PTX) before the first of their K dependent updates, so that a program
+#   waits for about one round trip per block rather than per step.  (ptxas then moves
+#   most of a block's loads down among the first updates, a few instructions ahead of
+#   their use: the compiled kernels' SASS shows how many it leaves in flight,
+#   loop_loads().)  The L % K steps left over run the plain loop.
+#
+# STAGES = S software-pipelines the loop (the plain one or the one over blocks) with
+# Triton's pipeliner (tl.range): the loads of the next S-1 iterations are copied ahead
+# asynchronously into shared memory (cp.async, which moves 4 bytes or more a thread:
+# fp32, or 2 units a thread in half precision; smaller loads stay as they are).
+#
+# Every variant does the same arithmetic on the same values in the same order (in
+# _fwd_update / _bwd_update): only where the loads sit differs, so all variants agree
+# to the last bit.
+
+
+@triton.jit
+def _lane_step(s, L, rev, BIDIR: tl.constexpr):
+    """The time step each lane is at in its s-th forward step: s, or L-1-s on the
+    reversed half of a bidirectional layer."""
+    if BIDIR:
+        t = tl.where(rev, L - 1 - s, s).to(tl.int64)
+    else:
+        t = (s + tl.zeros((), tl.int64)).to(tl.int64)
+    return t
+
+
+@triton.jit
+def _load_step(t, u_row, x_row, m_row, jm, sUl, sUk, sXl, sMl,
+               K4: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_MASK: tl.constexpr,
+               BIDIR: tl.constexpr):
+    """Step t's inputs as stored (converted when used): u0, u1, u2, the skip input (u3
+    or x) and the padding byte (the last two are placeholders, never used, without a
+    skip term / a mask)."""
+    pu = u_row + t * sUl
+    u0 = tl.load(pu, mask=jm, other=0.0)
+    u1 = tl.load(pu + sUk, mask=jm, other=0.0)
+    u2 = tl.load(pu + 2 * sUk, mask=jm, other=0.0)
+    sk = u0
+    if HAS_SKIP:
+        if K4:
+            sk = tl.load(pu + 3 * sUk, mask=jm, other=0.0)
+        else:
+            sk = tl.load(x_row + t * sXl, mask=jm, other=0.0)
+    pad = u0
+    if HAS_MASK:
+        if BIDIR:  # the two halves are at different steps
+            pad = tl.load(m_row + t * sMl, mask=jm, other=0)
+        else:
+            pad = tl.load(m_row + t * sMl)
+    return u0, u1, u2, sk, pad
+
+
+@triton.jit
+def _fwd_load_block(s0, L, rev, u_row, x_row, m_row, jm, sUl, sUk, sXl, sMl,
+                    K4: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_MASK: tl.constexpr,
+                    BIDIR: tl.constexpr, STEPS: tl.constexpr):
+    """The inputs of forward steps s0 .. s0+STEPS-1 as stored, one tuple a step."""
+    block = ()
+    for i in tl.static_range(STEPS):
+        block = block + (_load_step(_lane_step(s0 + i, L, rev, BIDIR), u_row, x_row, m_row,
+                                    jm, sUl, sUk, sXl, sMl, K4, HAS_SKIP, HAS_MASK, BIDIR),)
+    return block
+
+
+@triton.jit
+def _fwd_update(c, t, u0, u1, u2, sk, pad, vf, vr, bf, br, m, scale_x, h_row, c_row, jm,
+                sHl, sCl, K4: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_MASK: tl.constexpr,
+                HAS_DROP: tl.constexpr, STORE_C: tl.constexpr):
+    """One forward step from state c on step t's raw inputs: stores h_t (and c_t),
+    returns c_t."""
+    u0 = u0.to(tl.float32)
+    f = tl.sigmoid(u1.to(tl.float32) + vf * c + bf)
+    r = tl.sigmoid(u2.to(tl.float32) + vr * c + br)
+    c_new = f * c + (1.0 - f) * u0
+    if HAS_SKIP:
+        sk = sk.to(tl.float32)
+        if not K4:
+            sk = sk * scale_x
+        gate = r
+        if HAS_DROP:
+            gate = m * r
+        h = sk + gate * (c_new - sk)
+    else:
+        h = r * c_new
+        if HAS_DROP:
+            h = m * h
+    if HAS_MASK:
+        pad = pad != 0
+        c_new = tl.where(pad, c, c_new)
+        h = tl.where(pad, 0.0, h)
+    tl.store(h_row + t * sHl, h.to(h_row.dtype.element_ty), mask=jm)
+    if STORE_C:
+        tl.store(c_row + t * sCl, c_new, mask=jm)
+    return c_new
 
 
 @triton.jit
@@ -103,7 +223,7 @@ def _sru_fwd_kernel(
     sCb, sCl, sCd,
     K4: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_DROP: tl.constexpr, BIDIR: tl.constexpr, STORE_C: tl.constexpr,
-    BLOCK: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK: tl.constexpr, STAGES: tl.constexpr, STEPS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -115,50 +235,119 @@ def _sru_fwd_kernel(
     bf = tl.load(BIAS_ptr + j * sBd, mask=jm, other=0.0).to(tl.float32)
     br = tl.load(BIAS_ptr + sBr + j * sBd, mask=jm, other=0.0).to(tl.float32)
     c = tl.load(C0_ptr + b * sC0b + j * sC0d, mask=jm, other=0.0).to(tl.float32)
+    m = vf  # placeholder without dropout
     if HAS_DROP:
         m = tl.load(DM_ptr + b * sDb + j * sDd, mask=jm, other=0.0).to(tl.float32)
-    if BIDIR:
-        rev = j >= d_half
+    rev = j >= d_half  # (used only when BIDIR)
 
     u_row = U_ptr + b * sUb + j * sUd
-    for s in tl.range(0, L, num_stages=STAGES):
-        if BIDIR:
-            t = tl.where(rev, L - 1 - s, s).to(tl.int64)
-        else:
-            t = (s + tl.zeros((), tl.int64)).to(tl.int64)
-        pu = u_row + t * sUl
-        u0 = tl.load(pu, mask=jm, other=0.0).to(tl.float32)
-        u1 = tl.load(pu + sUk, mask=jm, other=0.0).to(tl.float32)
-        u2 = tl.load(pu + 2 * sUk, mask=jm, other=0.0).to(tl.float32)
-        f = tl.sigmoid(u1 + vf * c + bf)
-        r = tl.sigmoid(u2 + vr * c + br)
-        c_new = f * c + (1.0 - f) * u0
-        if HAS_SKIP:
-            if K4:
-                sk = tl.load(pu + 3 * sUk, mask=jm, other=0.0).to(tl.float32)
-            else:
-                sk = tl.load(X_ptr + b * sXb + t * sXl + j * sXd, mask=jm,
-                             other=0.0).to(tl.float32) * scale_x
-            gate = r
-            if HAS_DROP:
-                gate = m * r
-            h = sk + gate * (c_new - sk)
-        else:
-            h = r * c_new
-            if HAS_DROP:
-                h = m * h
-        if HAS_MASK:
-            if BIDIR:
-                pad = tl.load(MP_ptr + b * sMb + t * sMl, mask=jm, other=0) != 0
-            else:
-                pad = tl.load(MP_ptr + b * sMb + t * sMl) != 0
-            c_new = tl.where(pad, c, c_new)
-            h = tl.where(pad, 0.0, h)
-        c = c_new
-        tl.store(H_ptr + b * sHb + t * sHl + j * sHd, h.to(H_ptr.dtype.element_ty), mask=jm)
-        if STORE_C:
-            tl.store(CALL_ptr + b * sCb + t * sCl + j * sCd, c, mask=jm)
+    x_row = X_ptr + b * sXb + j * sXd
+    m_row = MP_ptr + b * sMb
+    h_row = H_ptr + b * sHb + j * sHd
+    c_row = CALL_ptr + b * sCb + j * sCd
+    s_tail = 0
+    if STEPS is not None:
+        s_tail = L // STEPS * STEPS
+        for s0 in tl.range(0, s_tail, STEPS, num_stages=STAGES):
+            block = _fwd_load_block(s0, L, rev, u_row, x_row, m_row, jm, sUl, sUk, sXl, sMl,
+                                    K4, HAS_SKIP, HAS_MASK, BIDIR, STEPS)
+            for i in tl.static_range(STEPS):
+                u0, u1, u2, sk, pad = block[i]
+                c = _fwd_update(c, _lane_step(s0 + i, L, rev, BIDIR), u0, u1, u2, sk, pad,
+                                vf, vr, bf, br, m, scale_x, h_row, c_row, jm, sHl, sCl,
+                                K4, HAS_SKIP, HAS_MASK, HAS_DROP, STORE_C)
+    for s in tl.range(s_tail, L, num_stages=STAGES if STEPS is None else None):
+        t = _lane_step(s, L, rev, BIDIR)
+        u0, u1, u2, sk, pad = _load_step(t, u_row, x_row, m_row, jm, sUl, sUk, sXl, sMl,
+                                         K4, HAS_SKIP, HAS_MASK, BIDIR)
+        c = _fwd_update(c, t, u0, u1, u2, sk, pad, vf, vr, bf, br, m, scale_x, h_row, c_row,
+                        jm, sHl, sCl, K4, HAS_SKIP, HAS_MASK, HAS_DROP, STORE_C)
     tl.store(CLAST_ptr + b * D + j, c, mask=jm)
+
+
+@triton.jit
+def _bwd_load_step(s, L, rev, c_row, g_row, u_row, x_row, m_row, jm, sCl, sGl, sUl, sUk,
+                   sXl, sMl, K4: tl.constexpr, HAS_SKIP: tl.constexpr,
+                   HAS_MASK: tl.constexpr, BIDIR: tl.constexpr):
+    """The inputs (as stored) of the backward's s-th step, which visits each lane's forward
+    steps in reverse (forward lanes t = L-1-s, reversed lanes t = s): c_{t-1} in the
+    lane's own direction (unused, and not loaded, at s = L-1, where it is c0), grad_h_t
+    and step t's forward inputs."""
+    t = _lane_step(L - 1 - s, L, rev, BIDIR)
+    if BIDIR:
+        tp = tl.where(rev, t + 1, t - 1)
+    else:
+        tp = t - 1
+    c_prev = tl.load(c_row + tp * sCl, mask=jm & (s < L - 1), other=0.0)
+    gh = tl.load(g_row + t * sGl, mask=jm, other=0.0)
+    u0, u1, u2, sk, pad = _load_step(t, u_row, x_row, m_row, jm, sUl, sUk, sXl, sMl,
+                                     K4, HAS_SKIP, HAS_MASK, BIDIR)
+    return c_prev, gh, u0, u1, u2, sk, pad
+
+
+@triton.jit
+def _bwd_load_block(s0, L, rev, c_row, g_row, u_row, x_row, m_row, jm, sCl, sGl, sUl, sUk,
+                    sXl, sMl, K4: tl.constexpr, HAS_SKIP: tl.constexpr,
+                    HAS_MASK: tl.constexpr, BIDIR: tl.constexpr, STEPS: tl.constexpr):
+    """The inputs of backward steps s0 .. s0+STEPS-1 as stored, one tuple a step."""
+    block = ()
+    for i in tl.static_range(STEPS):
+        block = block + (_bwd_load_step(s0 + i, L, rev, c_row, g_row,
+                                        u_row, x_row, m_row, jm, sCl, sGl, sUl, sUk, sXl,
+                                        sMl, K4, HAS_SKIP, HAS_MASK, BIDIR),)
+    return block
+
+
+@triton.jit
+def _bwd_update(carry, c_cur, s, L, rev, c0, c_prev, gh, u0, u1, u2, sk, pad,
+                vf, vr, bf, br, m, scale_x, gu_row, gx_row, jm, sGUl, sGUk, sGXl,
+                K4: tl.constexpr, HAS_SKIP: tl.constexpr, STORE_GX: tl.constexpr,
+                HAS_MASK: tl.constexpr, HAS_DROP: tl.constexpr, BIDIR: tl.constexpr):
+    """The backward's s-th step on its raw inputs, c_cur being c_t: stores grad_U_t (and
+    grad_x_t); returns the new carry (the loss's gradient by c_{t-1}), c_{t-1}, and
+    the step's gradients by the gate pre-activations, gf and gr."""
+    t = _lane_step(L - 1 - s, L, rev, BIDIR)
+    c_prev = tl.where(s < L - 1, c_prev.to(tl.float32), c0)
+    u0 = u0.to(tl.float32)
+    gh = gh.to(tl.float32)
+    f = tl.sigmoid(u1.to(tl.float32) + vf * c_prev + bf)
+    r = tl.sigmoid(u2.to(tl.float32) + vr * c_prev + br)
+    gm, mr = gh, r
+    if HAS_DROP:
+        gm = gh * m
+        mr = m * r
+    if HAS_SKIP:
+        sk = sk.to(tl.float32)
+        if not K4:
+            sk = sk * scale_x
+        diff = c_cur - sk
+    else:
+        diff = c_cur
+    gr = gm * diff * (r * (1.0 - r))
+    gc = gm * r + carry
+    gf = gc * (c_prev - u0) * (f * (1.0 - f))
+    new_carry = gc * f + gf * vf + gr * vr
+    du0 = gc * (1.0 - f)
+    gs = gh * (1.0 - mr)  # (used only with a skip term)
+    if HAS_MASK:
+        # Padding: state held (the carry passes straight through), h = 0.
+        pad = pad != 0
+        new_carry = tl.where(pad, carry, new_carry)
+        du0 = tl.where(pad, 0.0, du0)
+        gf = tl.where(pad, 0.0, gf)
+        gr = tl.where(pad, 0.0, gr)
+        gs = tl.where(pad, 0.0, gs)
+    pg = gu_row + t * sGUl
+    gty = gu_row.dtype.element_ty
+    tl.store(pg, du0.to(gty), mask=jm)
+    tl.store(pg + sGUk, gf.to(gty), mask=jm)
+    tl.store(pg + 2 * sGUk, gr.to(gty), mask=jm)
+    if HAS_SKIP:
+        if K4:
+            tl.store(pg + 3 * sGUk, gs.to(gty), mask=jm)
+        elif STORE_GX:
+            tl.store(gx_row + t * sGXl, (gs * scale_x).to(gx_row.dtype.element_ty), mask=jm)
+    return new_carry, c_prev, gf, gr
 
 
 @triton.jit
@@ -179,7 +368,7 @@ def _sru_bwd_kernel(
     sGXb, sGXl, sGXd,
     K4: tl.constexpr, HAS_SKIP: tl.constexpr, STORE_GX: tl.constexpr, HAS_MASK: tl.constexpr,
     HAS_DROP: tl.constexpr, BIDIR: tl.constexpr, HAS_GCL: tl.constexpr,
-    BLOCK: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK: tl.constexpr, STAGES: tl.constexpr, STEPS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -191,14 +380,14 @@ def _sru_bwd_kernel(
     bf = tl.load(BIAS_ptr + j * sBd, mask=jm, other=0.0).to(tl.float32)
     br = tl.load(BIAS_ptr + sBr + j * sBd, mask=jm, other=0.0).to(tl.float32)
     c0 = tl.load(C0_ptr + b * sC0b + j * sC0d, mask=jm, other=0.0).to(tl.float32)
+    m = vf  # placeholder without dropout
     if HAS_DROP:
         m = tl.load(DM_ptr + b * sDb + j * sDd, mask=jm, other=0.0).to(tl.float32)
     if HAS_GCL:
         carry = tl.load(GCL_ptr + b * sGCb + j * sGCd, mask=jm, other=0.0).to(tl.float32)
     else:
         carry = tl.zeros((BLOCK,), tl.float32)
-    if BIDIR:
-        rev = j >= d_half
+    rev = j >= d_half  # (used only when BIDIR)
 
     dvf = tl.zeros((BLOCK,), tl.float32)
     dvr = tl.zeros((BLOCK,), tl.float32)
@@ -206,89 +395,46 @@ def _sru_bwd_kernel(
     dbr = tl.zeros((BLOCK,), tl.float32)
 
     u_row = U_ptr + b * sUb + j * sUd
-    gu_row = GU_ptr + b * sGUb + j * sGUd
+    x_row = X_ptr + b * sXb + j * sXd
+    m_row = MP_ptr + b * sMb
+    g_row = GH_ptr + b * sGb + j * sGd
     c_row = CALL_ptr + b * sCb + j * sCd
+    gu_row = GU_ptr + b * sGUb + j * sGUd
+    gx_row = GX_ptr + b * sGXb + j * sGXd
 
-    # Backward iteration s visits each lane's forward steps in reverse order:
-    # forward lanes t = L-1 .. 0, reversed lanes t = 0 .. L-1.  tp is the step
-    # whose state is c_{t-1} in the lane's own direction; at s = L-1 it is c0.
-    if BIDIR:
-        t0 = tl.where(rev, 0, L - 1).to(tl.int64)
-    else:
-        t0 = (L - 1 + tl.zeros((), tl.int64)).to(tl.int64)
-    c_cur = tl.load(c_row + t0 * sCl, mask=jm, other=0.0).to(tl.float32)
-    for s in tl.range(0, L, num_stages=STAGES):
-        if BIDIR:
-            t = tl.where(rev, s, L - 1 - s).to(tl.int64)
-            tp = tl.where(rev, t + 1, t - 1)
-        else:
-            t = (L - 1 - s + tl.zeros((), tl.int64)).to(tl.int64)
-            tp = t - 1
-        has_prev = s < L - 1
-        c_prev = tl.load(c_row + tp * sCl, mask=jm & has_prev, other=0.0).to(tl.float32)
-        c_prev = tl.where(has_prev, c_prev, c0)
-
-        pu = u_row + t * sUl
-        u0 = tl.load(pu, mask=jm, other=0.0).to(tl.float32)
-        u1 = tl.load(pu + sUk, mask=jm, other=0.0).to(tl.float32)
-        u2 = tl.load(pu + 2 * sUk, mask=jm, other=0.0).to(tl.float32)
-        gh = tl.load(GH_ptr + b * sGb + t * sGl + j * sGd, mask=jm, other=0.0).to(tl.float32)
-        f = tl.sigmoid(u1 + vf * c_prev + bf)
-        r = tl.sigmoid(u2 + vr * c_prev + br)
-
-        gm, mr = gh, r
-        if HAS_DROP:
-            gm = gh * m
-            mr = m * r
-        if HAS_SKIP:
-            if K4:
-                sk = tl.load(pu + 3 * sUk, mask=jm, other=0.0).to(tl.float32)
-            else:
-                sk = tl.load(X_ptr + b * sXb + t * sXl + j * sXd, mask=jm,
-                             other=0.0).to(tl.float32) * scale_x
-            diff = c_cur - sk
-        else:
-            diff = c_cur
-        gr = gm * diff * (r * (1.0 - r))
-        gc = gm * r + carry
-        gf = gc * (c_prev - u0) * (f * (1.0 - f))
-        new_carry = gc * f + gf * vf + gr * vr
-        du0 = gc * (1.0 - f)
-        if HAS_SKIP:
-            gs = gh * (1.0 - mr)
-
-        if HAS_MASK:
-            if BIDIR:
-                pad = tl.load(MP_ptr + b * sMb + t * sMl, mask=jm, other=0) != 0
-            else:
-                pad = tl.load(MP_ptr + b * sMb + t * sMl) != 0
-            # Padding: state held (the carry passes straight through), h = 0.
-            carry = tl.where(pad, carry, new_carry)
-            du0 = tl.where(pad, 0.0, du0)
-            gf = tl.where(pad, 0.0, gf)
-            gr = tl.where(pad, 0.0, gr)
-            if HAS_SKIP:
-                gs = tl.where(pad, 0.0, gs)
-        else:
-            carry = new_carry
-
-        dvf += gf * c_prev
-        dvr += gr * c_prev
+    # c_t of the step at hand: the state stored at each lane's last step first, then
+    # each step's c_{t-1}
+    c_cur = tl.load(c_row + _lane_step(L - 1, L, rev, BIDIR) * sCl, mask=jm,
+                    other=0.0).to(tl.float32)
+    s_tail = 0
+    if STEPS is not None:
+        s_tail = L // STEPS * STEPS
+        for s0 in tl.range(0, s_tail, STEPS, num_stages=STAGES):
+            block = _bwd_load_block(s0, L, rev, c_row, g_row, u_row, x_row, m_row, jm, sCl,
+                                    sGl, sUl, sUk, sXl, sMl, K4, HAS_SKIP, HAS_MASK, BIDIR,
+                                    STEPS)
+            for i in tl.static_range(STEPS):
+                c_prev, gh, u0, u1, u2, sk, pad = block[i]
+                carry, c_cur, gf, gr = _bwd_update(
+                    carry, c_cur, s0 + i, L, rev, c0, c_prev, gh, u0, u1, u2, sk, pad, vf, vr,
+                    bf, br, m, scale_x, gu_row, gx_row, jm, sGUl, sGUk, sGXl,
+                    K4, HAS_SKIP, STORE_GX, HAS_MASK, HAS_DROP, BIDIR)
+                dvf += gf * c_cur  # (c_cur is now this step's c_{t-1})
+                dvr += gr * c_cur
+                dbf += gf
+                dbr += gr
+    for s in tl.range(s_tail, L, num_stages=STAGES if STEPS is None else None):
+        c_prev, gh, u0, u1, u2, sk, pad = _bwd_load_step(s, L, rev, c_row, g_row, u_row, x_row,
+                                                         m_row, jm, sCl, sGl, sUl, sUk, sXl,
+                                                         sMl, K4, HAS_SKIP, HAS_MASK, BIDIR)
+        carry, c_cur, gf, gr = _bwd_update(
+            carry, c_cur, s, L, rev, c0, c_prev, gh, u0, u1, u2, sk, pad, vf, vr, bf, br, m,
+            scale_x, gu_row, gx_row, jm, sGUl, sGUk, sGXl,
+            K4, HAS_SKIP, STORE_GX, HAS_MASK, HAS_DROP, BIDIR)
+        dvf += gf * c_cur
+        dvr += gr * c_cur
         dbf += gf
         dbr += gr
-
-        pg = gu_row + t * sGUl
-        gty = GU_ptr.dtype.element_ty
-        tl.store(pg, du0.to(gty), mask=jm)
-        tl.store(pg + sGUk, gf.to(gty), mask=jm)
-        tl.store(pg + 2 * sGUk, gr.to(gty), mask=jm)
-        if HAS_SKIP:
-            if K4:
-                tl.store(pg + 3 * sGUk, gs.to(gty), mask=jm)
-            elif STORE_GX:
-                tl.store(GX_ptr + b * sGXb + t * sGXl + j * sGXd,
-                         (gs * scale_x).to(GX_ptr.dtype.element_ty), mask=jm)
-        c_cur = c_prev
 
     tl.store(GC0_ptr + b * D + j, carry, mask=jm)
     pp = PART_ptr + b * 4 * D + j
@@ -302,20 +448,81 @@ def _sru_bwd_kernel(
 # host side
 # --------------------------------------------------------------------------- #
 
+class LaunchConfig(NamedTuple):
+    """How the kernels are launched: ``block`` units per program (a power of two, one
+    lane each), ``num_warps`` warps per program, ``stages`` (software pipelining of the
+    time loop, :data:`PIPELINE_STAGES`; None: off) and ``steps`` (explicit blocks of K
+    time steps, :data:`STEPS_PER_BLOCK`; None: off)."""
+    block: int
+    num_warps: int
+    stages: Optional[int] = None
+    steps: Optional[int] = None
+
+    @property
+    def name(self) -> str:
+        """e.g. ``64/2w``, ``128/4w/4s`` (4 pipeline stages), ``128/4w/k8`` (blocks of 8
+        steps)."""
+        return (f"{self.block}/{self.num_warps}w"
+                + (f"/{self.stages}s" if self.stages is not None else "")
+                + (f"/k{self.steps}" if self.steps is not None else ""))
+
+
+def _config(config) -> LaunchConfig:
+    """``config`` (a LaunchConfig or a tuple (block, num_warps[, stages[, steps]])) as a
+    checked LaunchConfig."""
+    if not isinstance(config, LaunchConfig):
+        if not isinstance(config, (tuple, list)) or not 2 <= len(config) <= 4:
+            raise TypeError(f"config must be a LaunchConfig or a tuple (block, num_warps"
+                            f"[, stages[, steps]]), got {config!r}")
+        config = LaunchConfig(*config)
+    block, warps, stages, steps = config
+    for what, v in (("block", block), ("num_warps", warps)):
+        if not isinstance(v, int) or v < 1 or v & (v - 1):
+            raise ValueError(f"config: {what} must be a power of two, got {v!r}")
+    for what, v in (("stages", stages), ("steps", steps)):
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise ValueError(f"config: {what} must be None (off) or a positive integer, "
+                             f"got {v!r}")
+    return config
+
+
 #: The launch configurations: (least B * D, BLOCK, num_warps), largest first.  One
 #: lane per unit; small blocks keep many programs in flight when B * D is small
 #: (each program is sequential over time).
 _LAUNCH_CONFIGS = ((1 << 16, 64, 2), (0, 32, 1))
 
 
-def _launch_config(B: int, D: int) -> Tuple[int, int, Optional[int]]:
-    """(BLOCK, num_warps, pipeline stages) for a (B, ·, ·, D) problem."""
+def _launch_config(B: int, D: int) -> LaunchConfig:
+    """The launch configuration for a (B, ·, ·, D) problem (``BLOCK_SIZE``,
+    ``PIPELINE_STAGES`` and ``STEPS_PER_BLOCK`` as the module sets them)."""
     if BLOCK_SIZE is not None:
-        return BLOCK_SIZE, max(1, min(4, BLOCK_SIZE // 32)), PIPELINE_STAGES
+        return LaunchConfig(BLOCK_SIZE, max(1, min(4, BLOCK_SIZE // 32)), PIPELINE_STAGES,
+                            STEPS_PER_BLOCK)
     for least, block, num_warps in _LAUNCH_CONFIGS:
         if B * D >= least:
-            return block, num_warps, PIPELINE_STAGES
+            return LaunchConfig(block, num_warps, PIPELINE_STAGES, STEPS_PER_BLOCK)
     raise AssertionError("the last launch configuration takes every size")
+
+
+#: The launch configurations a GPU should time (benchmarks/gpu_check.py) before one of
+#: them becomes the default: ``sru_fwd(..., config=c)`` / ``sru_bwd(..., config=c)``
+#: for each.  All compute the same results, to the last bit; all compile for sm_80 and
+#: sm_90 without spilling (tests/ops/test_triton_compile.py).  In groups:
+#: the plain loop at the two defaults and at 128 / 256 lanes a program (is the shape
+#: of a program what matters?); Triton's pipelining of the step loop (asynchronous
+#: copies 3 or 7 steps ahead; 128/2w has two units a thread, so that bf16 loads
+#: are 4 bytes and copied asynchronously too); explicit blocks of 4, 8 and 12 steps
+#: (one round trip per block); blocks of 8 pipelined one block ahead (fp32 at 128/4w,
+#: fp32 and bf16 at 256/4w).  Blocks of 16 steps spill in the backward (bidirectional,
+#: with padding and dropout), 255 registers on both archs.
+SWEEP_CONFIGS: Tuple[LaunchConfig, ...] = (
+    LaunchConfig(32, 1), LaunchConfig(64, 2), LaunchConfig(128, 4), LaunchConfig(256, 8),
+    LaunchConfig(64, 2, stages=4), LaunchConfig(64, 2, stages=8),
+    LaunchConfig(128, 2, stages=8),
+    LaunchConfig(32, 1, steps=8), LaunchConfig(128, 4, steps=4), LaunchConfig(128, 4, steps=8),
+    LaunchConfig(256, 8, steps=8), LaunchConfig(128, 4, steps=12),
+    LaunchConfig(128, 4, stages=2, steps=8), LaunchConfig(256, 4, stages=2, steps=8),
+)
 
 
 # What the kernels read each input in.  Triton compiles one variant of a kernel per
@@ -428,7 +635,7 @@ def _fwd_setup(U, x, weight_c, bias, c0, mask_pad, dropout_mask, scale_x, bidire
     x_, xs = _optional(x, U, 3)
     mp, ms = _optional(mask_pad, U, 2)
     dm, ds = _optional(dropout_mask, U, 2)
-    BLOCK, num_warps, stages = config
+    BLOCK, num_warps, stages, steps = config
     launch = Launch(
         _sru_fwd_kernel, (B, triton.cdiv(D, BLOCK)),
         (U, x_, weight_c, bias, c0, mp, dm,
@@ -437,7 +644,7 @@ def _fwd_setup(U, x, weight_c, bias, c0, mask_pad, dropout_mask, scale_x, bidire
          *U.stride(), *xs, *weight_c.stride(), *bias.stride(), *c0.stride(), *ms, *ds,
          *h.stride(), *(c_all.stride() if store_c else (0, 0, 0))),
         dict(_fwd_constexprs(k, x is not None, mask_pad is not None, dropout_mask is not None,
-                             bidirectional, store_c), BLOCK=BLOCK, STAGES=stages),
+                             bidirectional, store_c), BLOCK=BLOCK, STAGES=stages, STEPS=steps),
         num_warps)
     return (h, c_last, c_all), launch
 
@@ -471,7 +678,7 @@ def _bwd_setup(U, x, weight_c, bias, c0, mask_pad, dropout_mask, c_all, grad_h, 
     gx, gxs = _optional(grad_x if store_gx else None, grad_U, 3)
     mp, ms = _optional(mask_pad, U, 2)
     dm, ds = _optional(dropout_mask, U, 2)
-    BLOCK, num_warps, stages = config
+    BLOCK, num_warps, stages, steps = config
     launch = Launch(
         _sru_bwd_kernel, (B, triton.cdiv(D, BLOCK)),
         (grad_h, gcl, U, x_, weight_c, bias, c0, c_all, mp, dm,
@@ -482,7 +689,7 @@ def _bwd_setup(U, x, weight_c, bias, c0, mask_pad, dropout_mask, c_all, grad_h, 
          *ms, *ds, *grad_U.stride(), *gxs),
         dict(_bwd_constexprs(k, x is not None, need_grad_x, mask_pad is not None,
                              dropout_mask is not None, bidirectional, grad_c_last is not None),
-             BLOCK=BLOCK, STAGES=stages),
+             BLOCK=BLOCK, STAGES=stages, STEPS=steps),
         num_warps)
     return (grad_U, grad_x, grad_c0, partial), launch
 
@@ -490,18 +697,20 @@ def _bwd_setup(U, x, weight_c, bias, c0, mask_pad, dropout_mask, c_all, grad_h, 
 def sru_fwd(U: Tensor, x: Optional[Tensor], weight_c: Tensor, bias: Tensor,
             c0: Optional[Tensor], mask_pad: Optional[Tensor], dropout_mask: Optional[Tensor],
             scale_x: float, bidirectional: bool, store_c: bool,
-            config: Optional[Tuple[int, int, Optional[int]]] = None
-            ) -> Tuple[Tensor, Tensor, Tensor]:
+            config: Optional[Sequence] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """Forward recurrence.  Returns ``(h, c_last, c_all)``.
 
     h (B, L, D) in U's dtype; c_last (B, D) fp32 ([c_fwd(L-1), c_bwd(0)] when
     bidirectional); c_all (B, L, D) fp32, the state after every step, when
-    ``store_c`` (else an empty tensor). ``config``: (BLOCK, num_warps, pipeline
-    stages) instead of :func:`_launch_config`'s (benchmarks compare them).
+    ``store_c`` (else an empty tensor). ``config``: a :class:`LaunchConfig` (or a tuple
+    ``(block, num_warps[, stages[, steps]])``) instead of :func:`_launch_config`'s
+    (benchmarks compare them: :data:`SWEEP_CONFIGS`); every configuration computes
+    the same results.
     """
     B, _, _, D = U.shape
+    config = _launch_config(B, D) if config is None else _config(config)
     outputs, launch = _fwd_setup(U, x, weight_c, bias, c0, mask_pad, dropout_mask, scale_x,
-                                 bidirectional, store_c, config or _launch_config(B, D))
+                                 bidirectional, store_c, config)
     if launch is not None:
         _run(launch)
     return outputs
@@ -511,7 +720,7 @@ def sru_bwd(U: Tensor, x: Optional[Tensor], weight_c: Tensor, bias: Tensor,
             c0: Optional[Tensor], mask_pad: Optional[Tensor], dropout_mask: Optional[Tensor],
             c_all: Tensor, grad_h: Tensor, grad_c_last: Optional[Tensor], scale_x: float,
             bidirectional: bool, need_grad_x: bool,
-            config: Optional[Tuple[int, int, Optional[int]]] = None
+            config: Optional[Sequence] = None
             ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward recurrence, from ``c_all``, the fp32 (B, L, D) state that
     :func:`sru_fwd` stored (``store_c=True``).
@@ -522,9 +731,10 @@ def sru_bwd(U: Tensor, x: Optional[Tensor], weight_c: Tensor, bias: Tensor,
     weight_c's / bias's dtype, grad_c0 (B, D) fp32. ``config`` as :func:`sru_fwd`'s.
     """
     B, _, _, D = U.shape
+    config = _launch_config(B, D) if config is None else _config(config)
     (grad_U, grad_x, grad_c0, partial), launch = _bwd_setup(
         U, x, weight_c, bias, c0, mask_pad, dropout_mask, c_all, grad_h, grad_c_last, scale_x,
-        bidirectional, need_grad_x, config or _launch_config(B, D))
+        bidirectional, need_grad_x, config)
     if launch is not None:
         _run(launch)
     if x is not None:
@@ -579,6 +789,12 @@ class Specialization:
     grad_c_last: bool = False
     grad_x: bool = False
     stages: Optional[int] = None   # PIPELINE_STAGES
+    steps: Optional[int] = None    # STEPS_PER_BLOCK
+
+    @property
+    def config(self) -> LaunchConfig:
+        """The launch configuration."""
+        return LaunchConfig(self.block, self.num_warps, self.stages, self.steps)
 
     @property
     def constexprs(self) -> Dict[str, Any]:
@@ -589,20 +805,20 @@ class Specialization:
         else:
             flags = _bwd_constexprs(self.k, self.x_dtype is not None, self.grad_x, self.mask,
                                     self.dropout, self.bidirectional, self.grad_c_last)
-        return dict(flags, BLOCK=self.block, STAGES=self.stages)
+        return dict(flags, BLOCK=self.block, STAGES=self.stages, STEPS=self.steps)
 
     @property
     def name(self) -> str:
         """A short readable name, e.g. ``bwd bf16 p=fp32 x=fp32 k3 mask gx BLOCK=64/2w``
-        (``/4s`` after it: pipelined in 4 stages)."""
+        (``BLOCK=`` and the :attr:`LaunchConfig.name`: ``/4s`` pipelined in 4 stages,
+        ``/k8`` in blocks of 8 steps)."""
         x = f" x={_DTYPE_NAMES[self.x_dtype]}" if self.x_dtype is not None else ""
         flags = [f for f, on in (("mask", self.mask), ("drop", self.dropout),
                                  ("bidir", self.bidirectional), ("store_c", self.store_c),
                                  ("gcl", self.grad_c_last), ("gx", self.grad_x)) if on]
         return " ".join([f"{self.kernel} {_DTYPE_NAMES[self.dtype]}",
                          f"p={_DTYPE_NAMES[self.param_dtype]}{x} k{self.k}", *flags,
-                         f"BLOCK={self.block}/{self.num_warps}w"
-                         + (f"/{self.stages}s" if self.stages is not None else "")])
+                         f"BLOCK={self.config.name}"])
 
     def to_dict(self) -> Dict[str, Any]:
         """JSON-ready fields (dtypes by their short names)."""
@@ -619,7 +835,8 @@ class Specialization:
         return cls(**d)
 
 
-def specializations() -> List[Specialization]:
+def specializations(configs: Optional[Sequence[LaunchConfig]] = None,
+                    dtypes: Optional[Sequence[torch.dtype]] = None) -> List[Specialization]:
     """Every variant of the two kernels that :func:`sru_fwd` / :func:`sru_bwd` can
     launch (with ``BLOCK_SIZE`` None, as in production).
 
@@ -628,29 +845,54 @@ def specializations() -> List[Specialization]:
     and x in; the flags are all the host functions' flag combinations; the launch
     configurations are :func:`_launch_config`'s.  The constexprs follow from the
     host's own functions (:attr:`Specialization.constexprs`).
+
+    ``configs``: these launch configurations instead (:data:`SWEEP_CONFIGS`);
+    ``dtypes``: these dtypes of U only.
     """
     from .recurrence import _DTYPES
 
-    dtypes = _DTYPES["triton"]
+    all_dtypes = _DTYPES["triton"]
     both = (False, True)
-    configs = [(block, num_warps) for _, block, num_warps in _LAUNCH_CONFIGS]
+    if configs is None:
+        configs = [LaunchConfig(block, num_warps, PIPELINE_STAGES, STEPS_PER_BLOCK)
+                   for _, block, num_warps in _LAUNCH_CONFIGS]
+    configs = [_config(c) for c in configs]
     out = []
     for kernel in ("fwd", "bwd"):
-        for u in dtypes:
-            params = [p for p in dtypes
-                      if any(_param_dtype(u, w, b) == p for w in dtypes for b in dtypes)]
-            xs = [x for x in dtypes if any(_x_dtype(u, y) == x for y in dtypes)]
+        for u in (all_dtypes if dtypes is None else dtypes):
+            params = [p for p in all_dtypes
+                      if any(_param_dtype(u, w, b) == p for w in all_dtypes for b in all_dtypes)]
+            xs = [x for x in all_dtypes if any(_x_dtype(u, y) == x for y in all_dtypes)]
             # k = 4 carries its skip term in U and takes no x (check_args)
             kx = [(3, None)] + [(3, x) for x in xs] + [(4, None)]
-            for p, (k, x), mask, drop, bidir, (block, warps) in itertools.product(
+            for p, (k, x), mask, drop, bidir, config in itertools.product(
                     params, kx, both, both, both, configs):
                 if kernel == "fwd":
                     extras = [dict(store_c=s) for s in both]
                 else:  # a gradient for x exists only with an x
                     extras = [dict(grad_c_last=g, grad_x=gx) for g in both
                               for gx in (both if x is not None else (False,))]
-                out += [Specialization(kernel, u, p, x, k, mask, drop, bidir, block, warps,
-                                       stages=PIPELINE_STAGES, **e) for e in extras]
+                out += [Specialization(kernel, u, p, x, k, mask, drop, bidir, config.block,
+                                       config.num_warps, stages=config.stages,
+                                       steps=config.steps, **e) for e in extras]
+    return out
+
+
+def sweep_specializations(configs: Sequence[LaunchConfig] = SWEEP_CONFIGS,
+                          dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16)
+                          ) -> List[Specialization]:
+    """For each launch configuration, kernel and U dtype, the variant with the most
+    registers live: every flag on (x, read in fp32, and grad_x; padding, dropout,
+    bidirectional; store_c / grad_c_last), where a configuration would spill first."""
+    out = []
+    for config in configs:
+        config = _config(config)
+        for kernel in ("fwd", "bwd"):
+            extra = (dict(store_c=True) if kernel == "fwd"
+                     else dict(grad_c_last=True, grad_x=True))
+            out += [Specialization(kernel, dtype, torch.float32, torch.float32, 3, True, True,
+                                   True, config.block, config.num_warps, stages=config.stages,
+                                   steps=config.steps, **extra) for dtype in dtypes]
     return out
 
 
@@ -669,7 +911,7 @@ def example_launch(spec: Specialization, device="meta") -> Launch:
     weight_c, bias = empty(2, D, dtype=spec.param_dtype), empty(2, D, dtype=spec.param_dtype)
     mask = empty(B, L, dtype=torch.bool) if spec.mask else None
     drop = empty(B, D, dtype=_DROPOUT_DTYPE) if spec.dropout else None
-    config = (spec.block, spec.num_warps, spec.stages)
+    config = spec.config
     if spec.kernel == "fwd":
         _, launch = _fwd_setup(U, x, weight_c, bias, None, mask, drop, 1.0, spec.bidirectional,
                                spec.store_c, config)
@@ -697,6 +939,89 @@ _PTXAS = {
 }
 
 
+_SASS_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)\s*([^;]*);")
+_SASS_REGISTER = re.compile(r"\bR(\d+)(?:\.(64|128))?\b")
+
+
+def _sass_registers(operand: str, width: int = 1) -> set:
+    """The general registers an operand names (``R70.64``: R70 and R71)."""
+    regs = set()
+    for m in _SASS_REGISTER.finditer(operand):
+        n = {None: width, "64": 2, "128": 4}[m.group(2)]
+        regs.update(range(int(m.group(1)), int(m.group(1)) + n))
+    return regs
+
+
+def loop_loads(sass: str) -> List[Dict[str, int]]:
+    """Where the global loads sit in each loop of a kernel's SASS (``cuobjdump -sass``),
+    in program order: ``loads`` (LDG), ``async_copies`` (LDGSTS, cp.async),
+    ``used_same_pass`` (loads whose value an instruction later in the same pass through
+    the body touches) and ``before_first_use`` (loads issued before the first such
+    instruction: a warp runs ahead of a load until an instruction needs its register,
+    so these are the loads in flight together; all of them when every load is for a
+    later pass, as when blocks are loaded ahead).  A loop is the span from a
+    backward branch's target to the branch."""
+    code = [(int(a, 16), op, args) for a, op, args in _SASS_INSTRUCTION.findall(sass)]
+    loops = []
+    for i, (addr, op, args) in enumerate(code):
+        if not op.startswith("BRA"):
+            continue
+        target = re.search(r"0x([0-9a-f]+)", args)
+        if target is None or int(target.group(1), 16) >= addr:  # (>=: the final trap)
+            continue
+        body = [c for c in code[:i] if c[0] >= int(target.group(1), 16)]
+        loaded, uses, first_use, used = {}, 0, None, set()
+        for k, (_, op, args) in enumerate(body):
+            operands = args.split(",")
+            if op == "LDG" or op.startswith("LDG."):
+                width = 4 if ".128" in op else 2 if ".64" in op else 1
+                for r in _sass_registers(operands[0], width):
+                    loaded[r] = k
+                for r in _sass_registers(",".join(operands[1:])) & loaded.keys():
+                    used.add(loaded[r])
+                continue
+            hit = _sass_registers(args) & loaded.keys()
+            if hit and first_use is None:
+                first_use = k
+            used.update(loaded[r] for r in hit)
+        ldg = [k for k, (_, op, _) in enumerate(body) if op == "LDG" or op.startswith("LDG.")]
+        loops.append(dict(
+            loads=len(ldg), async_copies=sum(op.startswith("LDGSTS") for _, op, _ in body),
+            used_same_pass=len(used),
+            before_first_use=sum(k < first_use for k in ldg) if first_use is not None
+            else len(ldg)))
+    return loops
+
+
+def _ptx_loop_loads(ptx: str) -> List[Dict[str, int]]:
+    """For each loop of a kernel's PTX (from a block labelled as a loop header to the
+    last branch back to it): its global loads, and how many come before its first
+    ``ex2`` (the first gate's sigmoid, the start of the dependent arithmetic)."""
+    loops = []
+    for m in re.finditer(r"^(\$L__BB\d+_\d+):[^\n]*(?:\n\s*//[^\n]*)?Loop Header", ptx,
+                         re.M):
+        back = ptx.rfind(f"bra.uni \t{m.group(1)};")
+        back = max(back, ptx.rfind(f"bra \t{m.group(1)};"))
+        if back < m.end():
+            continue
+        body = ptx[m.end():back]
+        first_ex2 = body.find("ex2.approx")
+        loops.append(dict(loads=body.count("ld.global"),
+                          before_first_ex2=body[:first_ex2 if first_ex2 >= 0 else None]
+                          .count("ld.global")))
+    return loops
+
+
+def _sass(cubin: bytes) -> str:
+    from triton import knobs
+
+    with tempfile.TemporaryDirectory(prefix="srupp-sass-") as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        return subprocess.run([knobs.nvidia.cuobjdump.path, "-sass", str(path)],
+                              capture_output=True, text=True, check=True).stdout
+
+
 def compile_specialization(spec: Specialization, arch: int) -> Dict[str, Any]:
     """Compile one variant for ``sm_<arch>`` without a GPU, as Triton's JIT would
     compile it for :func:`example_launch`'s arguments.
@@ -704,8 +1029,11 @@ def compile_specialization(spec: Specialization, arch: int) -> Dict[str, Any]:
     Returns the variant's fields and ``arch``, ``n_regs`` (registers per thread),
     ``n_spills`` (as ``CompiledKernel.n_spills`` counts them on a GPU: the local
     memory frame in 4-byte words), ``spill_bytes`` (ptxas' spill stores plus
-    loads), ``shared`` (bytes of shared memory), ``ptx`` / ``cubin`` (whether each
-    was produced) and ``compile_s``.
+    loads), ``shared`` (bytes of shared memory), ``async_copies`` (cp.async in the PTX),
+    ``ptx`` / ``cubin`` (whether each was produced), ``compile_s``, and where the
+    time loops' loads sit: ``loops`` (:func:`loop_loads` of the SASS) and
+    ``ptx_loops`` (each loop's ``ld.global`` count, and how many come before its
+    first ``ex2``).
 
     The kernels must be JIT functions, i.e. this module imported without
     ``TRITON_INTERPRET=1``: :func:`compile_specializations` runs this in such child
@@ -747,15 +1075,15 @@ def compile_specialization(spec: Specialization, arch: int) -> Dict[str, Any]:
         if m is None:
             raise RuntimeError(f"no {key!r} in the ptxas log of {spec.name} (sm_{arch}):\n{text}")
         found[key] = int(m.group(1))
+    ptx, cubin = compiled.asm.get("ptx", ""), compiled.asm.get("cubin")
     return dict(
         spec.to_dict(), name=spec.name, arch=arch, n_regs=found["registers"],
         n_spills=found["stack_frame"] // 4,
         spill_bytes=found["spill_stores"] + found["spill_loads"],
         shared=compiled.metadata.shared,
-        async_copies=compiled.asm.get("ptx", "").count("cp.async.ca")
-        + compiled.asm.get("ptx", "").count("cp.async.cg"),
-        ptx=".entry" in compiled.asm.get("ptx", ""), cubin=bool(compiled.asm.get("cubin")),
-        compile_s=round(seconds, 3))
+        async_copies=ptx.count("cp.async.ca") + ptx.count("cp.async.cg"),
+        ptx=".entry" in ptx, cubin=bool(cubin), compile_s=round(seconds, 3),
+        loops=loop_loads(_sass(cubin)) if cubin else [], ptx_loops=_ptx_loop_loads(ptx))
 
 
 def _compile_worker() -> None:
