@@ -8,7 +8,7 @@ Run from the repository root, from source, on the GPU machine's own Python:
 
 Steps, in order, each in its own process (a crash, a hang or a CUDA error in
 one is recorded with its error and the next step still runs; --quick runs
-only environment, bounds, pipeline and side_by_side):
+only environment, bounds, sweep and side_by_side):
 
     environment  device, driver, torch, CUDA, triton and library versions; imports
                  the reference (which compiles its CUDA kernel once)
@@ -16,9 +16,11 @@ only environment, bounds, pipeline and side_by_side):
     bounds       the device's copy bandwidth and bf16 GEMM peak
     recurrence   the recurrence kernel's forward and backward bandwidth (fp32,
                  bf16, fp16; L = 512 to 4096) as a share of that copy bandwidth
-    pipeline     the same kernel at L = 1024 under other launch configurations:
-                 the time loop software-pipelined in 4 or 8 stages, 1 to 4 units
-                 per thread (the first run found the plain loop latency-bound)
+    sweep        the same kernel at L = 1024 under every launch configuration
+                 of triton_kernel.SWEEP_CONFIGS (program shapes, the time loop
+                 software-pipelined, explicit blocks of K steps), bf16 then fp32:
+                 the default to choose (the first run found the plain loop
+                 latency-bound)
     layer        one SRU++ layer's training and inference step, bf16 and fp32,
                  beside the reference sru==3.0.0.dev6 (its CUDA kernel, if it
                  compiles there)
@@ -43,6 +45,7 @@ GPU broken). benchmarks/README.md gives the one call for a GPU machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -71,15 +74,15 @@ STEPS = (
     ("pytest", 150, 0),
     ("bounds", 45, 10),
     ("recurrence", 60, 20),
-    ("pipeline", 90, 40),
+    ("sweep", 90, 40),
     ("layer", 60, 15),
     ("side_by_side", 240, 150),
     ("profile", 90, 30),
 )
 # --quick: versions, the bounds, the recurrence sweep and both models side by side,
 # in at most QUICK_BUDGET seconds (two such calls fit one 15-minute GPU loan)
-QUICK_STEPS = ("environment", "bounds", "pipeline", "side_by_side")
-QUICK_BUDGET = 230
+QUICK_STEPS = ("environment", "bounds", "sweep", "side_by_side")
+QUICK_BUDGET = 240
 DRY_TIMEOUT = 300  # a step on the CPU at tiny sizes
 
 TARGETS = {  # the figures a GPU run is held to (the GPU-readiness issue)
@@ -349,28 +352,28 @@ def step_recurrence(args, done):
             "target_share": TARGETS["recurrence_share_of_copy"]}
 
 
-# The launch configurations the pipeline step compares, after the kernel's own
-# default for the shape: (units per program, warps, pipeline stages). Two units a
-# thread let half-precision loads move 4 bytes, the least an asynchronous copy takes.
-PIPELINE_CONFIGS = ((32, 1, None), (64, 2, None), (32, 1, 8), (64, 2, 8), (128, 2, 4),
-                    (128, 2, 8))
-
-
-def step_pipeline(args, done):
-    """The Triton recurrence at L = 1024 under each of PIPELINE_CONFIGS, fp32 and bf16:
-    which launch configuration the kernel should default to."""
+def step_sweep(args, done):
+    """The Triton recurrence at L = 1024 under each launch configuration of
+    ``triton_kernel.SWEEP_CONFIGS`` after the kernel's own default (the plain loop at
+    other program shapes, the loop software-pipelined, explicit blocks of K steps):
+    bf16 first (what training runs), then fp32; which configuration the kernel
+    should default to, per dtype. Every configuration computes the same outputs, to
+    the last bit (only the loop's schedule differs): each row carries its largest
+    difference from the first row of its dtype."""
     import torch
 
-    from srupp.ops import triton_kernel
+    from srupp.ops import triton_kernel as tk
 
     dev = _device(args)
     copy = (done.get("bounds") or {}).get("copy_GBps")
     B, D, L = (2, 64, 8) if args.dry_run else (args.rec_batch, args.rec_units, 1024)
-    default = triton_kernel._launch_config(B, D)
-    configs = ([default, (32, 1, 4)] if args.dry_run
-               else list(dict.fromkeys([default, *PIPELINE_CONFIGS])))
+    default = tk._launch_config(B, D)
+    # (the interpreter is slow: on --dry-run the default and one of each kind)
+    sweep = ([c for c in tk.SWEEP_CONFIGS if c.name in DRY_SWEEP] if args.dry_run
+             else tk.SWEEP_CONFIGS)
+    configs = list(dict.fromkeys([default, *sweep]))
     t0, rows, cut_short = time.perf_counter(), [], False
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
         g = torch.Generator().manual_seed(0)
         U = torch.randn(B, L, 3, D, generator=g).to(dev, dtype)
         x = torch.randn(B, L, D, generator=g).to(dev, dtype)
@@ -378,34 +381,38 @@ def step_pipeline(args, done):
         bias, c0 = torch.zeros(2, D, device=dev), torch.zeros(B, D, device=dev)
         gh = torch.randn(B, L, D, generator=g).to(dev, dtype)
         first = None
-        for block, warps, stages in configs:
-            if time.perf_counter() - t0 > args.step_timeout - 20:  # keep what was measured
+        for config in configs:
+            if time.perf_counter() - t0 > args.step_timeout - 15:  # keep what was measured
                 cut_short = True
                 break
-            row = {"dtype": name, "L": L, "B": B, "D": D, "block": block, "num_warps": warps,
-                   "stages": stages, "default": (block, warps, stages) == default}
+            row = {"dtype": name, "L": L, "B": B, "D": D, "config": config.name,
+                   **config._asdict(), "default": config == default}
             try:
-                timed = _time_recurrence(triton_kernel, U, x, wc, bias, c0, gh, dev, copy,
-                                         reps=1 if args.dry_run else 10,
-                                         config=(block, warps, stages))
-                h = triton_kernel.sru_fwd(U, x, wc, bias, c0, None, None, 1.0, False, False,
-                                          config=(block, warps, stages))[0].float()
+                timed = _time_recurrence(tk, U, x, wc, bias, c0, gh, dev, copy,
+                                         reps=1 if args.dry_run else 10, config=config)
+                h = tk.sru_fwd(U, x, wc, bias, c0, None, None, 1.0, False, False,
+                               config=config)[0].float()
                 first = h if first is None else first
-                # every configuration computes the same thing: the same outputs, to
-                # the last bit in fp32 (only the loop's schedule differs)
                 timed["max_abs_diff_to_first"] = float((h - first).abs().max())
                 rows.append({**row, **timed})
             except Exception as e:  # noqa: BLE001 - a configuration that fails to compile
                 rows.append({**row, "error": f"{type(e).__name__}: {e}"[:500]})
         del U, x, gh
-    best = {}
+    best = {}  # dtype -> the row of the least forward + backward time
     for r in rows:
-        if "forward_ms" in r:
-            total = r["forward_ms"] + r["backward_ms"]
-            if r["dtype"] not in best or total < best[r["dtype"]][0]:
-                best[r["dtype"]] = (total, [r["block"], r["num_warps"], r["stages"]])
-    return {"rows": rows, "copy_GBps": copy, "default_config": list(default),
-            "best_config": {k: v[1] for k, v in best.items()}, "cut_short": cut_short}
+        if "forward_ms" in r and (r["dtype"] not in best or r["forward_ms"] + r["backward_ms"]
+                                  < best[r["dtype"]]["forward_ms"] + best[r["dtype"]]["backward_ms"]):
+            best[r["dtype"]] = r
+    return {"rows": rows, "copy_GBps": copy, "default_config": default.name,
+            "best_config": {k: r["config"] for k, r in best.items()},
+            # (block, num_warps, stages, steps): what use_launch_config takes
+            "best_launch": {k: [r["block"], r["num_warps"], r["stages"], r["steps"]]
+                            for k, r in best.items()},
+            "cut_short": cut_short}
+
+
+# the configurations --dry-run runs under the interpreter: one of each kind
+DRY_SWEEP = ("64/2w/4s", "128/4w/k4")
 
 
 def _time_recurrence(mod, U, x, wc, bias, c0, gh, dev, copy, reps, config=None) -> dict:
@@ -526,19 +533,27 @@ def _enwik8_config(args, work: Path, steps: int):
 
 # The contenders of the side-by-side step, in the order they run (the most telling
 # first, so that a step cut short by its time limit keeps them): (row name, model,
-# settings). Each trains the same steps, batch and length through the trainer.
-# "srupp" is the enwik8-base recipe as it stands (eager, RAdam); "transformer" is
-# the project's Transformer at the same parameter count, GPT-style (12 layers,
-# heads 64 wide, flash SDPA with is_causal, fused AdamW); a row whose setting a
-# GPU has not yet confirmed says so only by its figures.
+# run settings, srupp op backends). Each trains the same steps, batch and length
+# through the trainer. "srupp" is the enwik8-base recipe as it stands (eager,
+# RAdam); "transformer" is the project's Transformer at the same parameter count,
+# GPT-style (12 layers, heads about 64 wide, flash SDPA with is_causal, fused
+# AdamW). A row's backends (srupp.ops.settings) hold for that row only: attention
+# "matmul" runs SRU++'s one head of 768 as bf16 products with the probabilities
+# kept, the alternative to SDPA's memory-efficient kernel, which alone takes head
+# dims past 256 (srupp.ops.attention.cuda_sdpa_backend); launch "sweep" runs the
+# Triton recurrence in the sweep step's fastest bf16 launch configuration.
 SIDE_BY_SIDE = (
-    ("srupp eager", "srupp", []),
-    ("transformer eager", "transformer", []),
-    ("srupp compiled by layer", "srupp", ["train.compile=layers"]),
-    ("transformer compiled", "transformer", ["train.compile=model"]),
-    ("srupp compiled by layer, CUDA graphs", "srupp", ["train.compile=layers-cudagraphs"]),
-    ("srupp AdamW fused", "srupp", ["train.optimizer=adamw", "train.optimizer_impl=fused"]),
-    ("srupp AdamW foreach", "srupp", ["train.optimizer=adamw", "train.optimizer_impl=foreach"]),
+    ("srupp eager", "srupp", [], {}),
+    ("transformer eager", "transformer", [], {}),
+    ("srupp compiled by layer", "srupp", ["train.compile=layers"], {}),
+    ("transformer compiled", "transformer", ["train.compile=model"], {}),
+    ("srupp compiled by layer, the sweep's fastest recurrence", "srupp",
+     ["train.compile=layers"], {"launch": "sweep"}),
+    ("srupp eager, attention as bf16 products", "srupp", [], {"attention": "matmul"}),
+    ("srupp compiled by layer, CUDA graphs", "srupp", ["train.compile=layers-cudagraphs"], {}),
+    ("srupp AdamW fused", "srupp", ["train.optimizer=adamw", "train.optimizer_impl=fused"], {}),
+    ("srupp AdamW foreach", "srupp", ["train.optimizer=adamw", "train.optimizer_impl=foreach"],
+     {}),
 )
 TRANSFORMER_SETS = ["model.num_layers=12", "train.optimizer=adamw", "eval.mem_len=0"]
 
@@ -590,6 +605,26 @@ def _train_row(cfg, work: Path, dev, peak) -> dict:
         torch._dynamo.reset()  # each row compiles afresh: no cache from the row before
 
 
+def _sweep_launch(done) -> list:
+    """The sweep step's fastest bf16 launch configuration (block, warps, stages, steps)."""
+    best = ((done.get("sweep") or {}).get("best_launch") or {}).get("bf16")
+    if best is None:
+        raise RuntimeError("no sweep result to take the fastest launch configuration from")
+    return best
+
+
+def _triton_launch_context(dev):
+    """triton_kernel.use_launch_config, where the recurrence runs on Triton (CUDA, or
+    the interpreter on --dry-run); elsewhere a context that leaves the launch as is."""
+    from srupp.ops import recurrence
+
+    if dev.type == "cuda" or recurrence._triton_importable():
+        from srupp.ops.triton_kernel import use_launch_config
+
+        return use_launch_config
+    return lambda launch: contextlib.nullcontext()
+
+
 def step_side_by_side(args, done):
     """SRU++ (enwik8-base) and the project's Transformer at the same parameter count,
     batch and length, trained for the same steps in this one process, each under
@@ -601,14 +636,18 @@ def step_side_by_side(args, done):
     steps = 6 if args.dry_run else args.steps
     work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     t0, rows = time.perf_counter(), []
+    from srupp.ops.settings import backends
+
+    use_launch_config = _triton_launch_context(dev)
+
     try:
         srupp_cfg = _enwik8_config(args, work, steps)
         from srupp.models import parameter_counts
 
         params = parameter_counts(srupp_cfg.model_config(256))["params"]
         base = {"srupp": srupp_cfg, "transformer": _transformer_config(srupp_cfg, params)}
-        for i, (name, model, sets) in enumerate(SIDE_BY_SIDE):
-            row = {"name": name, "model": model, "settings": sets}
+        for i, (name, model, sets, ops) in enumerate(SIDE_BY_SIDE):
+            row = {"name": name, "model": model, "settings": sets, "backends": ops}
             left = args.step_timeout - (time.perf_counter() - t0)
             if left < (30 if dev.type == "cuda" else 5):  # keep what was measured
                 rows.append({**row, "skipped": f"not run: {left:.0f} s left in the step"})
@@ -620,7 +659,15 @@ def step_side_by_side(args, done):
                 from srupp.train import build_config
 
                 cfg = build_config(None, list(sets), base=base[model].to_dict())
-                rows.append({**row, **_train_row(cfg, work / f"run{i}", dev, peak)})
+                with contextlib.ExitStack() as stack:
+                    for op, choice in ops.items():
+                        if op == "launch":
+                            launch = _sweep_launch(done)
+                            row["launch"] = launch
+                            stack.enter_context(use_launch_config(launch))
+                        else:
+                            stack.enter_context(backends().use(op, choice))
+                    rows.append({**row, **_train_row(cfg, work / f"run{i}", dev, peak)})
             except Exception as e:  # noqa: BLE001 - one row's failure is its result
                 rows.append({**row, "error": f"{type(e).__name__}: {e}"[-2000:]})
             print(json.dumps(rows[-1]), flush=True)
@@ -746,7 +793,7 @@ def _sync(dev) -> None:
 
 
 STEP_FUNCS = {"environment": step_environment, "pytest": step_pytest, "bounds": step_bounds,
-              "recurrence": step_recurrence, "pipeline": step_pipeline, "layer": step_layer,
+              "recurrence": step_recurrence, "sweep": step_sweep, "layer": step_layer,
               "side_by_side": step_side_by_side, "profile": step_profile}
 
 
@@ -772,18 +819,18 @@ def markdown(results: dict) -> str:
                 lines.append(f"| {r['kernel']} | {r['dtype']} | {r['L']} | {r['forward_GBps']} | "
                              f"{r['backward_GBps']} | {r.get('forward_share', '-')} | "
                              f"{r.get('backward_share', '-')} |")
-    pip = results["steps"].get("pipeline", {}).get("result") or {}
-    if pip.get("rows"):
-        lines += ["", "| dtype | block/warps/stages | fwd ms | bwd ms | fwd share | bwd share |",
+    sweep = results["steps"].get("sweep", {}).get("result") or {}
+    if sweep.get("rows"):
+        lines += ["", "| dtype | launch | fwd ms | bwd ms | fwd share | bwd share |",
                   "|---|---|---|---|---|---|"]
-        for r in pip["rows"]:
-            cfg = f"{r['block']}/{r['num_warps']}/{r['stages']}"
+        for r in sweep["rows"]:
             if "error" in r:
                 err = r["error"][:80].replace("|", "/").replace("\n", " ")
-                lines.append(f"| {r['dtype']} | {cfg} | {err} | | | |")
+                lines.append(f"| {r['dtype']} | {r['config']} | {err} | | | |")
             else:
-                lines.append(f"| {r['dtype']} | {cfg} | {r['forward_ms']} | {r['backward_ms']} "
-                             f"| {r.get('forward_share', '-')} | {r.get('backward_share', '-')} |")
+                lines.append(f"| {r['dtype']} | {r['config']} | {r['forward_ms']} | "
+                             f"{r['backward_ms']} | {r.get('forward_share', '-')} | "
+                             f"{r.get('backward_share', '-')} |")
     side = results["steps"].get("side_by_side", {}).get("result") or {}
     if side.get("rows"):
         lines += ["", f"| side by side (SRU++ / Transformer {side['srupp_over_transformer']}) "
@@ -819,9 +866,8 @@ def _headline(name: str, r: dict) -> str:
         return f"copy {x['copy_GBps']} GB/s, bf16 GEMM {x['gemm_bf16_TFLOPs']} TFLOP/s"
     if name == "recurrence":
         return f"worst share of copy bandwidth {x['worst_share']} (target {x['target_share']})"
-    if name == "pipeline":
-        return "fastest block/warps/stages: " + ", ".join(
-            f"{k} {'/'.join(map(str, v))}" for k, v in x["best_config"].items())
+    if name == "sweep":
+        return "fastest launch: " + ", ".join(f"{k} {v}" for k, v in x["best_config"].items())
     if name == "profile":
         return (f"step {x['step_ms']} ms, device busy {x['device_busy_share']}; "
                 + ", ".join(f"{k} {v}" for k, v in list(x["by_kind_ms"].items())[:4]))

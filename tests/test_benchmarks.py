@@ -224,7 +224,7 @@ def test_gpu_check_dry_run(tmp_path):
     r = run_benchmark("gpu_check.py", "--dry-run", "--out", str(tmp_path), timeout=900)
     report = json.loads((tmp_path / "gpu.json").read_text())
     steps = report["steps"]
-    assert list(steps) == ["environment", "pytest", "bounds", "recurrence", "pipeline", "layer",
+    assert list(steps) == ["environment", "pytest", "bounds", "recurrence", "sweep", "layer",
                            "side_by_side", "profile"]
     assert r["ok"], {k: v.get("error") for k, v in steps.items() if not v["ok"]}
     assert steps["environment"]["result"]["torch"]
@@ -240,13 +240,20 @@ def test_gpu_check_dry_run(tmp_path):
         == {"fp32", "bf16", "fp16"}
     assert min(steps["layer"]["result"]["tokens_per_s"].values()) > 0
     _check_side_by_side(steps["side_by_side"]["result"])
-    # the pipelined launch configurations compute what the plain loop does
-    pipe = steps["pipeline"]["result"]
-    assert [(x["dtype"], x["stages"]) for x in pipe["rows"]] == [
-        ("fp32", None), ("fp32", 4), ("bf16", None), ("bf16", 4)]
-    assert all(x["max_abs_diff_to_first"] == 0 and x["forward_ms"] > 0 for x in pipe["rows"])
-    assert [x["default"] for x in pipe["rows"]] == [True, False] * 2 and not pipe["cut_short"]
-    assert set(pipe["best_config"]) == {"fp32", "bf16"}
+    # every launch configuration of the sweep computes what the default does, to the bit
+    sweep = steps["sweep"]["result"]
+    gpu_check = _gpu_check()
+    assert [(x["dtype"], x["config"]) for x in sweep["rows"]] == [
+        (d, c) for d in ("bf16", "fp32") for c in (sweep["default_config"], *gpu_check.DRY_SWEEP)]
+    assert all(x["max_abs_diff_to_first"] == 0 and x["forward_ms"] > 0 for x in sweep["rows"])
+    assert [x["default"] for x in sweep["rows"]] == [True, False, False] * 2
+    assert not sweep["cut_short"] and set(sweep["best_config"]) == {"fp32", "bf16"}
+    assert sweep["best_launch"]["bf16"] == next(
+        [x["block"], x["num_warps"], x["stages"], x["steps"]] for x in sweep["rows"]
+        if x["config"] == sweep["best_config"]["bf16"])
+    # the side-by-side row on the sweep's fastest recurrence trained with that launch
+    (row,) = [r for r in steps["side_by_side"]["result"]["rows"] if "launch" in r["backends"]]
+    assert row["launch"] == sweep["best_launch"]["bf16"]
     prof = steps["profile"]["result"]
     assert prof["steps_profiled"] == 2 == prof["steps_timed"] and prof["step_ms"] > 0
     assert prof["top"]
@@ -257,7 +264,7 @@ def _check_side_by_side(side):
     """Every SIDE_BY_SIDE row trained (CUDA graphs, CUDA-only, skipped with its reason),
     at the same batch and length, with SRU++ and the Transformer within 10% in size."""
     names = [r["name"] for r in side["rows"]]
-    assert names == [n for n, _, _ in _gpu_check().SIDE_BY_SIDE]
+    assert names == [row[0] for row in _gpu_check().SIDE_BY_SIDE]
     for r in side["rows"]:
         if "cudagraphs" in " ".join(r["settings"]):
             assert r["skipped"] == "CUDA graphs need a CUDA device"
@@ -280,7 +287,7 @@ def _gpu_check():
 def test_gpu_check_quick_runs_the_four_steps_in_its_budget():
     gpu_check = _gpu_check()
     names, budget = gpu_check.plan(gpu_check.parse_args(["--quick"]))
-    assert [n for n, _, _ in names] == ["environment", "bounds", "pipeline", "side_by_side"]
+    assert [n for n, _, _ in names] == ["environment", "bounds", "sweep", "side_by_side"]
     assert budget == gpu_check.QUICK_BUDGET <= 240  # two calls fit a 15-minute GPU loan
     names, budget = gpu_check.plan(gpu_check.parse_args(["--quick", "--only", "bounds", "layer"]))
     assert [n for n, _, _ in names] == ["bounds"] and budget == gpu_check.QUICK_BUDGET

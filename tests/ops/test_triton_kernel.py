@@ -479,3 +479,28 @@ def test_low_level_api(device):
             assert all(torch.equal(out[i], out1[i]) for i in (0, 2, 3, 4))
         ptrs = [t.untyped_storage().data_ptr() for t in out if t.numel()]
         assert len(set(ptrs)) == len(ptrs)
+
+
+def test_use_launch_config_launches_every_call_with_it(device, monkeypatch):
+    """use_launch_config: every launch inside, through the dispatcher, takes the forced
+    configuration whatever the shape; the previous choice returns on exit."""
+    forced = tk.LaunchConfig(128, 4, steps=3)
+    monkeypatch.setattr(tk, "BLOCK_SIZE", None)  # (run_both sets it)
+    seen = []
+    run = tk._run
+    monkeypatch.setattr(tk, "_run", lambda launch: (seen.append(launch), run(launch))[1])
+    U, x, wc, bias, c0, mask, dm = make_inputs(2, 7, 6, 3, True, device=device)
+    plain = run_both(U, x, wc, bias, c0, mask, dm)[0]
+    default = [(la.constexprs["BLOCK"], la.num_warps, la.constexprs.get("STEPS")) for la in seen]
+    seen.clear()
+    with tk.use_launch_config(forced):
+        assert tk._launch_config(2, 6) == forced
+        inside = run_both(U, x, wc, bias, c0, mask, dm)[0]
+    assert tk._launch_config(2, 6) != forced
+    assert {(la.constexprs["BLOCK"], la.num_warps, la.constexprs.get("STEPS")) for la in seen} \
+        == {(128, 4, 3)} != set(default)
+    for a, b in zip(plain, inside):  # the same arithmetic in the same order
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="power of two"):
+        with tk.use_launch_config((96, 4)):
+            pass

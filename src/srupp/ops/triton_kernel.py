@@ -73,7 +73,8 @@ from torch import Tensor
 
 from .settings import debug_nan_fill
 
-__all__ = ["sru_fwd", "sru_bwd", "BLOCK_SIZE", "PIPELINE_STAGES", "STEPS_PER_BLOCK",
+__all__ = ["sru_fwd", "sru_bwd", "use_launch_config", "BLOCK_SIZE", "PIPELINE_STAGES",
+           "STEPS_PER_BLOCK",
            "LaunchConfig", "SWEEP_CONFIGS", "ARCHS", "Launch", "Specialization",
            "specializations", "sweep_specializations", "example_launch", "launch_key",
            "compile_specialization", "compile_specializations", "pairwise_cover",
@@ -492,9 +493,28 @@ def _config(config) -> LaunchConfig:
 _LAUNCH_CONFIGS = ((1 << 16, 64, 2), (0, 32, 1))
 
 
+_forced_config: Optional[LaunchConfig] = None
+
+
+@contextlib.contextmanager
+def use_launch_config(config):
+    """Launch every call inside with ``config`` (a LaunchConfig or a tuple, as ``config=``
+    takes), whatever the shape: how benchmarks/gpu_check.py trains a whole model on one
+    of SWEEP_CONFIGS. Restores the previous choice on exit."""
+    global _forced_config
+    previous, _forced_config = _forced_config, _config(config)
+    try:
+        yield
+    finally:
+        _forced_config = previous
+
+
 def _launch_config(B: int, D: int) -> LaunchConfig:
-    """The launch configuration for a (B, ·, ·, D) problem (``BLOCK_SIZE``,
-    ``PIPELINE_STAGES`` and ``STEPS_PER_BLOCK`` as the module sets them)."""
+    """The launch configuration for a (B, ·, ·, D) problem: :func:`use_launch_config`'s,
+    else ``BLOCK_SIZE``, ``PIPELINE_STAGES`` and ``STEPS_PER_BLOCK`` as the module sets
+    them."""
+    if _forced_config is not None:
+        return _forced_config
     if BLOCK_SIZE is not None:
         return LaunchConfig(BLOCK_SIZE, max(1, min(4, BLOCK_SIZE // 32)), PIPELINE_STAGES,
                             STEPS_PER_BLOCK)
