@@ -775,15 +775,29 @@ def step_profile(args, done):
         busy_ms = sum(by_name.values()) / 1e3 / active
         step_ms = wall["seconds"] * 1e3 / timed  # without the profiler's own cost
         top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
-        return {"steps_profiled": active, "steps_timed": timed, "step_ms": round(step_ms, 2),
+        result = {"steps_profiled": active, "steps_timed": timed, "step_ms": round(step_ms, 2),
                 "device_busy_ms": round(busy_ms, 2),
                 "device_busy_share": round(busy_ms / step_ms, 3),
                 "by_kind_ms": {k: round(v / 1e3 / active, 2)
                                for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
                 "top": [{"name": k[:160], "kind": kernel_kind(k),
                          "ms_per_step": round(v / 1e3 / active, 3)} for k, v in top]}
+        result["model"] = _beside_the_model(result)
+        return result
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _beside_the_model(profile: dict) -> dict:
+    """gpu_model.py's prediction of this step (docs/gpu_model.json, made without a GPU:
+    enwik8-base, batch 16, eager) beside the profile, kind by kind, and the step and
+    the device's busy time: where the model is wrong, and whether the step waits for
+    the host (busy time well under the step)."""
+    import gpu_model
+
+    prediction = json.loads((ROOT / "docs" / "gpu_model.json").read_text())
+    return {"prediction": "docs/gpu_model.json",
+            **gpu_model.compare_to_profile(prediction, profile)}
 
 
 def _sync(dev) -> None:
@@ -845,9 +859,14 @@ def markdown(results: dict) -> str:
                 lines.append(f"| {r['name']} | {why} | | |".replace("\n", " "))
     prof = results["steps"].get("profile", {}).get("result") or {}
     if prof.get("by_kind_ms"):
-        lines += ["", f"| enwik8 step {prof['step_ms']} ms, device busy "
-                      f"{prof['device_busy_share']} | ms per step |", "|---|---|"]
-        lines += [f"| {k} | {v} |" for k, v in prof["by_kind_ms"].items()]
+        kinds = (prof.get("model") or {}).get("kinds", {})
+        step = (prof.get("model") or {}).get("step", {})
+        lines += ["", f"| enwik8 step {prof['step_ms']} ms (gpu_model.py: "
+                      f"{step.get('predicted_ms', '-')}), device busy "
+                      f"{prof['device_busy_share']} | ms per step | gpu_model.py |",
+                  "|---|---|---|"]
+        lines += [f"| {k} | {v} | {kinds.get(k, {}).get('predicted_ms', '-')} |"
+                  for k, v in prof["by_kind_ms"].items()]
     lay = results["steps"].get("layer", {}).get("result") or {}
     if lay.get("tokens_per_s"):
         lines += ["", "| layer (tokens/s) | value |", "|---|---|"]

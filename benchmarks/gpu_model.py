@@ -62,6 +62,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 import types
 from pathlib import Path
@@ -159,10 +160,15 @@ EFFICIENT_SPLITS_CAP = 200
 # for it in public write-ups
 # (e.g. https://jiahuanglin.xyz/all_lessons/gpu_kernel_serving/18_pytorch_to_kernel.html).
 # Per dispatcher call (every aten op the trace records, views and the optimizer's CPU
-# scalar ops included): an eager op from Python with autograd recording, 6.8 us
+# scalar ops included): by default measured on this machine (:func:`measure_host`: the
+# model trained on the meta device, whose ops compute shapes only, so that the time is
+# the host's: Python between the calls, srupp's routing, the dispatcher, autograd),
+# about 36 us on a 2-core AMD EPYC for enwik8-base; --call-us gives another, e.g. the
+# public figure for a bare op from Python with autograd recording, 6.8 us
 # (pytorch/pytorch#41383: 10^6 calls of 2 * x with requires_grad in 6.8 s, 5 s without;
-# the one-element kernel is negligible). A launching op pays both. The host runs ahead
-# of the GPU until something waits for the device (a sync): see :func:`timeline`.
+# the one-element kernel is negligible), which leaves out srupp's own Python. A
+# launching op pays both. The host runs ahead of the GPU until something waits for the
+# device (a sync): see :func:`timeline`.
 LAUNCH_US = 5.0
 LAUNCH_SOURCE = ("eager PyTorch's host cost per CUDA op, low end of the 5-25 us public "
                  "write-ups quote; charged per launch on top of the call's cost")
@@ -181,8 +187,8 @@ MISSING = (
     "dtype operands and small tensors run below it",
     "the plain recurrence's per-step latency at other B x D than docs/gpu.json's rows "
     "(B 16, D 2048), taken as equal",
-    "host time beyond one cost per dispatcher call and per launch: Python between the "
-    "calls (module calls, srupp's routing), the caching allocator, autograd's engine",
+    "the GPU machine's host CPU: the cost per dispatcher call is measured on this "
+    "machine's, and a faster host shortens a host-bound step in proportion",
     "gaps between back-to-back kernels on the device; Dynamo's guards and Inductor's "
     "kernel quality under --compiled",
 )
@@ -1231,13 +1237,88 @@ def _trace_layer(spec: dict, recorder, patches: _Patches) -> dict:
             "d": d, "proj": proj}
 
 
+def measure_host(spec: dict, steps: int = 5) -> dict:
+    """The host's cost per dispatcher call, measured on this machine: the recipe's model
+    trains on the meta device (each op computes its output's shape only, as a CUDA op's
+    host side does before its launch) with the recurrence as its custom op, as on CUDA.
+    Forward, backward, clipping and the optimizer (per tensor: foreach takes no meta
+    tensors), ``steps`` timed after one untimed; the calls counted in one more step.
+
+    Returns ``call_us`` (seconds per step / calls per step), ``step_ms``, ``calls`` and
+    the ``cpu`` it ran on. The step's own calls (as the fake-CUDA trace counts them)
+    times ``call_us`` is then the host's time, plus the launches' own cost.
+    """
+    import statistics
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from srupp.models import build_model
+
+    cfg = _build_config(spec)
+    patches = _Patches()
+    try:
+        _meta_patches(patches)
+        model = build_model(cfg.model_config(_vocab_size(cfg)), device="meta",
+                            dtype=torch.bfloat16 if spec["precision"] == "bf16" else None)
+        model.train()
+        opt = torch.optim.RAdam(model.parameters(), lr=1e-4, decoupled_weight_decay=True,
+                                foreach=False)
+        B, L = cfg.train.batch_size, cfg.train.unroll
+        x = torch.zeros(B, L, dtype=torch.long, device="meta")
+        state = [None]
+
+        def step():
+            out = model(x, state[0], targets=x)
+            out.loss.backward()
+            state[0] = out.state.detach()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip or 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        step()
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+
+        class Count(TorchDispatchMode):
+            calls = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                Count.calls += 1
+                return func(*args, **(kwargs or {}))
+
+        with Count():
+            step()
+    finally:
+        patches.restore()
+    seconds = statistics.median(times)
+    return {"workload": "host", "call_us": round(seconds / Count.calls * 1e6, 2),
+            "step_ms": round(seconds * 1e3, 2), "calls": Count.calls, "cpu": _cpu_name()}
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
 def _worker() -> None:
     """``--_worker``: traces the specs (a JSON list on stdin); prints a JSON list."""
     specs = json.loads(sys.stdin.read())
     out = []
     for spec in specs:
         try:
-            out.append(trace_step(spec))
+            out.append(measure_host(spec) if spec.get("workload") == "host"
+                       else trace_step(spec))
         except Exception as e:  # noqa: BLE001 - reported to the parent, which decides
             traceback.print_exc()
             out.append({"error": f"{type(e).__name__}: {e}"})
@@ -1772,8 +1853,10 @@ def parse_args(argv=None):
                         "the probabilities kept)")
     p.add_argument("--launch-us", type=float, default=LAUNCH_US,
                    help="host cost of one kernel launch")
-    p.add_argument("--call-us", type=float, default=CALL_US,
-                   help="host cost of one dispatcher call")
+    p.add_argument("--call-us", type=float, default=None,
+                   help="host cost of one dispatcher call (default: measured here, the "
+                        f"calibration's model trained on the meta device; {CALL_US} is "
+                        "the public figure for a bare op)")
     p.add_argument("--scenarios", action="store_true",
                    help="also predict the changes in flight, alone and together (eager "
                         "baseline, --compiled, --fused-optimizer, --recurrence pipelined, "
@@ -1842,9 +1925,14 @@ def model_step(args) -> dict:
     other = "matmul" if args.attention != "matmul" else "auto"
     if args.scenarios:
         specs.append(dict(spec, attention=other))
+    if args.call_us is None:  # measured here, on the calibration's model
+        specs.append(dict(cal, workload="host", mode="meta"))
     traces = run_traces(specs)
     trace, cal_trace = traces[:2]
     layer_trace = traces[2] if shape else None
+    host = traces.pop() if args.call_us is None else None
+    if host is not None:
+        args.call_us = host["call_us"]
     out = {"recipe": Path(args.recipe).name, "gpu": args.gpu, "trace": trace["mode"],
            "config": {"batch": trace["batch"], "unroll": trace["unroll"],
                       "mem_len": trace["mem_len"], "grad_accum": trace["grad_accum"],
@@ -1873,6 +1961,13 @@ def model_step(args) -> dict:
     out["calibration"] = calibration(cal_trace, measured, args.call_us, args.launch_us,
                                      layer_trace)
     out["assumptions"] = assumptions(gpu, measured, args, trace)
+    if host is not None:
+        out["assumptions"]["host"]["call_source"] = (
+            f"measured here: the calibration's model trained on the meta device, "
+            f"{host['step_ms']} ms for {host['calls']} dispatcher calls a step on "
+            f"{host['cpu']} (the GPU machine's host CPU may differ); "
+            f"--call-us {CALL_US} is the public figure for a bare op ({CALL_SOURCE})")
+        out["host_measurement"] = host
     return out
 
 

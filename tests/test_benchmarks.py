@@ -256,6 +256,10 @@ def test_gpu_check_dry_run(tmp_path):
     assert row["launch"] == sweep["best_launch"]["bf16"]
     prof = steps["profile"]["result"]
     assert prof["steps_profiled"] == 2 == prof["steps_timed"] and prof["step_ms"] > 0
+    # the model's prediction beside the profile, kind by kind
+    model = prof["model"]
+    assert model["step"]["measured_ms"] == pytest.approx(prof["step_ms"], abs=1e-3)
+    assert model["step"]["predicted_ms"] > 0 and {"gemm", "recurrence"} <= set(model["kinds"])
     assert prof["top"]
     assert sum(prof["by_kind_ms"].values()) > 0
 

@@ -409,6 +409,18 @@ def test_main_prints_the_prediction_and_its_calibration(capsys):
     assert math.isfinite(cal["predicted_ms"]) and cal["predicted_ms"] > 0
     assert cal["ratio"] == pytest.approx(cal["predicted_ms"] / cal["measured_ms"], abs=1e-3)
     assert cal["layer_predicted_ms"] > 0 and cal["layer_measured_ms"] > 0
+    # the host's cost per call was measured here, and every host figure uses it
+    host = res["host_measurement"]
+    assert host["call_us"] > 0 and host["calls"] > 0 and host["cpu"]
+    assert host["call_us"] == pytest.approx(host["step_ms"] * 1e3 / host["calls"], rel=0.01)
+    assert res["host"]["call_us"] == host["call_us"] == cal["step"]["host"]["call_us"]
+    assert "measured here" in res["assumptions"]["host"]["call_source"]
+
+
+def test_a_given_call_cost_is_used_without_measuring(capsys):
+    gm.main(["--recipe", RECIPE, "--set", *TINY, "--call-us", "6.8", "--json"])
+    res = json.loads(capsys.readouterr().out)
+    assert "host_measurement" not in res and res["host"]["call_us"] == 6.8
 
 
 def test_main_refuses_matmul_attention_in_compiled_layers(capsys):
