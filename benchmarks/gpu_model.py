@@ -161,9 +161,9 @@ EFFICIENT_SPLITS_CAP = 200
 # (e.g. https://jiahuanglin.xyz/all_lessons/gpu_kernel_serving/18_pytorch_to_kernel.html).
 # Per dispatcher call (every aten op the trace records, views and the optimizer's CPU
 # scalar ops included): by default measured on this machine (:func:`measure_host`: the
-# model trained on the meta device, whose ops compute shapes only, so that the time is
-# the host's: Python between the calls, srupp's routing, the dispatcher, autograd),
-# about 36 us on a 2-core AMD EPYC for enwik8-base; --call-us gives another, e.g. the
+# model's structure trained at tiny widths on one CPU thread, where the time is the
+# host's: Python between the calls, srupp's routing, the dispatcher, autograd), about
+# 4 us on a 2-core AMD EPYC for enwik8-base; --call-us gives another, e.g. the
 # public figure for a bare op from Python with autograd recording, 6.8 us
 # (pytorch/pytorch#41383: 10^6 calls of 2 * x with requires_grad in 6.8 s, 5 s without;
 # the one-element kernel is negligible), which leaves out srupp's own Python. A
@@ -1237,16 +1237,25 @@ def _trace_layer(spec: dict, recorder, patches: _Patches) -> dict:
             "d": d, "proj": proj}
 
 
-def measure_host(spec: dict, steps: int = 5) -> dict:
-    """The host's cost per dispatcher call, measured on this machine: the recipe's model
-    trains on the meta device (each op computes its output's shape only, as a CUDA op's
-    host side does before its launch) with the recurrence as its custom op, as on CUDA.
-    Forward, backward, clipping and the optimizer (per tensor: foreach takes no meta
-    tensors), ``steps`` timed after one untimed; the calls counted in one more step.
+# The widths measure_host trains the model's structure at: every op's kernel is then
+# a few microseconds on one CPU thread, so that a step's time is the host's own.
+HOST_WIDTHS = ("model.d_model=64", "model.proj_size=16", "train.batch_size=2",
+               "train.unroll=16")
 
-    Returns ``call_us`` (seconds per step / calls per step), ``step_ms``, ``calls`` and
-    the ``cpu`` it ran on. The step's own calls (as the fake-CUDA trace counts them)
-    times ``call_us`` is then the host's time, plus the launches' own cost.
+
+def measure_host(spec: dict, steps: int = 7) -> dict:
+    """The host's cost per dispatcher call, measured on this machine: the model of
+    ``spec`` (same depth, layers and options) trains at tiny widths (HOST_WIDTHS) on one
+    CPU thread, where each op's kernel costs little beside the host's own work per call
+    (Python, srupp's routing, the dispatcher, autograd, the allocator). Forward under
+    the run's precision, backward, clipping and the optimizer; ``steps`` timed after
+    three untimed; the calls counted in one more step.
+
+    Not on the meta device: there many ops compute their output's shape in Python
+    (torch._refs), which costs several times what the same op's host side costs on
+    CUDA. Returns ``call_us`` (seconds per step / calls per step), ``step_ms``,
+    ``calls`` and the ``cpu`` it ran on; the trace's calls times ``call_us`` is then
+    the host's time on CUDA, its launches (LAUNCH_US each) apart.
     """
     import statistics
 
@@ -1255,28 +1264,35 @@ def measure_host(spec: dict, steps: int = 5) -> dict:
 
     from srupp.models import build_model
 
-    cfg = _build_config(spec)
-    patches = _Patches()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
-        _meta_patches(patches)
-        model = build_model(cfg.model_config(_vocab_size(cfg)), device="meta",
-                            dtype=torch.bfloat16 if spec["precision"] == "bf16" else None)
+        cfg = _build_config({**spec, "calibration": False,
+                             "sets": [*(spec.get("sets") or []), *HOST_WIDTHS],
+                             "batch": None, "unroll": None,
+                             "recipe": spec.get("recipe") or str(ROOT / "recipes" /
+                                                                 "enwik8-base.toml")})
+        torch.manual_seed(0)
+        model = build_model(cfg.model_config(_vocab_size(cfg)))
         model.train()
         opt = torch.optim.RAdam(model.parameters(), lr=1e-4, decoupled_weight_decay=True,
                                 foreach=False)
         B, L = cfg.train.batch_size, cfg.train.unroll
-        x = torch.zeros(B, L, dtype=torch.long, device="meta")
+        x = torch.zeros(B, L, dtype=torch.long)
         state = [None]
+        bf16 = spec["precision"] == "bf16"
 
         def step():
-            out = model(x, state[0], targets=x)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                out = model(x, state[0], targets=x)
             out.loss.backward()
             state[0] = out.state.detach()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip or 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        step()
+        for _ in range(3):
+            step()
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -1293,10 +1309,11 @@ def measure_host(spec: dict, steps: int = 5) -> dict:
         with Count():
             step()
     finally:
-        patches.restore()
+        torch.set_num_threads(threads)
     seconds = statistics.median(times)
     return {"workload": "host", "call_us": round(seconds / Count.calls * 1e6, 2),
-            "step_ms": round(seconds * 1e3, 2), "calls": Count.calls, "cpu": _cpu_name()}
+            "step_ms": round(seconds * 1e3, 2), "calls": Count.calls, "cpu": _cpu_name(),
+            "widths": list(HOST_WIDTHS)}
 
 
 def _cpu_name() -> str:
@@ -1925,8 +1942,9 @@ def model_step(args) -> dict:
     other = "matmul" if args.attention != "matmul" else "auto"
     if args.scenarios:
         specs.append(dict(spec, attention=other))
-    if args.call_us is None:  # measured here, on the calibration's model
-        specs.append(dict(cal, workload="host", mode="meta"))
+    if args.call_us is None:  # measured here, on the calibration's model at tiny widths
+        specs.append({"workload": "host", "mode": "cpu", "precision": "bf16",
+                      "sets": ["train.precision=bf16"]})
     traces = run_traces(specs)
     trace, cal_trace = traces[:2]
     layer_trace = traces[2] if shape else None
@@ -1963,10 +1981,11 @@ def model_step(args) -> dict:
     out["assumptions"] = assumptions(gpu, measured, args, trace)
     if host is not None:
         out["assumptions"]["host"]["call_source"] = (
-            f"measured here: the calibration's model trained on the meta device, "
-            f"{host['step_ms']} ms for {host['calls']} dispatcher calls a step on "
-            f"{host['cpu']} (the GPU machine's host CPU may differ); "
-            f"--call-us {CALL_US} is the public figure for a bare op ({CALL_SOURCE})")
+            f"measured here: enwik8-base's structure at tiny widths ({', '.join(HOST_WIDTHS)}) "
+            f"trained in bf16 on one thread of {host['cpu']}, {host['step_ms']} ms for "
+            f"{host['calls']} dispatcher calls a step (the GPU machine's host CPU may "
+            f"differ); --call-us {CALL_US} is the public figure for a bare op "
+            f"({CALL_SOURCE})")
         out["host_measurement"] = host
     return out
 
