@@ -86,7 +86,7 @@ QUICK_BUDGET = 240
 DRY_TIMEOUT = 300  # a step on the CPU at tiny sizes
 
 TARGETS = {  # the figures a GPU run is held to (the GPU-readiness issue)
-    "recurrence_share_of_copy": 0.70,
+    "recurrence_share_of_copy": 0.60,
     "layer_bf16_train_vs_reference": 2.0,
     "enwik8_mfu": 0.35,
     "srupp_over_transformer": 0.8,
