@@ -46,8 +46,20 @@ def pytest_configure(config):
                             "kernel, CPU features); not collected with --device cuda")
 
 
+# The slowest tests (``pytest --durations``), started first: under ``pytest -n auto``
+# (``make test``) a long test that starts last keeps one core busy while the others
+# have finished.
+SLOW_FIRST = ("test_sweep_configs_compile_for_sm80_and_sm90", "test_kernel_ab",
+              "test_gpu_check_dry_run", "test_sigkill_of_the_launcher",
+              "test_compiles_for_sm80_and_sm90_without_spills", "test_crossover",
+              "test_gpu_check_pytest_cut_short", "test_accumulation_syncing_once",
+              "test_quantized_graphs_run_in_onnxruntime", "test_training_scale",
+              "test_signals_at_random_moments_resume")
+
+
 def pytest_collection_modifyitems(config, items):
     if config.getoption("device") == "cpu":
+        items.sort(key=lambda item: not any(name in item.nodeid for name in SLOW_FIRST))
         return
     keep, drop = [], []
     for item in items:
