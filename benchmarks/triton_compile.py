@@ -36,7 +36,7 @@ from collections import defaultdict
 
 import triton
 
-from srupp.ops import triton_kernel as tk
+from srupp.ops import triton_compile as tk
 
 
 def summarise(records):

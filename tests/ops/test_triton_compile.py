@@ -2,7 +2,7 @@
 list of their variants is what the host functions launch.
 
 The kernels' other tests run them under the Triton interpreter, which never
-compiles them. Here :func:`srupp.ops.triton_kernel.compile_specializations`
+compiles them. Here :func:`srupp.ops.triton_compile.compile_specializations`
 compiles them to PTX and cubin for sm_80 and sm_90 in child processes without
 ``TRITON_INTERPRET`` (no GPU needed: ptxas ships with triton), and ptxas reports
 registers and spills. A variant takes about half a second to compile, and there
@@ -34,6 +34,7 @@ triton = pytest.importorskip("triton", reason="triton not installed (pip install
 import srupp.ops as ops  # noqa: E402
 from srupp.nn import SRU, SRUpp  # noqa: E402
 from srupp.ops import sru_recurrence  # noqa: E402
+from srupp.ops import triton_compile as tc  # noqa: E402
 from srupp.ops import triton_kernel as tk  # noqa: E402
 from srupp.ops.reference import sru_recurrence_reference  # noqa: E402
 
@@ -41,17 +42,17 @@ interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
     reason="runs the kernels on CPU tensors under TRITON_INTERPRET=1 (tests/conftest.py sets it)")
 
-FIELDS = [f.name for f in dataclasses.fields(tk.Specialization) if f.name != "kernel"]
+FIELDS = [f.name for f in dataclasses.fields(tc.Specialization) if f.name != "kernel"]
 
 
 @pytest.fixture(scope="module")
 def specs():
-    return tk.specializations()
+    return tc.specializations()
 
 
 @pytest.fixture(scope="module")
 def spec_keys(specs):
-    return {tk.launch_key(tk.example_launch(s)): s for s in specs}
+    return {tc.launch_key(tc.example_launch(s)): s for s in specs}
 
 
 def values(specs, kernel):
@@ -61,7 +62,7 @@ def values(specs, kernel):
 def test_specializations_are_distinct_and_complete(specs, spec_keys):
     assert len(spec_keys) == len(specs), "two variants compile to the same kernel"
     for s in specs:  # the setup code launches the constexprs a variant names
-        assert tk.example_launch(s).constexprs == s.constexprs, s.name
+        assert tc.example_launch(s).constexprs == s.constexprs, s.name
     for kernel in ("fwd", "bwd"):
         seen = values(specs, kernel)
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -86,7 +87,7 @@ class Recorder:
         self.keys, self.run, self._real = [], run, tk._run
 
     def __call__(self, launch):
-        self.keys.append(tk.launch_key(launch))
+        self.keys.append(tc.launch_key(launch))
         if self.run:
             self._real(launch)
 
@@ -178,16 +179,16 @@ def test_both_launch_configurations_are_specializations(monkeypatch, spec_keys):
 
 
 def test_compiles_for_sm80_and_sm90_without_spills(specs):
-    subset = tk.pairwise_cover(specs)
+    subset = tc.pairwise_cover(specs)
     # the subset holds every value of every field, for both kernels
     for kernel in ("fwd", "bwd"):
         assert values(subset, kernel) == values(specs, kernel)
     start = time.perf_counter()
-    results = tk.compile_specializations(subset, tk.ARCHS, workers=2)
+    results = tc.compile_specializations(subset, tc.ARCHS, workers=2)
     wall = time.perf_counter() - start
-    assert len(results) == len(subset) * len(tk.ARCHS)
+    assert len(results) == len(subset) * len(tc.ARCHS)
     assert {(r["name"], r["arch"]) for r in results} == {
-        (s.name, a) for s in subset for a in tk.ARCHS}
+        (s.name, a) for s in subset for a in tc.ARCHS}
     errors = [f"{r['name']} sm_{r['arch']}: {r['error']}" for r in results if "error" in r]
     assert not errors, "\n".join(errors)
     for r in results:
@@ -212,10 +213,10 @@ def test_a_pipelined_time_loop_compiles_to_asynchronous_copies(dtype, block):
     moves 4 bytes or more."""
     common = dict(dtype=dtype, param_dtype=torch.float32, x_dtype=dtype, k=3, mask=False,
                   dropout=False, bidirectional=False, block=block, num_warps=2)
-    specs = [tk.Specialization("fwd", store_c=True, stages=stages, **common)
+    specs = [tc.Specialization("fwd", store_c=True, stages=stages, **common)
              for stages in (None, 4)]
-    specs += [tk.Specialization("bwd", grad_x=True, stages=4, **common)]
-    results = tk.compile_specializations(specs, [90], workers=2)
+    specs += [tc.Specialization("bwd", grad_x=True, stages=4, **common)]
+    results = tc.compile_specializations(specs, [90], workers=2)
     errors = [f"{r['name']}: {r['error']}" for r in results if "error" in r]
     assert not errors, "\n".join(errors)
     by_name = {r["name"]: r for r in results}
@@ -245,14 +246,14 @@ def sweep_results():
     """Every sweep configuration's heaviest forward and backward
     (sweep_specializations()), compiled for sm_80 and sm_90: fp32 on one arch and bf16
     on the other, alternating from one configuration to the next."""
-    specs = tk.sweep_specializations()
+    specs = tc.sweep_specializations()
     assert {s.config for s in specs} == set(tk.SWEEP_CONFIGS)
     index = {c: i for i, c in enumerate(tk.SWEEP_CONFIGS)}
     on_80 = [s for s in specs if (index[s.config] + (s.dtype == torch.bfloat16)) % 2 == 0]
     on_90 = [s for s in specs if s not in on_80]
     start = time.perf_counter()
-    results = (tk.compile_specializations(on_80, [80], workers=2)
-               + tk.compile_specializations(on_90, [90], workers=2))
+    results = (tc.compile_specializations(on_80, [80], workers=2)
+               + tc.compile_specializations(on_90, [90], workers=2))
     print(f"compiled {len(results)} sweep variants in {time.perf_counter() - start:.1f} s")
     assert len(results) == len(specs)
     return results
@@ -263,7 +264,7 @@ def test_sweep_configs_compile_for_sm80_and_sm90_without_spills(sweep_results):
     assert not errors, "\n".join(errors)
     seen = {(r["name"].split("BLOCK=")[1], r["kernel"], r["arch"]) for r in sweep_results}
     assert seen == {(c.name, k, a) for c in tk.SWEEP_CONFIGS for k in ("fwd", "bwd")
-                    for a in tk.ARCHS}
+                    for a in tc.ARCHS}
     for r in sweep_results:
         where = f"{r['name']} sm_{r['arch']}"
         assert r["ptx"] and r["cubin"], f"{where}: no PTX or cubin"

@@ -36,15 +36,12 @@ from torch import Tensor
 
 from . import cpu_kernels
 from .reference import check_args, sru_recurrence_reference
-from .settings import CHOICES, accessors, backends
+from .settings import CHOICES, RECURRENCE_DTYPES, accessors, backends
 
 __all__ = ["sru_recurrence", "set_backend", "get_backend", "use_backend", "BACKENDS",
            "warm_up", "sru_fwd", "sru_bwd"]
 
 BACKENDS = CHOICES["recurrence"]
-# dtypes each kernel computes in (float64, for gradcheck, always runs the reference)
-_DTYPES = {"cpu": (torch.float32, torch.bfloat16),
-           "triton": (torch.float32, torch.bfloat16, torch.float16)}
 
 
 # set_backend("reference" | "cpu" | "triton" | "auto"), get_backend() (``SRUPP_BACKEND``
@@ -92,7 +89,7 @@ def route(U: Tensor, x, weight_c, bias, c0, dropout_mask) -> str:
         name = "cpu" if dev == "cpu" else "triton" if dev == "cuda" else "reference"
     if name == "reference":
         return name
-    if any(t is not None and t.dtype not in _DTYPES[name]
+    if any(t is not None and t.dtype not in RECURRENCE_DTYPES[name]
            for t in (U, x, weight_c, bias, c0, dropout_mask)):
         return "reference"
     native = "cpu" if name == "cpu" else "cuda"

@@ -38,6 +38,11 @@ CHOICES = {"recurrence": ("auto", "reference", "cpu", "triton"),
            "step": ("auto", "fused", "modules")}
 ENV = {"recurrence": "SRUPP_BACKEND", "matmul": "SRUPP_MATMUL", "attention": "SRUPP_ATTENTION",
        "step": "SRUPP_STEP"}
+# The dtypes each recurrence kernel computes in: the dispatcher routes other dtypes
+# (float64, for gradcheck) to the reference, and the Triton kernels' ahead-of-time
+# compilation (srupp.ops.triton_compile) lists a variant for each.
+RECURRENCE_DTYPES = {"cpu": (torch.float32, torch.bfloat16),
+                     "triton": (torch.float32, torch.bfloat16, torch.float16)}
 
 
 @dataclasses.dataclass
