@@ -80,9 +80,9 @@ def cmd_train(args) -> int:
 def _load_for(args, command: str):
     """load_run, refusing with one line a checkpoint of another task than ``command``'s."""
     from .inference import load_run
-    from .train.config import TASKS
+    from .train.registry import TASKS, task_of_command
 
-    need = next(task for task in TASKS.values() if task.command == command)
+    need = task_of_command(command)
     run = load_run(args.checkpoint)
     have = TASKS[run.model.config.task]
     if have is not need:

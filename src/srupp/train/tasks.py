@@ -4,7 +4,7 @@ A task owns its data, tokenizer (and labels), batches, loss and evaluation;
 the trainer owns everything else: the optimiser and schedule, the time
 budget, precision, checkpoints and exact resume, progress, metrics and
 curves. Three tasks, chosen by the recipe's top-level ``task`` key (the
-registry is :data:`srupp.train.config.TASKS`):
+registry is :data:`srupp.train.registry.TASKS`):
 
     lm         :mod:`srupp.train.lm`: streams of tokens, state carried
     translate  :mod:`srupp.train.translate`: sentence pairs, BLEU
@@ -31,7 +31,7 @@ from ..runs import TOKENIZER
 from .distributed import SINGLE, Dist
 
 if TYPE_CHECKING:
-    from .config import RunConfig
+    from .run_config import RunConfig
 
 # srupp compare's speed measurements: the median of this many timed runs
 SPEED_REPEATS = 3
