@@ -2,7 +2,7 @@
 and does any variant spill?
 
 Compiles every variant the host functions can launch
-(``srupp.ops.triton_kernel.specializations()``: dtypes, flags and launch
+(``srupp.ops.triton_compile.specializations()``: dtypes, flags and launch
 configurations) for sm_80 and sm_90, without a GPU (triton ships ptxas), in
 ``--workers`` child processes, and prints one JSON object: a record per variant and
 arch (registers, spills, shared memory, compile seconds) and a summary.
@@ -36,7 +36,7 @@ from collections import defaultdict
 
 import triton
 
-from srupp.ops import triton_compile as tk
+from srupp.ops import triton_compile as tc
 
 
 def summarise(records):
@@ -105,7 +105,7 @@ def markdown(rows, spilling, command, triton_version):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--archs", type=int, nargs="+", default=list(tk.ARCHS),
+    ap.add_argument("--archs", type=int, nargs="+", default=list(tc.ARCHS),
                     help="compute capabilities (default: 80 90)")
     ap.add_argument("--workers", type=int, default=2, help="compiling processes (default 2)")
     ap.add_argument("--kernel", choices=["fwd", "bwd"], help="one kernel only")
@@ -120,11 +120,11 @@ def main(argv=None):
 
     if args.sweep and args.markdown:
         ap.error("--markdown writes the table of the production variants; not with --sweep")
-    specs = tk.sweep_specializations() if args.sweep else tk.specializations()
+    specs = tc.sweep_specializations() if args.sweep else tc.specializations()
     if args.kernel:
         specs = [s for s in specs if s.kernel == args.kernel]
     if args.pairwise:
-        specs = tk.pairwise_cover(specs)
+        specs = tc.pairwise_cover(specs)
     if args.limit is not None:
         specs = specs[:args.limit]
     total = len(specs) * len(args.archs)
@@ -137,7 +137,7 @@ def main(argv=None):
             print(f"{done}/{total} compiled", file=sys.stderr, flush=True)
 
     start = time.perf_counter()
-    records = tk.compile_specializations(specs, args.archs, args.workers, progress)
+    records = tc.compile_specializations(specs, args.archs, args.workers, progress)
     wall = time.perf_counter() - start
     errors = [r for r in records if "error" in r]
     ok = [r for r in records if "error" not in r]

@@ -54,7 +54,8 @@ from ..errors import UserError
 from ..models.backbones import BACKBONES
 from ..models.registry import parameter_counts
 from ..runs import has_checkpoint, read_json
-from .config import TASKS, RunConfig, build_config, drop_other_types_keys
+from .config import RunConfig, build_config, drop_other_types_keys
+from .registry import TASKS
 from .lm import LMTask
 from .lock import LOCK_FILE, locked_run_dir
 from .metrics import MetricsLog
