@@ -19,7 +19,7 @@ import torch
 
 from tolerances import tol
 
-import srupp.nn.srupp as srupp_module
+import srupp.nn.stack_step as srupp_module
 from srupp.models import CausalLM, SRUppConfig
 from srupp.nn import SRUpp
 from srupp.ops import cpu_kernels

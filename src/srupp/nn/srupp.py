@@ -19,12 +19,13 @@ Decoding at batch 1 is bound by per-call overhead, not arithmetic, so its
 L = 1 case is kept cheap: no mask is built when a lone query may see every
 key, and under no_grad the keys and values of the memory are cached in the
 state (:class:`~srupp.nn.state.KVCache`) and grown in place
-(:func:`~srupp.nn.append.append_steps`) instead of being recomputed.
+(:func:`~srupp.nn.append.append_steps`) instead of being recomputed. On CPU
+that one token runs through every layer in one C++ call where it can
+(:mod:`srupp.nn.stack_step`).
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple, Union
 
@@ -33,13 +34,12 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 from ..ops import attend
-from ..ops.layer_step import layer_step_applies, stack_step_kernel
-from ..ops.matmul import FEW_ROWS
-from .append import append_steps, reserve_steps
+from ..ops.layer_step import layer_step_applies
+from .append import append_steps
 from .linear import Linear
-from .quant import Int8Linear
-from .state import KVCache, SRUppState
 from .sru import RecurrentLayerBase, StackBase, check_c0, check_input, read_input, write_output
+from .stack_step import FusedSteps, _keep_last, _step_fused, fused_steps
+from .state import KVCache, SRUppState
 
 StateLike = Union[SRUppState, Tensor, None]
 
@@ -459,7 +459,7 @@ class SRUpp(StackBase):
         h, state = _run_stack(self, self.layers, self.input_to_hidden, x, None, state, None)
         return h.squeeze(1), state                                       # (B, D)
 
-    def fused_steps(self, state: StateLike, n: int, like: Tensor) -> Optional["FusedSteps"]:
+    def fused_steps(self, state: StateLike, n: int, like: Tensor) -> Optional[FusedSteps]:
         """n decoding steps from ``state`` set up for one C++ call (:class:`FusedSteps`,
         for ``decode_loop``), with inputs like ``like`` (B, n_in); None where that call
         can't run them and :meth:`step` must: see :func:`fused_steps`, and also a
@@ -528,13 +528,6 @@ def _append_keep_last(old: Optional[Tensor], new: Tensor, n: Optional[int]) -> T
     if old is None or (n is not None and L >= n):
         return _keep_last(new, n)
     return append_steps(_keep_last(old, None if n is None else n - L), new)
-
-
-def _keep_last(t: Optional[Tensor], n: Optional[int]) -> Optional[Tensor]:
-    """The last n steps of a batch-first (B, T, ...) tensor; all when n is None."""
-    if t is None or n is None or t.shape[1] <= n:
-        return t
-    return t[:, t.shape[1] - n:]
 
 
 def _incoming_state(state: StateLike, layers, first: SRUppCell, B: int, x: Tensor
@@ -631,258 +624,3 @@ def _run_stack(owner: nn.Module, layers: Sequence[SRUppCell], input_to_hidden: O
     new_mask = _keep_last(key_padding, mem_len) if keep_memory else None
     return x, SRUppState(c=torch.stack(cs), memory=memory, memory_mask_pad=new_mask,
                          mem_len=state.mem_len, kv_cache=kv_cache)
-
-
-@dataclass(frozen=True)
-class _StepPlan:
-    """What ``srupp::layer_step`` reads from one layer, looked up once.
-
-    A module attribute costs about a microsecond to look up, and a layer's fused
-    step reads some twenty of them: together more than the op's own overhead. The
-    plan keeps them, with the dicts they came from, and stays valid while each
-    entry still holds the same object (a swapped Parameter or submodule makes a
-    new plan; ``.to()`` and in-place updates keep the objects, and the op reads
-    their current data).
-    """
-
-    weights: tuple            # w1, w2, w3, α, norm w/b, attention norm w/b, weight_c, bias
-    scales: tuple             # w1, w2, w3's scales when they are int8, else Nones
-    quant: int                # 0: float projections, 1: int8 weights, 2: w8a8 (_QUANT)
-    floats: tuple             # the float weights present: they must have x's dtype
-    norm_eps: float
-    attn_norm_eps: float
-    scale_x: float
-    num_heads: int
-    normalize_after: bool
-    use_attention: bool
-    sources: tuple            # ((dict, key, object), ...) the lookups the plan holds
-
-    @property
-    def kv_weights(self) -> tuple:
-        """W1, W2: what the K/V cache is made with."""
-        return self.weights[:2]
-
-    def valid(self) -> bool:
-        for entries, name, value in self.sources:
-            if entries.get(name) is not value:
-                return False
-        return True
-
-
-_PLANS: "weakref.WeakKeyDictionary[SRUppCell, _StepPlan]" = weakref.WeakKeyDictionary()
-
-
-_MISSING = object()
-
-
-class _Lookups:
-    """Reads entries of modules' ``_parameters`` / ``_buffers`` / ``_modules`` (or their
-    ``__dict__``) and remembers where from."""
-
-    def __init__(self):
-        self.sources = []
-
-    def __call__(self, module: nn.Module, kind: str, name: str):
-        entries = getattr(module, kind)
-        if name in entries:
-            value = entries[name]
-        elif kind == "_modules" and module.__dict__.get(name, _MISSING) is None:
-            value = None  # an optional submodule set to None: a plain attribute
-        else:
-            raise LookupError(name)
-        self.sources.append((entries, name, value))  # valid while .get(name) is value
-        return value
-
-
-# _StepPlan.quant: how a layer's projections hold their weights (stack_step's enum Quant)
-_QUANT = {None: 0, "float": 1, "int8": 2}     # Linear; Int8Linear by its activations
-
-
-def _projection(get: "_Lookups", t: nn.Module, name: str):
-    """(weight, scale or None, quant) of the projection ``t.<name>``: a float Linear's
-    weight Parameter, or an :class:`Int8Linear`'s int8 weight and scale buffers. A
-    LookupError for anything else (an Int8Linear with a bias, say)."""
-    m = get(t, "_modules", name)
-    if isinstance(m, Int8Linear):
-        if get(m, "_buffers", "bias") is not None:
-            raise LookupError("bias")
-        # the plan holds the mode too: it is a plain attribute, so record where it came from
-        activations = get(m, "__dict__", "activations")
-        return get(m, "_buffers", "weight"), get(m, "_buffers", "scale"), _QUANT[activations]
-    if get(m, "_parameters", "bias") is not None:  # the op's projections have no bias
-        raise LookupError("bias")
-    return get(m, "_parameters", "weight"), None, _QUANT[None]
-
-
-def _step_plan(layer: SRUppCell) -> Optional[_StepPlan]:
-    """The layer's :class:`_StepPlan`, made again when what it was read from changed;
-    None when a projection is neither a plain Linear nor an Int8Linear, or the three
-    don't hold their weights the same way."""
-    plan = _PLANS.get(layer)
-    if plan is not None and plan.valid():
-        return plan
-    get = _Lookups()
-    attention = layer.use_attention
-    try:
-        t, ln = get(layer, "_modules", "transform"), get(layer, "_modules", "layer_norm")
-        tln = get(t, "_modules", "layer_norm")
-        projections = [_projection(get, t, n)
-                       for n in ("linear1", "linear2", "linear3")[:3 if attention else 2]]
-        alpha = get(t, "_parameters", "alpha") if attention else None
-        norms = [None if m is None else get(m, "_parameters", n)
-                 for m in (ln, tln) for n in ("weight", "bias")]
-        gates = get(layer, "_parameters", "weight_c"), get(layer, "_parameters", "bias")
-    except LookupError:
-        return None
-    if len({quant for _, _, quant in projections}) != 1:
-        return None
-    w1, w2, w3 = [p[0] for p in projections] + [None] * (3 - len(projections))
-    scales = tuple(p[1] for p in projections) + (None,) * (3 - len(projections))
-    quant = projections[0][2]
-    weights = (w1, w2, w3, alpha, *norms, *gates)
-    floats = (alpha, *norms, *gates) + (() if quant else (w1, w2, w3))
-    plan = _PLANS[layer] = _StepPlan(
-        weights=weights, scales=scales, quant=quant,
-        floats=tuple(w for w in floats if w is not None),
-        norm_eps=1e-5 if ln is None else ln.eps, attn_norm_eps=1e-5 if tln is None else tln.eps,
-        scale_x=layer.scale_x, num_heads=t.num_heads if attention else 1,
-        normalize_after=layer.normalize_after, use_attention=attention,
-        sources=tuple(get.sources))
-    return plan
-
-
-def _token_rows(state: SRUppState, i: int, plan: _StepPlan, M: int, B: int, like: Tensor,
-                L: int = 1) -> Tuple[Tensor, int, Tensor, int]:
-    """Layer i's memory and [K | V] buffers with L rows reserved for the tokens after the
-    M cached steps: (memory, memory_start, kv, kv_start), as :func:`reserve_steps` gives."""
-    old_mem = old_kv = known_mem = known_kv = None
-    if M:
-        old_mem, old_kv = state.memory[i], state.kv_cache[i].kv
-        # where the last fused step left them, if this state is its own and unedited
-        last = state._rows[i] if state._rows is not None else None
-        if last is not None and last[0][0] is old_mem and last[1][0] is old_kv:
-            known_mem, known_kv = last[0][1:], last[1][1:]
-    n_in, width = plan.weights[0].shape[1], plan.weights[1].shape[0]    # W1 (d′, n_in), W2 (2·d′, d′)
-    mem, mem_start = reserve_steps(old_mem, (B, L, n_in), like, known=known_mem)
-    kv, kv_start = reserve_steps(old_kv, (B, L, width), like, known=known_kv)
-    return mem, mem_start, kv, kv_start
-
-
-class FusedSteps:
-    """L decoding steps of a stack, set up for the C++ kernels (``stack_step``, one token;
-    ``decode_loop``, many): the layers' plans, and rows reserved for L tokens in each
-    attention layer's memory and [K | V] buffers. :meth:`buffers` and :meth:`layer_args`
-    are the arguments both kernels take; :meth:`state_after` is the state they leave.
-
-    Made by :func:`fused_steps`, which returns None where the kernels can't take the
-    layers or the state.
-    """
-
-    def __init__(self, plans, state: SRUppState, c0: Tensor, M: int, mem_len: Optional[int],
-                 B: int, L: int, like: Tensor):
-        self.plans, self.state, self.c0, self.M, self.mem_len, self.L = plans, state, c0, M, mem_len, L
-        self.dtype = like.dtype
-        self.keep_memory = mem_len != 0 and any(p.use_attention for p in plans)
-        bufs = []                       # per layer: (memory, memory_start, kv, kv_start)
-        for i, plan in enumerate(plans):
-            if not plan.use_attention:
-                bufs.append((None, 0, None, 0))
-            elif self.keep_memory:
-                bufs.append(_token_rows(state, i, plan, M, B, like, L))
-            else:                       # no memory: each token attends over itself only
-                bufs.append((None, 0, like.new_empty(B, 1, plan.weights[1].shape[0]), 0))
-        self.mems, self.mem_starts, self.kvs, self.kv_starts = (list(t) for t in zip(*bufs))
-        self.mem_mask = state.memory_mask_pad if M > 0 else None        # (B, M) or None
-        if self.mem_mask is not None and L > 1:  # then L zeros: the tokens' own rows
-            self.mem_mask = append_steps(self.mem_mask, self.mem_mask.new_zeros(B, L))
-
-    def buffers(self) -> tuple:
-        """(weights, kv, memory, memory_pad, kv_start, memory_start, cached): the
-        arguments stack_step and decode_loop take after c."""
-        return ([w for p in self.plans for w in p.weights], self.kvs, self.mems, self.mem_mask,
-                self.kv_starts, self.mem_starts, self.M)
-
-    def layer_args(self) -> tuple:
-        """(norm_eps, ..., quant): the per-layer arguments the kernels take last."""
-        plans = self.plans
-        return ([p.norm_eps for p in plans], [p.attn_norm_eps for p in plans],
-                [p.scale_x for p in plans], [p.num_heads for p in plans],
-                [int(p.normalize_after) for p in plans], FEW_ROWS[self.dtype],
-                [s for p in plans for s in p.scales], [p.quant for p in plans])
-
-    def state_after(self, c: Tensor, memory: list, new_kvs: list, shift: int) -> SRUppState:
-        """The state after all L tokens: c (layers, B, D); the kernel's views of each
-        attention layer's memory and [K | V] (None for other layers), whose first row is
-        ``shift`` rows past where the cached ones started."""
-        state, M = self.state, self.M
-        kv_cache, rows = [], []
-        for i, (plan, new_mem, new_kv) in enumerate(zip(self.plans, memory, new_kvs)):
-            if new_mem is None:
-                kv_cache.append(None)
-                rows.append(None)
-                continue
-            # a cache valid for these very weights (checked before) keeps its record of them
-            kv_cache.append(state.kv_cache[i].with_kv(new_kv) if M
-                            else KVCache.of(new_kv, plan.kv_weights))
-            rows.append(((new_mem, self.mems[i], self.mem_starts[i] + shift),
-                         (new_kv, self.kvs[i], self.kv_starts[i] + shift)))
-        new_mask = None
-        if self.keep_memory and self.mem_mask is not None:
-            mask = self.mem_mask
-            if self.L == 1:
-                mask = append_steps(mask, mask.new_zeros(mask.shape[0], 1))
-            new_mask = _keep_last(mask, self.mem_len)                   # (B, ≤ M + L)
-        return SRUppState._from_step(c, memory, new_mask, state.mem_len, kv_cache, tuple(rows))
-
-
-def fused_steps(layers: Sequence[SRUppCell], x: Tensor, state: SRUppState, c0: Tensor, M: int,
-                mem_len: Optional[int], L: int = 1) -> Optional[FusedSteps]:
-    """:class:`FusedSteps` for L tokens into the layers, x (B, n_in) like their input; None,
-    with nothing reserved, where the kernels can't take the layers or the state: training
-    mode, float weights not of x's dtype, a state that is not fp32, or an attention
-    layer's memory without keys and values cached under the current weights."""
-    plans = [_step_plan(layer) for layer in layers]
-    if None in plans:
-        return None
-    keep_memory = mem_len != 0 and any(p.use_attention for p in plans)
-    dt = x.dtype
-    if c0.dtype != torch.float32 or (M > 0 and not keep_memory):
-        return None
-    for i, (layer, plan) in enumerate(zip(layers, plans)):
-        if layer.training:
-            return None
-        for w in plan.floats:
-            if w.dtype != dt:
-                return None
-        if plan.use_attention and M > 0:
-            mem, cached = state.memory[i], state.kv_cache[i]
-            if mem is None or mem.dtype != dt or cached is None \
-                    or not cached.valid_for(plan.kv_weights, M):
-                return None
-    return FusedSteps(plans, state, c0.contiguous(), M, mem_len, x.shape[0], L, x)
-
-
-def _step_fused(layers: Sequence[SRUppCell], input_to_hidden: Optional[nn.Module], x: Tensor,
-                state: SRUppState, c0: Tensor, M: int, mem_len: Optional[int]
-                ) -> Optional[Tuple[Tensor, SRUppState]]:
-    """One token, x (B, n_in), through the layers in one C++ call: ``stack_step``, the
-    ``srupp::layer_step`` kernel for each layer in turn.
-
-    The same result and state as the modules' path of :func:`_run_stack` (the
-    memory and the K/V cache grow in place, into the rows :func:`reserve_steps`
-    sets aside; the new state records where, for the next step). None, with
-    nothing run, where :func:`fused_steps` says the op can't take the layers or the
-    state.
-    """
-    steps = fused_steps(layers, x, state, c0, M, mem_len)
-    if steps is None:
-        return None
-    if input_to_hidden is not None:
-        x = input_to_hidden(x)                                           # (B, D)
-    # the memory after this token keeps its last `kept` steps (all when mem_len is None)
-    kept = M + 1 if mem_len is None else min(M + 1, mem_len)
-    first = M + 1 - kept
-    h, c, memory, new_kvs = stack_step_kernel()(  # layer_step_applies ran: the extension is built
-        x.contiguous(), steps.c0, *steps.buffers(), first, kept,
-        *steps.layer_args())                          # (B, D), (layers, B, D), views or None
-    return h, steps.state_after(c, memory, new_kvs, first)
