@@ -87,7 +87,7 @@ class Backbone(nn.Module):
 
     def fused_steps(self, state: Any, n: int, like: Tensor) -> Any:
         """n decoding steps from ``state`` set up for one C++ call of ``decode_loop``
-        (:class:`srupp.nn.srupp.FusedSteps`), for inputs like ``like`` (B, d); None where
+        (:class:`srupp.nn.stack_step.FusedSteps`), for inputs like ``like`` (B, d); None where
         :meth:`step` must run them (every backbone but SRU++'s causal stack)."""
         return None
 
