@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from srupp.models import EncoderDecoder, Seq2SeqConfig, build_model, config_from_dict, load_model
+from srupp.models.decoding import greedy_decode
 
 from models_on_device import across_shapes
 
@@ -154,6 +155,50 @@ def test_training_lowers_the_loss_on_a_copy_task(case, device):
         losses.append(out.nll.item())
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < 0.7 * first, (first, last)  # measured: 0.17-0.52 of the first
+
+
+def copy_sentences(g, B, V, lo=6, hi=10):
+    """Sentences of lo..hi random pieces (ids 2..V-1) then eos, right-padded: the source;
+    decoder input bos+pieces, targets pieces+eos (-100 at padding); the piece counts."""
+    n = torch.randint(lo, hi + 1, (B,), generator=g)
+    steps = torch.arange(int(n.max()) + 1)[None]
+    src = torch.randint(2, V, (B, steps.shape[1]), generator=g)
+    src[steps == n[:, None]] = EOS
+    pad = steps > n[:, None]
+    tgt_in = torch.cat([torch.full((B, 1), BOS), src[:, :-1]], 1)
+    return src, pad, tgt_in, src.masked_fill(pad, -100), n
+
+
+@pytest.mark.parametrize("kind,extra", [("transformer", dict(num_heads=2)), ("srupp", {})])
+@pytest.mark.usefixtures("one_thread")  # tiny shapes: a second thread only adds waits
+def test_learns_to_copy_new_sentences(kind, extra, device):
+    """Each encoder–decoder, tiny, learns the copy task in a few hundred steps: a fresh batch
+    each step, then greedy decoding copies held-out sentences. A Transformer whose branches
+    start far smaller than its √d-scaled embedding (GPT-2's N(0, 0.02) in the encoder and
+    decoder) stays on the unigram plateau (loss ~2.25, no exact copy) where it reaches 0.01."""
+    V, steps = 12, 300
+    torch.manual_seed(0)
+    m = build_model(dict(task="translate", type=kind, vocab_size=V, d_model=48,
+                         encoder_layers=1, decoder_layers=1, dropout=0.0, **extra))
+    m = m.to(device).train()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / steps)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        src, pad, tgt_in, labels, _ = (t.to(device) for t in copy_sentences(g, 32, V))
+        out = m(src, tgt_in, src_pad=pad, tgt_pad=pad, targets=labels)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        decay.step()
+        losses.append(out.nll.item())
+    last = sum(losses[-10:]) / 10
+    src, pad, _, _, n = copy_sentences(torch.Generator().manual_seed(2), 64, V)
+    hyps = greedy_decode(m, src.to(device), pad.to(device))
+    exact = sum(h.tokens == src[i, :n[i]].tolist() for i, h in enumerate(hyps)) / len(hyps)
+    # measured on the CPU: transformer 0.009 and all 64 copies exact, SRU++ 0.018 and 0.95
+    assert last < 0.15 and exact >= 0.8, (losses[:: steps // 10], last, exact)
 
 
 @pytest.mark.parametrize("kind,bad,message", [
