@@ -1,34 +1,88 @@
 """The C++ recurrence kernel against another build of it, alternating in one process.
 
 For kernel development: build a second copy of the extension from another
-source file (say, the previous commit's), check that both give the same results,
-and time their forward (training mode) and backward in fp32 and bf16, alternating
-round by round so that this machine's drift hits both alike. Prints one JSON
-object with median times and the per-round speedup of the current build. Run it
+version of its sources (say, the previous commit's), check that both give the same
+results, and time their forward (training mode) and backward in fp32 and bf16,
+alternating round by round so that this machine's drift hits both alike. Prints one
+JSON object with median times and the per-round speedup of the current build. Run it
 with nothing else on the machine:
 
-    git show HEAD~1:src/srupp/ops/csrc/cpu_kernels.cpp > /tmp/other.cpp
-    .venv/bin/python benchmarks/kernel_ab.py /tmp/other.cpp [--L 256 --B 16 --d 512]
+    .venv/bin/python benchmarks/kernel_ab.py HEAD~1 [--L 256 --B 16 --d 512]
+
+The other version is a git revision (its src/srupp/ops/csrc), a folder holding
+a version of src/srupp/ops/csrc (every .cpp in it is compiled, as the package's
+own build does), or a single .cpp file: a version from before the kernels were
+split into several files.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
-from torch.utils.cpp_extension import load
 
 import srupp.ops.cpu_kernels as cpu_kernels
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = "src/srupp/ops/csrc"  # the sources' folder in the repository
+
+
+def _stable_folder(write) -> Path:
+    """A folder under the temporary directory holding the files ``write(folder)`` writes,
+    named after their hash and written once: later runs with the same sources find the
+    same files at the same path, which the cached build names, and compile nothing."""
+    root = Path(tempfile.gettempdir()) / "srupp_kernel_ab"
+    root.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix="partial.", dir=root))
+    write(partial)
+    folder = root / cpu_kernels.source_hash(partial)
+    try:
+        partial.rename(folder)
+    except OSError:  # written before (or meanwhile): keep that one
+        shutil.rmtree(partial, ignore_errors=True)
+    return folder
+
+
+def other_sources(other: str) -> Path:
+    """The folder of the other version's sources (see the module's docstring)."""
+    path = Path(other)
+    if path.is_dir():
+        return path
+    if path.is_file():  # one file: a folder holding just it
+        return _stable_folder(lambda folder: shutil.copyfile(path, folder / path.name))
+
+    def git(*args: str) -> bytes:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True)
+        if done.returncode != 0:
+            raise SystemExit(f"{other!r} is neither a folder, a file nor a git revision here: "
+                             f"git {' '.join(args)}: {done.stderr.decode().strip()}")
+        return done.stdout
+
+    commit = git("rev-parse", "--verify", f"{other}^{{commit}}").decode().strip()
+    names = [n for n in git("ls-tree", "--name-only", f"{commit}:{CSRC}").decode().split()
+             if n.endswith((".cpp", ".h"))]
+    if not any(n.endswith(".cpp") for n in names):
+        raise SystemExit(f"revision {other} has no .cpp file in {CSRC}")
+
+    def write(folder: Path) -> None:
+        for name in names:
+            (folder / name).write_bytes(git("show", f"{commit}:{CSRC}/{name}"))
+
+    return _stable_folder(write)
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("other", help="another version of src/srupp/ops/csrc/cpu_kernels.cpp")
+    ap.add_argument("other", help="another version of the kernels' sources: a git revision, "
+                    "a folder like src/srupp/ops/csrc, or a single .cpp file")
     ap.add_argument("--L", type=int, default=256)
     ap.add_argument("--B", type=int, default=16)
     ap.add_argument("--d", type=int, default=512)
@@ -38,10 +92,8 @@ def main():
     current = cpu_kernels.load()
     if current is None:
         raise SystemExit(f"the C++ kernel is unavailable: {cpu_kernels.build_error()}")
-    tag = hashlib.sha1(open(args.other, "rb").read()).hexdigest()[:10]
-    other = load(name=f"srupp_kernel_ab_{tag}", sources=[args.other],
-                 extra_cflags=cpu_kernels._flags(cpu_kernels.capability()),
-                 extra_ldflags=[] if os.name == "nt" else ["-fopenmp"])
+    # its own name (prefix and hash): a second library even for the same sources
+    other = cpu_kernels.build(csrc=other_sources(args.other), prefix="srupp_kernel_ab")
     builds = {"current": current, "other": other}
 
     B, L, D = args.B, args.L, args.d

@@ -8,6 +8,7 @@ someone needs its figure. Each runs in a subprocess, as a user would run it.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -76,8 +77,8 @@ def test_attention():
 
 
 def test_kernel_ab(tmp_path):
-    other = tmp_path / "cpu_kernels.cpp"  # the same source: a second build, same results
-    other.write_text((ROOT / "src" / "srupp" / "ops" / "csrc" / "cpu_kernels.cpp").read_text())
+    other = tmp_path / "csrc"  # the same sources: a second build, same results
+    shutil.copytree(ROOT / "src" / "srupp" / "ops" / "csrc", other)
     r = run_benchmark("kernel_ab.py", str(other), "--L", "4", "--B", "2", "--d", "16",
                       "--rounds", "1", "--reps", "1", timeout=900)
     assert r["max_abs_difference"] == {"float32": 0.0, "bfloat16": 0.0}

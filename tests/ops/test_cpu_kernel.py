@@ -8,10 +8,13 @@ a mismatch.
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
 import warnings
 
 import pytest
 import torch
+from torch.utils import cpp_extension
 
 import srupp.ops as ops
 from srupp.ops import cpu_kernels, recurrence, settings, sru_recurrence, sru_recurrence_reference
@@ -351,6 +354,75 @@ def test_build_failure_warns_once_and_falls_back(monkeypatch):
     assert torch.equal(h1, h_ref) and torch.equal(c2, c_ref)
     with ops.use_backend("cpu"), pytest.raises(RuntimeError, match="unavailable"):
         sru_recurrence(*inputs[:5])
+
+
+def test_the_build_is_named_after_every_source(tmp_path, monkeypatch):
+    csrc = tmp_path / "csrc"
+    shutil.copytree(cpu_kernels.CSRC, csrc)
+    files = {p.name for p in csrc.iterdir()}
+    assert "common.h" in files and len(files) > 2  # a header and several sources
+    assert {p.name for p in cpu_kernels.source_files(csrc)} == files
+    first = cpu_kernels.source_hash(csrc)
+    assert first == cpu_kernels.source_hash(cpu_kernels.CSRC)  # contents, not the folder
+    assert cpu_kernels.extension_name(csrc).endswith("_" + first)
+    seen = {first}
+    for name in sorted(files):  # a change to any file, the header included, names another build
+        original = (csrc / name).read_bytes()
+        (csrc / name).write_bytes(original + b"\n")
+        seen.add(cpu_kernels.source_hash(csrc))
+        (csrc / name).write_bytes(original)
+    assert len(seen) == len(files) + 1 and cpu_kernels.source_hash(csrc) == first
+    (csrc / "extra.cpp").write_text("")  # and so does a new file
+    assert cpu_kernels.source_hash(csrc) not in seen
+
+    calls = []  # what build() asks torch to compile: every .cpp, under that name
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: calls.append(kw))
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    cpu_kernels.build(csrc=csrc)
+    (call,) = calls
+    assert call["name"] == cpu_kernels.extension_name(csrc)
+    assert sorted(os.path.basename(f) for f in call["sources"]) == sorted(
+        name for name in files | {"extra.cpp"} if name.endswith(".cpp"))
+
+
+def test_first_build_says_so_once_on_stderr(tmp_path, monkeypatch, capfd):
+    built = []
+
+    def fake_load(name, sources, **kw):  # what torch's load leaves in its build folder
+        directory = tmp_path / "extensions" / name
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "build.ninja").write_text(
+            "".join(f"build {i}.o: compile {os.path.abspath(s)}\n" for i, s in enumerate(sources)))
+        (directory / (name + cpp_extension.LIB_EXT)).write_bytes(b"")
+        built.append(name)
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    csrc = tmp_path / "csrc"
+    shutil.copytree(cpu_kernels.CSRC, csrc)
+
+    def messages():
+        out, err = capfd.readouterr()
+        assert "srupp:" not in out  # stdout stays for results (the benchmarks' JSON)
+        return [line for line in err.splitlines() if "compiling the CPU kernels" in line]
+
+    cpu_kernels.build(csrc=csrc)  # a fresh cache: the first build
+    (line,) = messages()
+    assert "once" in line and "minute" in line
+    cpu_kernels.build(csrc=csrc)  # later loads find it in the cache: no message
+    assert messages() == []
+    moved = tmp_path / "elsewhere"  # the same files at another path are compiled again
+    shutil.copytree(csrc, moved)
+    cpu_kernels.build(csrc=moved)
+    assert len(messages()) == 1 and len(set(built)) == 1
+
+
+def test_the_cache_check_finds_the_real_build(kernel):
+    # the check above reads torch's build folder as torch writes it; the package's own
+    # build, loaded by now, is where it looks and compiles nothing on the next load
+    name = cpu_kernels.extension_name()
+    assert cpu_kernels._is_built(name, cpu_kernels._compiled(cpu_kernels.CSRC))
+    assert not cpu_kernels._is_built(name + "_missing", cpu_kernels._compiled(cpu_kernels.CSRC))
 
 
 def test_backend_switches(monkeypatch):

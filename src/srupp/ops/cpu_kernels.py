@@ -1,16 +1,22 @@
-"""The C++ extension of CPU kernels (``csrc/cpu_kernels.cpp``), built on first use.
+"""The C++ extension of CPU kernels (``csrc/``), built on first use.
 
 It holds the fused SRU recurrence (``sru_fwd`` / ``sru_bwd``, which
-:mod:`srupp.ops.recurrence` runs as its "cpu" backend) and two decoding kernels:
-few-row products (``linear_rows``, :func:`srupp.ops.matmul.linear_few_rows`) and
-one query's attention (``attend_one_query``,
-:func:`srupp.ops.attention.attention_one_query`). :func:`function` looks one up.
+:mod:`srupp.ops.recurrence` runs as its "cpu" backend) and the decoding kernels:
+few-row products (``linear_rows``, :func:`srupp.ops.matmul.linear_few_rows`, and their
+int8 forms), one query's attention (``attend_one_query``,
+:func:`srupp.ops.attention.attention_one_query`), a stack's step and the token loop.
+:func:`function` looks one up. Its sources are the folder ``csrc``: ``common.h``
+(what the files share) and one ``.cpp`` file per kernel family, compiled into one
+extension; ``csrc/cpu_kernels.cpp`` binds them into the Python module.
 
 Nothing is compiled at import. The first call of :func:`load` (or
 :func:`is_available`) builds the extension with
-:func:`torch.utils.cpp_extension.load` (needs a C++ compiler and ninja; about a
-minute the first time, then cached under ``TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``). The build is tuned to this machine: ``-O3``, the
+:func:`torch.utils.cpp_extension.load` (needs a C++ compiler and ninja, which
+compiles the files in parallel): up to about a minute the first time, announced by
+one line on stderr, then cached under ``TORCH_EXTENSIONS_DIR`` (by default
+``~/.cache/torch_extensions``). The build is named after a hash of every file in
+``csrc`` (:func:`extension_name`), so two checkouts or versions sharing the cache
+never overwrite each other's build. The build is tuned to this machine: ``-O3``, the
 host's vector ISA (``-march=native``) and ATen's matching ``Vectorized``
 specialisation (AVX-512, AVX2 or the portable one, following
 ``torch.backends.cpu.get_cpu_capability()``, which PyTorch's own
@@ -36,6 +42,7 @@ writes it, so the tests catch an element it forgets.
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
 import sys
 import threading
@@ -44,9 +51,11 @@ from pathlib import Path
 from typing import Optional
 
 __all__ = ["is_available", "load", "build", "build_error", "capability", "empty_cache",
-           "set_cache_limit", "cache_limit", "cached_bytes"]
+           "set_cache_limit", "cache_limit", "cached_bytes", "source_files", "source_hash",
+           "extension_name"]
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"  # the extension's sources
+FIRST_BUILD_MESSAGE = "srupp: compiling the CPU kernels{where} (once, about a minute) ..."
 
 _lock = threading.Lock()
 _module = None                    # the loaded extension
@@ -88,23 +97,91 @@ def _flags(isa: str) -> list:
     return flags
 
 
-def build(verbose: bool = False):
-    """Compile and import the extension now, raising if that fails (:func:`load`
-    calls it once; ``verbose`` shows the compiler's output)."""
-    from torch.utils.cpp_extension import load as _load
+def source_files(csrc: Path = CSRC) -> list:
+    """The extension's files in ``csrc``, sorted: every ``.cpp`` (one object each, compiled
+    in parallel) and every ``.h`` they include."""
+    return sorted(p for p in Path(csrc).iterdir() if p.is_file() and p.suffix in (".cpp", ".h"))
 
+
+def source_hash(csrc: Path = CSRC) -> str:
+    """A hash of every file of the extension (names and contents): any change to any of
+    them, a header included, names another build."""
+    h = hashlib.sha256()
+    for path in source_files(csrc):
+        data = path.read_bytes()
+        h.update(f"{path.name}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()[:10]
+
+
+def extension_name(csrc: Path = CSRC, prefix: str = "srupp_cpu_kernels") -> str:
+    """The name of the build of ``csrc`` on this machine: its ISA and a hash of its files."""
     from .settings import cpu_has_native_bf16
 
     isa = capability()
-    ldflags = [] if sys.platform in ("win32", "darwin") else ["-fopenmp"]
     # -march=native may use AVX512-BF16 instructions: name the build after them too,
     # so a cache shared with a machine that lacks them is not reused there
     bf16 = "_bf16" if isa == "avx512" and cpu_has_native_bf16() else ""
-    # and after the source: two checkouts (or versions) sharing the cache never
+    # and after the sources: two checkouts (or versions) sharing the cache never
     # overwrite each other's build
-    source = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:10]
-    return _load(name=f"srupp_cpu_kernels_{isa}{bf16}_{source}", sources=[str(_SOURCE)],
-                 extra_cflags=_flags(isa), extra_ldflags=ldflags, verbose=verbose)
+    return f"{prefix}_{isa}{bf16}_{source_hash(csrc)}"
+
+
+def _compiled(csrc: Path) -> list:
+    """The paths of the ``.cpp`` files of ``csrc``, the longest compilations first: ninja
+    starts them in this order and runs a few at once. The bindings (pybind11's templates)
+    take longest, then the larger files."""
+    cpp = sorted((p for p in source_files(csrc) if p.suffix == ".cpp"),
+                 key=lambda p: (p.name != "cpu_kernels.cpp", -p.stat().st_size, p.name))
+    if not cpp:
+        raise ValueError(f"srupp: no .cpp files in {csrc}: pass the folder of the kernels' sources")
+    return [str(p) for p in cpp]
+
+
+def _is_built(name: str, sources: list) -> bool:
+    """Whether torch's extension cache holds build ``name`` of these very files, so that
+    loading it compiles nothing: its library, and its ninja file naming each source (the
+    same sources at another path, another checkout's, are compiled again)."""
+    from torch.utils import cpp_extension
+
+    try:  # where load() builds it (TORCH_EXTENSIONS_DIR or torch's default)
+        directory = Path(cpp_extension._get_build_directory(name, verbose=False))
+        ninja = (directory / "build.ninja").read_text()
+    except Exception:  # not built there yet (or a torch without this helper)
+        return False
+
+    def in_ninja(source: str) -> bool:  # as torch writes a source's path there
+        path = os.path.abspath(source)
+        if sys.platform == "win32":
+            path = path.replace(":", "$:")
+        return f" {path.replace(' ', '$ ')}\n" in ninja
+
+    return (directory / (name + cpp_extension.LIB_EXT)).exists() and all(map(in_ninja, sources))
+
+
+def _announce_first_build(name: str, csrc: Path, sources: list) -> None:
+    """One line on stderr before a build that compiles (it takes a while); nothing when
+    the cache already holds it. (:func:`load` builds once per process at most.)"""
+    if _is_built(name, sources):
+        return
+    where = "" if Path(csrc).resolve() == CSRC else f" of {csrc}"
+    print(FIRST_BUILD_MESSAGE.format(where=where), file=sys.stderr, flush=True)
+
+
+def build(verbose: bool = False, csrc: Optional[Path] = None, prefix: str = "srupp_cpu_kernels"):
+    """Compile and import the extension now, raising if that fails (:func:`load`
+    calls it once; ``verbose`` shows the compiler's output). ``csrc`` and ``prefix``
+    build another version of the sources under another name (benchmarks/kernel_ab.py)."""
+    from torch.utils.cpp_extension import load as _load
+
+    csrc = CSRC if csrc is None else Path(csrc)
+    sources = _compiled(csrc)
+    isa = capability()
+    name = extension_name(csrc, prefix)
+    ldflags = [] if sys.platform in ("win32", "darwin") else ["-fopenmp"]
+    _announce_first_build(name, csrc, sources)
+    return _load(name=name, sources=sources, extra_cflags=_flags(isa), extra_ldflags=ldflags,
+                 verbose=verbose)
 
 
 def _summarise(e: BaseException) -> str:
@@ -166,7 +243,7 @@ def build_error() -> Optional[str]:
 def empty_cache() -> int:
     """Return the kernel's cached output blocks to the system; the bytes released.
 
-    The kernel recycles its large output buffers (see ``csrc/cpu_kernels.cpp``); at most
+    The kernel recycles its large output buffers (see ``csrc/recurrence.cpp``); at most
     :func:`cache_limit` bytes of freed blocks are kept. No-op before the first build.
     """
     return int(_module.empty_cache()) if _module is not None else 0

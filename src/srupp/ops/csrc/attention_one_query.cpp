@@ -1,0 +1,211 @@
+// Attention of one query per (batch, head) for decoding: o = softmax(scale q K^T) V.
+//
+// A decode step attends from one token to a window of cached keys and values:
+// (1 x hd) against (S x hd). Through SDPA or two matmuls that is a few tiny GEMMs,
+// whose fixed cost (and, in bf16, a slow small-GEMM path for P V) exceeds the work.
+// Here a task walks its keys once for the scores (fp32 dot products, q widened once),
+// takes the softmax in fp32, and walks the V rows once accumulating the p-weighted rows
+// in fp32; the output rounds to the input dtype once. K and V are read in place at any
+// row stride (a [K | V] cache).
+//
+// With fewer (batch, head) pairs than threads (batch-1 decoding) each pair's keys are
+// split over the threads: each part keeps its own max, sum and weighted rows, merged
+// at the end (the flash-decoding split), so the second thread is not idle. The sums
+// then run in another order: results depend on the thread count, within rounding.
+
+#include "common.h"
+
+namespace srupp_cpu {
+namespace {
+
+inline float hsum(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_add_ps(__m512(v));
+#else
+  alignas(64) float lanes[kW];
+  v.store(lanes);
+  float s = 0.f;
+  for (int l = 0; l < kW; ++l) s += lanes[l];
+  return s;
+#endif
+}
+
+constexpr int64_t kMinKeysPerPart = 32;  // fewer keys per thread cost more than they save
+
+// One query's softmax pieces over keys j0 .. j1 - 1: returns their max score m (-inf when
+// every one is padded) and writes l = sum exp(s - m) to *l and sum exp(s - m) v_j to acc
+// (hd_pad floats). qf: the query in fp32 (hd_pad, zero beyond hd); p: j1 - j0 floats.
+// Key j is padding when j < pad_len and pad[j] (pad null: none is).
+template <typename T>
+float attend_keys(const float* qf, const T* kb, int64_t skr, const T* vb, int64_t svr,
+                  int64_t j0, int64_t j1, int64_t hd, float scale, const bool* pad,
+                  int64_t pad_len, float* p, float* acc, float* l) {
+  const int64_t full = hd / kW * kW;
+  const int tail = static_cast<int>(hd - full);
+  auto padded = [&](int64_t j) { return pad != nullptr && j < pad_len && pad[j]; };
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t j = j0; j < j1; ++j) {
+    float& pj = p[j - j0];
+    if (padded(j)) {
+      pj = -std::numeric_limits<float>::infinity();
+      continue;
+    }
+    const T* kr = kb + j * skr;
+    Vec a0(0.f), a1(0.f);
+    int64_t i = 0;
+    for (; i + 2 * kW <= full; i += 2 * kW) {
+      a0 = at::vec::fmadd(IO<T>::load(kr + i), Vec::loadu(qf + i), a0);
+      a1 = at::vec::fmadd(IO<T>::load(kr + i + kW), Vec::loadu(qf + i + kW), a1);
+    }
+    for (; i < full; i += kW) a0 = at::vec::fmadd(IO<T>::load(kr + i), Vec::loadu(qf + i), a0);
+    if (tail) a1 = at::vec::fmadd(IO<T>::load(kr + i, tail), Vec::loadu(qf + i), a1);
+    pj = hsum(a0 + a1) * scale;
+    mx = std::max(mx, pj);
+  }
+  const bool none = mx == -std::numeric_limits<float>::infinity();  // every key padded
+  float sum = 0.f;
+  for (int64_t j = j0; j < j1; ++j) {
+    float& pj = p[j - j0];
+    pj = none ? 0.f : std::exp(pj - mx);
+    sum += pj;
+  }
+  std::fill(acc, acc + (hd + kW - 1) / kW * kW, 0.f);
+  for (int64_t j = j0; j < j1; ++j) {
+    if (padded(j)) continue;
+    const T* vr = vb + j * svr;
+    const Vec pj(p[j - j0]);
+    int64_t i = 0;
+    for (; i < full; i += kW)
+      at::vec::fmadd(pj, IO<T>::load(vr + i), Vec::loadu(acc + i)).store(acc + i);
+    if (tail) at::vec::fmadd(pj, IO<T>::load(vr + i, tail), Vec::loadu(acc + i)).store(acc + i);
+  }
+  *l = sum;
+  return mx;
+}
+
+}  // namespace
+
+template <typename T>
+OneQuery<T>::OneQuery(const T* q_, const T* k_, const T* v_, T* o_, int64_t B_, int64_t H_,
+                      int64_t S_, int64_t hd_, const int64_t* sq_, const int64_t* sk_,
+                      const int64_t* sv_, float scale_, const bool* key_pad_, int64_t spad_,
+                      int64_t pad_len_, int64_t threads)
+    : q(q_), k(k_), v(v_), o(o_), B(B_), H(H_), S(S_), hd(hd_), sq(sq_), sk(sk_), sv(sv_),
+      scale(scale_), key_pad(key_pad_), spad(spad_), pad_len(pad_len_) {
+  hd_pad = (hd + kW - 1) / kW * kW;
+  NH = B * H;
+  parts = NH == 0 || NH >= threads ? 1
+      : std::max<int64_t>(1, std::min((threads + NH - 1) / NH, S / kMinKeysPerPart));
+  if (parts > 1) {
+    part_m.resize(NH * parts);
+    part_l.resize(NH * parts);
+    part_acc.resize(NH * parts * hd_pad);
+  }
+}
+
+template <typename T>
+void OneQuery<T>::task(int64_t t, float* scratch_) {
+  float* qf = scratch_;
+  float* acc = qf + hd_pad;
+  float* p = acc + hd_pad;
+  const int64_t n = t / parts, part = t % parts, b = n / H, h = n % H;
+  const int64_t j0 = S * part / parts, j1 = S * (part + 1) / parts;
+  const T* qp = q + b * sq[0] + h * sq[1];
+  for (int64_t i = 0; i < hd; ++i) qf[i] = static_cast<float>(qp[i]);
+  std::fill(qf + hd, qf + hd_pad, 0.f);
+  const bool* pad = key_pad == nullptr ? nullptr : key_pad + b * spad;
+  float* acc_t = parts > 1 ? part_acc.data() + t * hd_pad : acc;
+  float l = 0.f;
+  const float m = attend_keys<T>(qf, k + b * sk[0] + h * sk[1], sk[2], v + b * sv[0] + h * sv[1],
+                                 sv[2], j0, j1, hd, scale, pad, pad_len, p, acc_t, &l);
+  if (parts > 1) {
+    part_m[t] = m;
+    part_l[t] = l;
+    return;
+  }
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  T* op = o + n * hd;
+  for (int64_t i = 0; i < hd; ++i) op[i] = static_cast<T>(acc[i] * inv);
+}
+
+template <typename T>
+void OneQuery<T>::finish(int64_t n, float* out) const {
+  if (parts == 1) return;
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < parts; ++r) mx = std::max(mx, part_m[n * parts + r]);
+  std::fill(out, out + hd_pad, 0.f);
+  float sum = 0.f;
+  if (mx != -std::numeric_limits<float>::infinity()) {
+    for (int64_t r = 0; r < parts; ++r) {
+      const int64_t t = n * parts + r;
+      if (part_m[t] == -std::numeric_limits<float>::infinity()) continue;  // all padded
+      const float w = std::exp(part_m[t] - mx);
+      sum += w * part_l[t];
+      const Vec wv(w);
+      const float* a = part_acc.data() + t * hd_pad;
+      for (int64_t i = 0; i < hd_pad; i += kW)
+        at::vec::fmadd(wv, Vec::loadu(a + i), Vec::loadu(out + i)).store(out + i);
+    }
+  }
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  T* op = o + n * hd;
+  for (int64_t i = 0; i < hd; ++i) op[i] = static_cast<T>(out[i] * inv);
+}
+
+template struct OneQuery<float>;
+template struct OneQuery<BFloat16>;
+
+template <typename T>
+void one_query_kernel(const T* q, const T* k, const T* v, T* o, int64_t B, int64_t H,
+                      int64_t S, int64_t hd, const int64_t* sq, const int64_t* sk,
+                      const int64_t* sv, float scale, const bool* key_pad, int64_t spad,
+                      int64_t pad_len) {
+  OneQuery<T> att(q, k, v, o, B, H, S, hd, sq, sk, sv, scale, key_pad, spad,
+                  pad_len < 0 ? S : pad_len, at::get_num_threads());
+  at::parallel_for(0, att.tasks(), 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scratch(att.scratch());
+    for (int64_t t = t0; t < t1; ++t) att.task(t, scratch.data());
+  });
+  std::vector<float> out(att.hd_pad);
+  for (int64_t n = 0; n < att.NH; ++n) att.finish(n, out.data());
+}
+
+template void one_query_kernel<float>(const float*, const float*, const float*, float*, int64_t,
+                                      int64_t, int64_t, int64_t, const int64_t*, const int64_t*,
+                                      const int64_t*, float, const bool*, int64_t, int64_t);
+template void one_query_kernel<BFloat16>(const BFloat16*, const BFloat16*, const BFloat16*,
+                                         BFloat16*, int64_t, int64_t, int64_t, int64_t,
+                                         const int64_t*, const int64_t*, const int64_t*, float,
+                                         const bool*, int64_t, int64_t);
+
+// q (B, H, 1, hd), k and v (B, H, S, hd), one dtype (fp32 or bf16), the last dim of
+// each contiguous (any other strides); returns o (B, H, 1, hd) contiguous.
+Tensor attend_one_query_cpu(const Tensor& q, const Tensor& k, const Tensor& v, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(2) == 1 &&
+              k.sizes() == v.sizes() && q.size(0) == k.size(0) && q.size(1) == k.size(1) &&
+              q.size(3) == k.size(3),
+              "srupp attend_one_query: q (B, H, 1, hd), k and v (B, H, S, hd) expected, got ",
+              q.sizes(), ", ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
+              (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
+              "srupp attend_one_query: q, k and v must all be float32 or all bfloat16");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "srupp attend_one_query: the last dimension of q, k and v must be contiguous");
+  const int64_t B = q.size(0), H = q.size(1), S = k.size(2), hd = q.size(3);
+  Tensor o = at::empty({B, H, 1, hd}, q.options());
+  const int64_t sq[2] = {q.stride(0), q.stride(1)};
+  const int64_t sk[3] = {k.stride(0), k.stride(1), k.stride(2)};
+  const int64_t sv[3] = {v.stride(0), v.stride(1), v.stride(2)};
+  if (q.scalar_type() == at::kFloat) {
+    one_query_kernel<float>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+                            o.data_ptr<float>(), B, H, S, hd, sq, sk, sv,
+                            static_cast<float>(scale));
+  } else {
+    one_query_kernel<BFloat16>(q.data_ptr<BFloat16>(), k.data_ptr<BFloat16>(),
+                               v.data_ptr<BFloat16>(), o.data_ptr<BFloat16>(), B, H, S, hd,
+                               sq, sk, sv, static_cast<float>(scale));
+  }
+  return o;
+}
+
+}  // namespace srupp_cpu

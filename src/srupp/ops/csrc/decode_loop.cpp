@@ -1,0 +1,143 @@
+// A causal LM's token loop for generation, in C++ (decode_loop; srupp/models/lm.py,
+// CausalLM.generate): sampling as srupp.models.lm.sample samples, the embedding, the
+// stack's step (layer_step.cpp, as stack_step) and the output layer.
+
+#include "common.h"
+
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/embedding.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/full_like.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/multinomial.h>
+#include <ATen/ops/sort.h>
+#include <ATen/ops/topk.h>
+
+namespace srupp_cpu {
+
+namespace {
+
+// srupp.models.lm.sample, ATen op for ATen op, so that a seeded generator draws the
+// very tokens the Python loop draws. top_k <= 0 and top_p outside (0, 1) are off.
+Tensor sample(const Tensor& logits, double temperature, int64_t top_k, double top_p,
+              const std::optional<at::Generator>& generator) {
+  if (temperature == 0) return logits.argmax(-1);
+  const double inf = std::numeric_limits<double>::infinity();
+  Tensor l = logits.to(at::kFloat) / temperature;
+  if (top_k > 0 && top_k < l.size(-1)) {
+    Tensor kth = std::get<0>(at::topk(l, top_k, -1)).narrow(-1, top_k - 1, 1);
+    l = l.masked_fill(l < kth, -inf);
+  }
+  if (top_p > 0 && top_p < 1.0) {
+    auto [sorted, order] = at::sort(l, -1, /*descending=*/true);
+    Tensor probs = sorted.softmax(-1);
+    Tensor drop = (probs.cumsum(-1) - probs) >= top_p;  // the mass before reaches top_p
+    sorted = sorted.masked_fill(drop, -inf);
+    l = at::full_like(l, -inf).scatter(-1, order, sorted);
+  }
+  return at::multinomial(l.softmax(-1), 1, false, generator).squeeze(-1);
+}
+
+// How the LM's output layer computes its logits at these rows, chosen in Python
+// (srupp/models/lm.py, _output_route) by the rules its module's forward follows.
+enum OutputRoute : int64_t { kRows = 0, kAten = 1, kInt8Rows = 2, kW8A8Rows = 3 };
+
+Tensor output(const Tensor& h, const Tensor& w, const std::optional<Tensor>& bias,
+              const std::optional<Tensor>& scale, int64_t route) {
+  switch (route) {
+    case kRows: return linear_rows_cpu(h, w, bias);
+    case kAten: return at::linear(h, w, bias);
+    case kInt8Rows: return linear_int8_rows_cpu(h, w, *scale, bias, false);
+    case kW8A8Rows: return linear_w8a8_rows_cpu(h, w, *scale, bias, false);
+  }
+  TORCH_CHECK(false, "srupp decode_loop: output route must be 0..3, got ", route);
+}
+
+}  // namespace
+
+// Up to n tokens of a causal LM with an SRU++ stack, all in C++ (srupp/models/lm.py,
+// CausalLM.generate): per token, sample from `logits` (B, V), then embed the token, run
+// the stack (as stack_step) and the output layer for the next logits. The Python loop
+// spent about as long around the stack's kernel as the kernel itself.
+//   done (B,) bool, updated in place: rows that sampled eos_id (-1: none); the loop stops
+//     once every row is done, before stepping.
+//   embedding (V, n_in); out_weight (V, D) with out_bias, out_scale (int8) and route.
+//   c and the stack's lists: as stack_step. memory_pad: None, or the pad mask of the
+//     cached rows followed by zeros for the tokens' own, (B, >= cached + n - 1) bool;
+//     mem_len: the memory window (-1: none).
+//     kv_start / memory_start: where each layer's cached rows start; the buffers have
+//     room for n more rows after them.
+//   final: skip the step after the n-th token (nothing reads its logits).
+// Returns the tokens (B, t <= n) long, the new c, the next logits, and as stack_step
+// each layer's memory and [K | V] views after the last step, and `shift`, how far the
+// window moved every layer's first row (their views start at start[l] + shift).
+std::tuple<Tensor, Tensor, Tensor, std::vector<std::optional<Tensor>>,
+           std::vector<std::optional<Tensor>>, int64_t>
+decode_loop_cpu(const Tensor& logits, const Tensor& done, const Tensor& embedding,
+                const Tensor& out_weight, const std::optional<Tensor>& out_bias,
+                const std::optional<Tensor>& out_scale, int64_t out_route, const Tensor& c,
+                const std::vector<std::optional<Tensor>>& weights,
+                const std::vector<std::optional<Tensor>>& kv,
+                const std::vector<std::optional<Tensor>>& memory,
+                const std::optional<Tensor>& memory_pad, const std::vector<int64_t>& kv_start,
+                const std::vector<int64_t>& memory_start, int64_t cached, int64_t mem_len,
+                const std::vector<double>& norm_eps, const std::vector<double>& attn_norm_eps,
+                const std::vector<double>& scale_x, const std::vector<int64_t>& num_heads,
+                const std::vector<int64_t>& normalize_after, int64_t few_rows,
+                const std::vector<std::optional<Tensor>>& scales,
+                const std::vector<int64_t>& quant, int64_t n, bool final, double temperature,
+                int64_t top_k, double top_p, std::optional<at::Generator> generator,
+                int64_t eos_id) {
+  using layer_step_impl::Stack;
+  const Stack stack{weights, kv, memory, norm_eps, attn_norm_eps, scale_x,
+                    num_heads, normalize_after, few_rows, scales, quant};
+  const size_t L = stack.check(c, "decode_loop");
+  const int64_t B = c.size(1);
+  TORCH_CHECK(kv_start.size() == L && memory_start.size() == L,
+              "srupp decode_loop: one kv_start and one memory_start per layer");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(0) == B && done.dim() == 1 &&
+                  done.size(0) == B && done.scalar_type() == at::kBool && done.is_contiguous(),
+              "srupp decode_loop: logits (B, V) and done (B,) bool contiguous");
+  TORCH_CHECK(embedding.dim() == 2 && n >= 0 && cached >= 0,
+              "srupp decode_loop: embedding (V, n_in), n >= 0 and cached >= 0");
+  bool keep = false;  // whether the token's row stays in memory (else M stays 0)
+  for (size_t l = 0; l < L; ++l) keep = keep || Stack::has(memory[l]);
+  const bool has_pad = memory_pad.has_value() && memory_pad->defined();
+  // the step after token t reads the pad of at most cached + t - 1 rows
+  TORCH_CHECK(!has_pad || (memory_pad->dim() == 2 && memory_pad->size(0) == B &&
+                           memory_pad->size(1) >= cached + n - 1),
+              "srupp decode_loop: memory_pad (B, >= cached + n - 1) bool");
+  std::vector<int64_t> ks(kv_start), ms(memory_start);  // where each layer's rows start now
+  Tensor tokens = at::empty({B, n}, logits.options().dtype(at::kLong));
+  Tensor next_logits = logits, c_cur = c;
+  int64_t M = cached, shift = 0, t = 0;
+  while (t < n) {
+    const Tensor token = sample(next_logits, temperature, top_k, top_p, generator);
+    tokens.select(1, t).copy_(token);
+    ++t;
+    if (eos_id >= 0) {
+      done.logical_or_(token == eos_id);
+      if (done.all().item<bool>()) break;
+    }
+    if (final && t == n) break;
+    const Tensor x = at::embedding(embedding, token);                       // (B, n_in)
+    std::optional<Tensor> pad;
+    if (has_pad && M > 0) pad = memory_pad->narrow(1, shift, M);
+    Tensor c_next = at::empty_like(c_cur);
+    const Tensor h = stack.run(x, c_cur, c_next, pad, ks.data(), ms.data(), M);
+    c_cur = std::move(c_next);
+    next_logits = output(h, out_weight, out_bias, out_scale, out_route);
+    if (keep) {  // the memory window after the token: its last `kept` rows
+      const int64_t kept = mem_len < 0 ? M + 1 : std::min(M + 1, mem_len);
+      const int64_t first = M + 1 - kept;
+      for (size_t l = 0; l < L; ++l)
+        if (Stack::has(memory[l])) { ks[l] += first; ms[l] += first; }
+      shift += first;
+      M = kept;
+    }
+  }
+  auto [mem_views, kv_views] = stack.views(ks.data(), ms.data(), 0, M);
+  return {tokens.narrow(1, 0, t), c_cur, next_logits, mem_views, kv_views, shift};
+}
+
+}  // namespace srupp_cpu

@@ -1,0 +1,620 @@
+// One SRU++ layer's decoding step (srupp::layer_step): one token per sequence, no
+// gradient, every small operation of the layer in one call (srupp/ops/layer_step.py
+// has its plain reference and the exact contract). At batch 1 the layer's Python path
+// spent about half its time between ~30 small operations; here they are loops over
+// a few thousand floats each, and the products are the few-rows kernel
+// (matmul_few_rows.cpp; ATen's GEMM for larger batches). Rounding follows the layer's
+// modules: every intermediate the modules store in the weights' dtype (q, K and V, o,
+// U, h) is rounded to it here too; sums, norms and the recurrence are in fp32.
+
+#include "common.h"
+
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
+
+namespace srupp_cpu {
+
+namespace layer_step_impl {
+
+// runs the lambda given (which uses scalar_t) for float32 or bfloat16 tensors
+#define SRUPP_DISPATCH_F32_BF16(dt, ...)               \
+  if ((dt) == at::kFloat) {                            \
+    using scalar_t = float;                            \
+    __VA_ARGS__();                                     \
+  } else {                                             \
+    using scalar_t = BFloat16;                         \
+    __VA_ARGS__();                                     \
+  }
+
+// How a layer's projections hold their weights (srupp/nn/quant.py): float, int8 with the
+// activations as they are, or int8 with the activations rounded per row (w8a8).
+enum Quant : int64_t { kFloatWeights = 0, kInt8 = 1, kW8A8 = 2 };
+constexpr int64_t kInt8FewRows = 32;  // srupp.ops.quant.INT8_FEW_ROWS
+
+// y = x @ w^T: the few-rows kernel up to `few` rows, else ATen (oneDNN / BLAS). Quantized
+// weights (w int8 with one scale per output) go where srupp.ops.quant sends them:
+// weight-only int8 to its kernel up to 32 rows, else dequantized in fp32 and multiplied in
+// x's dtype; w8a8 to its kernel at any rows (the same integer sums as its reference).
+Tensor project(const Tensor& x, const Tensor& w, int64_t few, const Tensor* scale = nullptr,
+               int64_t quant = kFloatWeights) {
+  if (quant == kW8A8) return linear_w8a8_rows_cpu(x, w, *scale, std::nullopt, false);
+  if (quant == kInt8) {
+    if (x.size(0) <= kInt8FewRows) return linear_int8_rows_cpu(x, w, *scale, std::nullopt, false);
+    return at::linear(x, (w.to(at::kFloat) * scale->to(at::kFloat).unsqueeze(1)).to(x.scalar_type()));
+  }
+  return x.size(0) <= few ? linear_rows_cpu(x, w, std::nullopt) : at::linear(x, w);
+}
+
+// LayerNorm of R rows of width N (row strides ldx, ldy), fp32 statistics, biased variance
+template <typename T>
+void layer_norm_rows(const T* x, int64_t ldx, const T* g, const T* b, float eps, T* y,
+                     int64_t ldy, int64_t R, int64_t N) {
+  for (int64_t r = 0; r < R; ++r) {
+    const T* xr = x + r * ldx;
+    T* yr = y + r * ldy;
+    float mean = 0.f, var = 0.f;
+    for (int64_t i = 0; i < N; ++i) mean += static_cast<float>(xr[i]);
+    mean /= static_cast<float>(N);
+    for (int64_t i = 0; i < N; ++i) {
+      const float d = static_cast<float>(xr[i]) - mean;
+      var += d * d;
+    }
+    const float inv = 1.f / std::sqrt(var / static_cast<float>(N) + eps);
+    for (int64_t i = 0; i < N; ++i)
+      yr[i] = static_cast<T>((static_cast<float>(xr[i]) - mean) * inv * static_cast<float>(g[i]) +
+                             static_cast<float>(b[i]));
+  }
+}
+
+// dst[:, row] = src (R, N) for a (R, S, N) dst with a contiguous last dim: a plain copy of
+// R rows, no dispatcher call (these run once per layer and token)
+void write_row(const Tensor& dst, int64_t row, const Tensor& src) {
+  const int64_t R = src.size(0), bytes = src.size(1) * src.element_size();
+  const char* from = static_cast<const char*>(src.data_ptr());
+  char* to = static_cast<char*>(dst.data_ptr()) + row * dst.stride(1) * dst.element_size();
+  for (int64_t r = 0; r < R; ++r)
+    std::memcpy(to + r * dst.stride(0) * dst.element_size(), from + r * src.stride(0) * src.element_size(), bytes);
+}
+
+// y (R, N) = LN(x) when a norm is given, else x itself
+Tensor maybe_norm(const Tensor& x, const std::optional<Tensor>& g, const std::optional<Tensor>& b,
+                  double eps) {
+  if (!g.has_value() || !g->defined()) return x;
+  Tensor y = at::empty_like(x);
+  const int64_t R = x.size(0), N = x.size(1);
+  SRUPP_DISPATCH_F32_BF16(x.scalar_type(), [&] {
+    layer_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), g->data_ptr<scalar_t>(),
+                              b->data_ptr<scalar_t>(), static_cast<float>(eps),
+                              y.data_ptr<scalar_t>(), y.stride(0), R, N);
+  });
+  return y;
+}
+
+// y = q + alpha * o, rounded as the modules round it: alpha * o to T, then the sum to T
+template <typename T>
+void residual(const T* q, const T* o, float alpha, T* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T ao = static_cast<T>(alpha * static_cast<float>(o[i]));
+    y[i] = static_cast<T>(static_cast<float>(q[i]) + static_cast<float>(ao));
+  }
+}
+
+// Rows r0 .. r1 - 1 and units j0 .. j1 - 1 of recurrence_step (below).
+template <typename T>
+void recurrence_cols(const T* U, int64_t k, const T* x, int64_t ldx, const float* c,
+                     const T* wc, const T* bias, float scale_x, T* h, float* c_new, int64_t D,
+                     int64_t r0, int64_t r1, int64_t j0, int64_t j1) {
+  const Vec one(1.f), sx(scale_x);
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* u = U + r * k * D;
+    const float* cr = c + r * D;
+    for (int64_t j = j0; j < j1; j += kW) {
+      const int n = static_cast<int>(std::min<int64_t>(kW, j1 - j));
+      // whole vectors but for the last (IO's partial loads go element by element)
+      auto in = [&](const T* p) { return n == kW ? IO<T>::load(p) : IO<T>::load(p, n); };
+      const Vec u0 = in(u + j), u1 = in(u + D + j), u2 = in(u + 2 * D + j);
+      const Vec cp = Vec::loadu(cr + j, n);
+      const Vec f = sigmoid(at::vec::fmadd(in(wc + j), cp, u1 + in(bias + j)));
+      const Vec rg = sigmoid(at::vec::fmadd(in(wc + D + j), cp, u2 + in(bias + D + j)));
+      const Vec cn = f * cp + (one - f) * u0;
+      const Vec s = k == 4 ? in(u + 3 * D + j) : in(x + r * ldx + j) * sx;
+      const Vec hv = s + rg * (cn - s);
+      cn.store(c_new + r * D + j, n);
+      if (n == kW) IO<T>::store(h + r * D + j, hv); else IO<T>::store(h + r * D + j, hv, n);
+    }
+  }
+}
+
+// One recurrence step for R rows of D units: U (R, k*D) planes [u0|u1|u2|u3], x (R, D)
+// the raw layer input (the skip when k == 3), c (R, D) fp32; writes h (R, D) and c_new.
+template <typename T>
+void recurrence_step(const T* U, int64_t k, const T* x, int64_t ldx, const float* c,
+                     const T* wc, const T* bias, float scale_x, T* h, float* c_new, int64_t R,
+                     int64_t D) {
+  // rows in parallel when there are many (batched streams); one row stays on this thread
+  at::parallel_for(0, R, R >= 8 ? 4 : R, [&](int64_t r0, int64_t r1) {
+    recurrence_cols<T>(U, k, x, ldx, c, wc, bias, scale_x, h, c_new, D, r0, r1, 0, D);
+  });
+}
+
+// ---- The layer's step in one parallel region (float weights, few rows) ----------------
+//
+// At batch 1 the step is a chain of small pieces: three products, the attention, two
+// norms and the recurrence. As separate at::parallel_for regions each costs a fork and a
+// join, and between them the second thread idles while the first allocates and runs the
+// serial pieces (together about a third of a 5M model's step). Here the team enters
+// once per layer; the products, the attention's keys and the recurrence's units are
+// split over its threads, barriers stand between dependent pieces, the serial pieces run
+// on thread 0, and the intermediates live in a reused workspace. The arithmetic is the
+// other path's, piece for piece: the same kernels on the same rows, so the results are
+// bit for bit the same (tests/ops/test_layer_step.py checks it).
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+constexpr bool kBf16Dot = true;
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+inline int team_size() {
+#ifdef _OPENMP
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
+
+inline int team_rank() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+bool team_enabled = true;  // tests turn it off to compare the two paths (common.h)
+
+template <typename T>
+const T* ptr_or_null(const std::optional<Tensor>& t) {
+  return t.has_value() && t->defined() ? t->data_ptr<T>() : nullptr;
+}
+
+// Raw pointers and sizes of one layer's step, as layer_step_run checked them.
+template <typename T>
+struct LayerView {
+  const T* x;
+  int64_t ldx, B, n_in, D, dp, kD, k, H, cached;
+  const float* c;
+  const T *w1, *w2, *w3;  // w3 null: no attention
+  float alpha;
+  const T *norm_w, *norm_b, *attn_norm_w, *attn_norm_b;  // null: no such norm
+  float norm_eps, attn_norm_eps, scale_x;
+  bool pre, post;
+  const T *wc, *bias;
+  T* kv;       // row kv_start of the [K | V] buffer (null: no attention)
+  int64_t kv_s0, kv_s1;
+  T* memory;   // row memory_start + cached, the token's own (null: no memory)
+  int64_t mem_s0;
+  const bool* pad;  // (B, cached) at row stride pad_s0, or null
+  int64_t pad_s0;
+};
+
+// A bump allocator over one thread-local buffer that only grows: no allocation per step.
+struct Workspace {
+  std::vector<float>& buf;
+  size_t used = 0;
+  explicit Workspace(size_t floats) : buf(storage()) {
+    if (buf.size() < floats) buf.resize(floats);
+  }
+  static std::vector<float>& storage() {
+    static thread_local std::vector<float> b;
+    return b;
+  }
+  template <typename U>
+  U* take(int64_t n) {  // n elements of U; the next take starts 64 bytes on at least
+    U* p = reinterpret_cast<U*>(buf.data() + used);
+    used += (static_cast<size_t>(n) * sizeof(U) + 63) / 64 * 16;
+    return p;
+  }
+};
+
+template <typename T>
+void layer_step_team(const LayerView<T>& L, T* h, float* c_new) {
+  const int64_t B = L.B, dp = L.dp, D = L.D, S = L.cached + 1, hd = L.dp / L.H;
+  const bool attention = L.w3 != nullptr;
+  // fp32 copies of the products' inputs for the generic kernel (bf16 without the dot
+  // instruction); fp32 tensors are their own copies
+  constexpr bool widen = std::is_same<T, BFloat16>::value && !kBf16Dot;
+  const int threads = at::get_num_threads();
+  const int64_t sq[2] = {dp, hd};
+  const int64_t skv[3] = {L.kv_s0, hd, L.kv_s1};
+  // a layer without attention plans no keys: no split, no part buffers, no scratch for them
+  OneQuery<T> att(nullptr, L.kv, attention ? L.kv + dp : nullptr, nullptr, B, L.H,
+                  attention ? S : 0, hd, sq, skv, skv,
+                  1.f / std::sqrt(static_cast<float>(hd)), L.pad, L.pad_s0, L.cached,
+                  threads);
+  const int64_t widest = std::max(L.n_in, dp);
+  const int64_t att_stride = (att.scratch() + 15) / 16 * 16;  // floats per thread
+  auto floats = [](int64_t bytes) { return static_cast<size_t>((bytes + 63) / 64 * 16); };
+  Workspace ws(floats(B * L.n_in * sizeof(T)) + 4 * floats(B * dp * sizeof(T)) +
+               floats(B * L.kD * sizeof(T)) + floats(B * widest * 4) +
+               floats((threads * att_stride + att.hd_pad) * 4));
+  T* xin = L.pre ? ws.take<T>(B * L.n_in) : const_cast<T*>(L.x);
+  T* q = ws.take<T>(B * dp);
+  T* o = ws.take<T>(B * dp);
+  T* y = ws.take<T>(B * dp);
+  T* yn = ws.take<T>(B * dp);
+  T* U = ws.take<T>(B * L.kD);
+  float* wide = widen ? ws.take<float>(B * widest) : nullptr;
+  float* att_scratch = ws.take<float>(threads * att_stride + att.hd_pad);
+  att.q = q;
+  att.o = o;
+  // widen: `wide` = the next product's input in fp32 (thread 0, before a barrier)
+  auto widen_input = [&](const T* in, int64_t n) {
+    if (widen)
+      for (int64_t i = 0; i < n; ++i) wide[i] = static_cast<float>(in[i]);
+  };
+  // this thread's share of out (B rows ldo apart) = in (B, I) @ w (O, I)^T
+  auto product = [&](int tid, int nt, const T* in, const T* w, int64_t I, int64_t O, T* out,
+                     int64_t ldo) {
+    const int64_t chunk = ((O + nt - 1) / nt + 3) / 4 * 4;
+    const int64_t o0 = std::min(O, tid * chunk), o1 = std::min(O, o0 + chunk);
+    if (o0 >= o1) return;
+    if constexpr (std::is_same<T, float>::value) {
+      linear_rows_range<T>(in, w, I, nullptr, out, ldo, B, I, o0, o1);
+    } else {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+      linear_rows_bf16_dot_range(in, w, I, nullptr, out, ldo, B, I, o0, o1);
+#else
+      linear_rows_range<T>(wide, w, I, nullptr, out, ldo, B, I, o0, o1);
+#endif
+    }
+  };
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads) if (!omp_in_parallel())
+#endif
+  {
+    const int nt = team_size(), tid = team_rank();
+    if (tid == 0) {
+      if (L.pre)
+        layer_norm_rows<T>(L.x, L.ldx, L.norm_w, L.norm_b, L.norm_eps, xin, L.n_in, B, L.n_in);
+      if (L.memory != nullptr)
+        for (int64_t r = 0; r < B; ++r)
+          std::memcpy(L.memory + r * L.mem_s0, xin + r * (L.pre ? L.n_in : L.ldx),
+                      sizeof(T) * L.n_in);
+      widen_input(xin, B * L.n_in);
+    }
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+    product(tid, nt, xin, L.w1, L.n_in, dp, q, dp);                       // q (B, d')
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+    const T* u_in = q;
+    if (attention) {
+      if (widen) {
+        if (tid == 0) widen_input(q, B * dp);
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+      }
+      product(tid, nt, q, L.w2, dp, 2 * dp, L.kv + L.cached * L.kv_s1, L.kv_s0);  // [K | V]
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+      float* mine = att_scratch + tid * att_stride;
+      for (int64_t t = tid; t < att.tasks(); t += nt) att.task(t, mine);
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+      u_in = y;
+      if (tid == 0) {
+        for (int64_t n = 0; n < att.NH; ++n) att.finish(n, att_scratch + threads * att_stride);
+        residual<T>(q, o, L.alpha, y, B * dp);
+      }
+    }
+    if (tid == 0) {
+      if (L.attn_norm_w != nullptr) {
+        layer_norm_rows<T>(u_in, dp, L.attn_norm_w, L.attn_norm_b, L.attn_norm_eps, yn, dp, B, dp);
+        u_in = yn;
+      }
+      widen_input(u_in, B * dp);
+    }
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+    // every thread reads the same choice thread 0 made (the norm is uniform)
+    const T* u_src = L.attn_norm_w != nullptr ? yn : (attention ? y : q);
+    product(tid, nt, u_src, attention ? L.w3 : L.w2, dp, L.kD, U, L.kD);  // U (B, k*D)
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+    const int64_t cols = ((D + nt - 1) / nt + kW - 1) / kW * kW;
+    const int64_t j0 = std::min(D, tid * cols), j1 = std::min(D, j0 + cols);
+    if (j0 < j1)
+      recurrence_cols<T>(U, L.k, L.x, L.ldx, L.c, L.wc, L.bias, L.scale_x, h, c_new, D, 0, B,
+                         j0, j1);
+    if (L.post) {
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+      if (tid == 0) layer_norm_rows<T>(h, D, L.norm_w, L.norm_b, L.norm_eps, h, D, B, D);
+    }
+  }
+}
+
+// layer_step_cpu, with the projections' weights W1, W2, W3 optionally int8: `quant` says
+// how (enum Quant) and scales[0..2] hold their scales (fp32, one per output feature).
+std::tuple<Tensor, Tensor> layer_step_run(
+    const Tensor& x, const Tensor& c, const Tensor& w1, const Tensor& w2,
+    const std::optional<Tensor>& w3, const std::optional<Tensor>& alpha,
+    const std::optional<Tensor>& norm_weight, const std::optional<Tensor>& norm_bias,
+    const std::optional<Tensor>& attn_norm_weight, const std::optional<Tensor>& attn_norm_bias,
+    const Tensor& weight_c, const Tensor& bias, const std::optional<Tensor>& kv,
+    const std::optional<Tensor>& memory, const std::optional<Tensor>& memory_pad,
+    int64_t kv_start, int64_t memory_start, int64_t cached, double norm_eps, double attn_norm_eps, double scale_x, int64_t num_heads,
+    bool normalize_after, int64_t few_rows, int64_t quant, const std::optional<Tensor>* scales) {
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16,
+              "srupp layer_step: float32 or bfloat16 tensors, got ", dt);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "srupp layer_step: x (B, n_in) contiguous");
+  for (const Tensor* t : {&weight_c, &bias})
+    TORCH_CHECK(t->scalar_type() == dt && t->is_contiguous(),
+                "srupp layer_step: weights contiguous, of x's dtype");
+  TORCH_CHECK(quant == kFloatWeights || quant == kInt8 || quant == kW8A8,
+              "srupp layer_step: quant must be 0 (float), 1 (int8) or 2 (w8a8)");
+  const bool attention = w3.has_value() && w3->defined();
+  const Tensor* proj[3] = {&w1, &w2, attention ? &*w3 : nullptr};
+  const Tensor* wscale[3] = {nullptr, nullptr, nullptr};  // the projections' int8 scales
+  for (int i = 0; i < 3; ++i) {
+    if (proj[i] == nullptr) continue;
+    if (quant == kFloatWeights) {
+      TORCH_CHECK(proj[i]->scalar_type() == dt && proj[i]->is_contiguous(),
+                  "srupp layer_step: weights contiguous, of x's dtype");
+      continue;
+    }
+    TORCH_CHECK(proj[i]->scalar_type() == at::kChar && proj[i]->is_contiguous() &&
+                    scales != nullptr && scales[i].has_value() && scales[i]->defined() &&
+                    scales[i]->numel() == proj[i]->size(0),
+                "srupp layer_step: quantized projections take contiguous int8 weights with "
+                "one scale per output feature");
+    wscale[i] = &*scales[i];
+  }
+  const int64_t B = x.size(0), D = weight_c.size(1);
+  TORCH_CHECK(weight_c.dim() == 2 && weight_c.size(0) == 2 && D >= 1 &&
+                  bias.numel() == 2 * D, "srupp layer_step: weight_c and bias (2, D), D >= 1");
+  TORCH_CHECK(c.scalar_type() == at::kFloat && c.is_contiguous() && c.size(0) == B &&
+              c.size(1) == D, "srupp layer_step: c (B, D) float32 contiguous");
+  const int64_t kD = (attention ? *w3 : w2).size(0), k = kD / D;
+  TORCH_CHECK(kD % D == 0 && ((k == 3 && x.size(1) == D) || k == 4),
+              "srupp layer_step: U must have 3 planes (n_in == D) or 4, got ", kD,
+              " rows for D = ", D);
+  const bool pre = !normalize_after && norm_weight.has_value() && norm_weight->defined();
+  TORCH_CHECK(cached >= 0 && kv_start >= 0 && memory_start >= 0,
+              "srupp layer_step: kv_start, memory_start and cached must be >= 0");
+  const bool has_memory = memory.has_value() && memory->defined();
+  if (has_memory) {
+    TORCH_CHECK(memory->scalar_type() == dt && memory->dim() == 3 && memory->size(0) == B &&
+                memory->size(2) == x.size(1) && memory->stride(2) == 1 &&
+                memory_start + cached < memory->size(1),
+                "srupp layer_step: memory (B, > memory_start + cached, n_in) of x's dtype, "
+                "last dim contiguous");
+  }
+  const int64_t dp = w1.size(0);
+  const int64_t S = cached + 1, H = num_heads, hd = H >= 1 ? dp / H : 0;  // keys: cached, then x's
+  Tensor pad;  // (B, cached) bool, last dim contiguous, or undefined
+  if (attention) {
+    TORCH_CHECK(kv.has_value() && kv->defined() && kv->scalar_type() == dt && kv->dim() == 3 &&
+                kv->size(0) == B && kv->size(2) == 2 * dp && kv->stride(2) == 1 &&
+                kv_start + cached < kv->size(1),
+                "srupp layer_step: kv (B, > kv_start + cached, 2*d') of x's dtype, last dim "
+                "contiguous");
+    TORCH_CHECK(H >= 1 && dp % H == 0, "srupp layer_step: num_heads must divide d'");
+    TORCH_CHECK(alpha.has_value() && alpha->defined() && alpha->scalar_type() == dt &&
+                alpha->numel() == 1, "srupp layer_step: alpha (1,) of x's dtype");
+    if (memory_pad.has_value() && memory_pad->defined()) {
+      TORCH_CHECK(memory_pad->scalar_type() == at::kBool && memory_pad->dim() == 2 &&
+                  memory_pad->size(0) == B && memory_pad->size(1) == S - 1,
+                  "srupp layer_step: memory_pad (B, M) bool");
+      pad = memory_pad->stride(1) == 1 ? *memory_pad : memory_pad->contiguous();
+    }
+  }
+  // the products' shapes (the one-region path reads the weights raw)
+  const int64_t n_in = x.size(1);
+  TORCH_CHECK(w1.dim() == 2 && w1.size(1) == n_in && w2.dim() == 2 && w2.size(1) == dp &&
+                  w2.size(0) == (attention ? 2 * dp : kD) &&
+                  (!attention || (w3->dim() == 2 && w3->size(1) == dp)),
+              "srupp layer_step: w1 (d', n_in), w2 (2 d', d') and w3 (k D, d') with attention, "
+              "w2 (k D, d') without; got ", w1.sizes(), " and ", w2.sizes());
+  auto check_norm = [&](const std::optional<Tensor>& g, const std::optional<Tensor>& b,
+                        int64_t n, const char* name) {
+    if (!g.has_value() || !g->defined()) return;
+    TORCH_CHECK(b.has_value() && b->defined() && g->numel() == n && b->numel() == n &&
+                    g->scalar_type() == dt && b->scalar_type() == dt && g->is_contiguous() &&
+                    b->is_contiguous(),
+                "srupp layer_step: ", name, " weight and bias (", n, ",) of x's dtype");
+  };
+  check_norm(norm_weight, norm_bias, normalize_after ? D : n_in, "norm");
+  check_norm(attn_norm_weight, attn_norm_bias, dp, "attn_norm");
+  if (quant == kFloatWeights && B <= few_rows && team_enabled) {  // the one-region path
+    Tensor h = at::empty({B, D}, x.options());
+    Tensor c_new = at::empty({B, D}, c.options());
+    SRUPP_DISPATCH_F32_BF16(dt, [&] {
+      using T = scalar_t;
+      LayerView<T> L;
+      L.x = x.data_ptr<T>(); L.ldx = x.stride(0); L.B = B; L.n_in = x.size(1); L.D = D;
+      L.dp = dp; L.kD = kD; L.k = k; L.H = attention ? H : 1; L.cached = cached;
+      L.c = c.data_ptr<float>();
+      L.w1 = w1.data_ptr<T>(); L.w2 = w2.data_ptr<T>();
+      L.w3 = attention ? w3->data_ptr<T>() : nullptr;
+      L.alpha = attention ? static_cast<float>(*alpha->data_ptr<T>()) : 0.f;
+      L.norm_w = ptr_or_null<T>(norm_weight); L.norm_b = ptr_or_null<T>(norm_bias);
+      L.attn_norm_w = ptr_or_null<T>(attn_norm_weight);
+      L.attn_norm_b = ptr_or_null<T>(attn_norm_bias);
+      L.norm_eps = static_cast<float>(norm_eps); L.attn_norm_eps = static_cast<float>(attn_norm_eps);
+      L.scale_x = static_cast<float>(scale_x);
+      L.pre = pre; L.post = normalize_after && L.norm_w != nullptr;
+      L.wc = weight_c.data_ptr<T>(); L.bias = bias.data_ptr<T>();
+      L.kv = attention ? kv->data_ptr<T>() + kv_start * kv->stride(1) : nullptr;
+      L.kv_s0 = attention ? kv->stride(0) : 0; L.kv_s1 = attention ? kv->stride(1) : 0;
+      L.memory = has_memory ? memory->data_ptr<T>() + (memory_start + cached) * memory->stride(1)
+                            : nullptr;
+      L.mem_s0 = has_memory ? memory->stride(0) : 0;
+      L.pad = pad.defined() ? pad.data_ptr<bool>() : nullptr;
+      L.pad_s0 = pad.defined() ? pad.stride(0) : 0;
+      layer_step_team<T>(L, h.data_ptr<T>(), c_new.data_ptr<float>());
+    });
+    return {h, c_new};
+  }
+  const Tensor xin = pre ? maybe_norm(x, norm_weight, norm_bias, norm_eps) : x;  // (B, n_in)
+  if (has_memory) write_row(*memory, memory_start + cached, xin);
+  const Tensor q = project(xin, w1, few_rows, wscale[0], quant);                  // (B, d')
+  Tensor U;
+  if (attention) {
+    write_row(*kv, kv_start + cached,
+              project(q, w2, few_rows, wscale[1], quant).contiguous());           // new [K | V]
+    Tensor o = at::empty({B, dp}, x.options());
+    const int64_t sq[2] = {dp, hd};
+    const int64_t sk[3] = {kv->stride(0), hd, kv->stride(1)};
+    const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+    Tensor y = at::empty({B, dp}, x.options());
+    SRUPP_DISPATCH_F32_BF16(dt, [&] {
+      const float a = static_cast<float>(*alpha->data_ptr<scalar_t>());
+      const scalar_t* kvp = kv->data_ptr<scalar_t>() + kv_start * kv->stride(1);
+      one_query_kernel<scalar_t>(q.data_ptr<scalar_t>(), kvp, kvp + dp, o.data_ptr<scalar_t>(),
+                                 B, H, S, hd, sq, sk, sk, scale,
+                                 pad.defined() ? pad.data_ptr<bool>() : nullptr,
+                                 pad.defined() ? pad.stride(0) : 0, cached);
+      residual<scalar_t>(q.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(), a,
+                         y.data_ptr<scalar_t>(), B * dp);
+    });
+    U = project(maybe_norm(y, attn_norm_weight, attn_norm_bias, attn_norm_eps), *w3,
+                few_rows, wscale[2], quant);                                       // (B, k*D)
+  } else {
+    U = project(maybe_norm(q, attn_norm_weight, attn_norm_bias, attn_norm_eps), w2, few_rows,
+                wscale[1], quant);
+  }
+  U = U.contiguous();
+  Tensor h = at::empty({B, D}, x.options());
+  Tensor c_new = at::empty({B, D}, c.options());
+  SRUPP_DISPATCH_F32_BF16(dt, [&] {
+    recurrence_step<scalar_t>(U.data_ptr<scalar_t>(), k, x.data_ptr<scalar_t>(), x.stride(0),
+                              c.data_ptr<float>(), weight_c.data_ptr<scalar_t>(),
+                              bias.data_ptr<scalar_t>(), static_cast<float>(scale_x),
+                              h.data_ptr<scalar_t>(), c_new.data_ptr<float>(), B, D);
+  });
+  if (normalize_after) h = maybe_norm(h, norm_weight, norm_bias, norm_eps);
+  return {h, c_new};
+}
+
+}  // namespace layer_step_impl
+
+// See srupp/ops/layer_step.py (the schema, its fake kernel and the reference).
+std::tuple<Tensor, Tensor> layer_step_cpu(
+    const Tensor& x, const Tensor& c, const Tensor& w1, const Tensor& w2,
+    const std::optional<Tensor>& w3, const std::optional<Tensor>& alpha,
+    const std::optional<Tensor>& norm_weight, const std::optional<Tensor>& norm_bias,
+    const std::optional<Tensor>& attn_norm_weight, const std::optional<Tensor>& attn_norm_bias,
+    const Tensor& weight_c, const Tensor& bias, const std::optional<Tensor>& kv,
+    const std::optional<Tensor>& memory, const std::optional<Tensor>& memory_pad,
+    int64_t kv_start, int64_t memory_start, int64_t cached, double norm_eps, double attn_norm_eps, double scale_x, int64_t num_heads,
+    bool normalize_after, int64_t few_rows) {
+  return layer_step_impl::layer_step_run(
+      x, c, w1, w2, w3, alpha, norm_weight, norm_bias, attn_norm_weight, attn_norm_bias,
+      weight_c, bias, kv, memory, memory_pad, kv_start, memory_start, cached, norm_eps,
+      attn_norm_eps, scale_x, num_heads, normalize_after, few_rows,
+      layer_step_impl::kFloatWeights, nullptr);
+}
+
+namespace layer_step_impl {
+
+size_t Stack::check(const Tensor& c, const char* op) const {
+  TORCH_CHECK(c.dim() == 3 && c.scalar_type() == at::kFloat && c.is_contiguous(),
+              "srupp ", op, ": c (layers, B, D) float32 contiguous");
+  const auto n = static_cast<size_t>(c.size(0));
+  TORCH_CHECK(weights.size() == 10 * n && kv.size() == n && memory.size() == n &&
+                  norm_eps.size() == n && attn_norm_eps.size() == n && scale_x.size() == n &&
+                  num_heads.size() == n && normalize_after.size() == n &&
+                  scales.size() == 3 * n && quant.size() == n,
+              "srupp ", op, ": 10 weights, 3 scales and one of each per-layer argument for "
+              "each of the ", n, " layers");
+  for (size_t l = 0; l < n; ++l) {
+    for (int i : {0, 1, 8, 9})
+      TORCH_CHECK(weights[10 * l + i].has_value() && weights[10 * l + i]->defined(),
+                  "srupp ", op, ": every layer needs w1, w2, weight_c and bias");
+    TORCH_CHECK(!has(memory[l]) || has(kv[l]),
+                "srupp ", op, ": a layer with a memory buffer needs its kv buffer");
+  }
+  return n;
+}
+
+Tensor Stack::run(const Tensor& x, const Tensor& c, Tensor& c_out,
+                  const std::optional<Tensor>& memory_pad, const int64_t* kv_start,
+                  const int64_t* memory_start, int64_t cached) const {
+  Tensor h = x;
+  for (size_t l = 0; l < memory.size(); ++l) {
+    const std::optional<Tensor>* w = &weights[10 * l];
+    auto [h_next, c_next] = layer_step_run(
+        h, c.select(0, static_cast<int64_t>(l)), *w[0], *w[1], w[2], w[3], w[4], w[5], w[6],
+        w[7], *w[8], *w[9], kv[l], memory[l], memory_pad, kv_start[l], memory_start[l],
+        cached, norm_eps[l], attn_norm_eps[l], scale_x[l], num_heads[l],
+        normalize_after[l] != 0, few_rows, quant[l], &scales[3 * l]);
+    const int64_t BD = c_next.numel();
+    std::memcpy(c_out.data_ptr<float>() + static_cast<int64_t>(l) * BD,
+                c_next.data_ptr<float>(), sizeof(float) * BD);
+    h = std::move(h_next);
+  }
+  return h;
+}
+
+std::pair<OptTensors, OptTensors> Stack::views(const int64_t* kv_start,
+                                               const int64_t* memory_start, int64_t first,
+                                               int64_t kept) const {
+  OptTensors mem_views(memory.size()), kv_views(memory.size());
+  for (size_t l = 0; l < memory.size(); ++l) {
+    if (!has(memory[l])) continue;
+    mem_views[l] = memory[l]->narrow(1, memory_start[l] + first, kept);
+    kv_views[l] = kv[l]->narrow(1, kv_start[l] + first, kept);
+  }
+  return {mem_views, kv_views};
+}
+
+}  // namespace layer_step_impl
+
+// A whole stack's decoding step: layer_step_cpu for each layer in turn, h feeding the
+// next, in one call from Python (srupp/nn/srupp.py, _step_fused). Per layer, the Python
+// loop, its argument passing and the views of the rows kept cost some 10 µs: a tenth of
+// a small model's step. Layer l reads weights[10l .. 10l+9] (layer_step's w1, w2, w3,
+// alpha, norm_weight, norm_bias, attn_norm_weight, attn_norm_bias, weight_c, bias), its
+// buffers kv[l] and memory[l] (None: none) at row offsets kv_start[l] and
+// memory_start[l], and its own scalars; `cached` and memory_pad are the stack's. quant[l]
+// says how layer l's W1, W2, W3 are held (0 float, 1 int8, 2 w8a8: enum Quant above),
+// and scales[3l .. 3l+2] hold their scales when they are int8 (else None).
+// Returns the last layer's h (B, D), every layer's new c (layers, B, D) fp32, and for
+// each layer with a memory buffer its memory and [K | V] after the token, the views
+// rows start + first .. start + first + kept - 1 of its buffers (None for the others).
+std::tuple<Tensor, Tensor, std::vector<std::optional<Tensor>>, std::vector<std::optional<Tensor>>>
+stack_step_cpu(const Tensor& x, const Tensor& c, const std::vector<std::optional<Tensor>>& weights,
+               const std::vector<std::optional<Tensor>>& kv,
+               const std::vector<std::optional<Tensor>>& memory,
+               const std::optional<Tensor>& memory_pad, const std::vector<int64_t>& kv_start,
+               const std::vector<int64_t>& memory_start, int64_t cached, int64_t first,
+               int64_t kept, const std::vector<double>& norm_eps,
+               const std::vector<double>& attn_norm_eps, const std::vector<double>& scale_x,
+               const std::vector<int64_t>& num_heads, const std::vector<int64_t>& normalize_after,
+               int64_t few_rows, const std::vector<std::optional<Tensor>>& scales,
+               const std::vector<int64_t>& quant) {
+  const layer_step_impl::Stack stack{weights, kv, memory, norm_eps, attn_norm_eps, scale_x,
+                                     num_heads, normalize_after, few_rows, scales, quant};
+  const size_t n = stack.check(c, "stack_step");
+  TORCH_CHECK(kv_start.size() == n && memory_start.size() == n,
+              "srupp stack_step: one kv_start and one memory_start per layer");
+  TORCH_CHECK(first >= 0 && kept >= 0, "srupp stack_step: first and kept must be >= 0");
+  Tensor c_out = at::empty_like(c);
+  Tensor h = stack.run(x, c, c_out, memory_pad, kv_start.data(), memory_start.data(), cached);
+  auto [mem_views, kv_views] = stack.views(kv_start.data(), memory_start.data(), first, kept);
+  return {h, c_out, mem_views, kv_views};
+}
+
+}  // namespace srupp_cpu
