@@ -103,7 +103,10 @@ def test_the_wheel_carries_the_package_data(installed):
         assert f"srupp/recipes/{recipe.name}" in names
         # a file, not a link back into a checkout
         assert (site / "srupp" / "recipes" / recipe.name).read_bytes() == recipe.read_bytes()
-    assert "srupp/ops/csrc/cpu_kernels.cpp" in names
+    # every source of the C++ kernels, which the first use compiles
+    csrc = ROOT / "src" / "srupp" / "ops" / "csrc"
+    sources = {p.name for p in csrc.iterdir() if p.suffix in (".cpp", ".h")}
+    assert len(sources) > 1 and {f"srupp/ops/csrc/{n}" for n in sources} <= names
 
 
 def test_compare_and_params_work_from_the_installed_wheel(installed, tmp_path):

@@ -320,7 +320,7 @@ def sample(logits: Tensor, *, temperature: float = 1.0, top_k: Optional[int] = N
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-# decode_loop's output routes (enum OutputRoute in csrc/cpu_kernels.cpp)
+# decode_loop's output routes (enum OutputRoute in csrc/decode_loop.cpp)
 _ROUTES = {"rows": 0, "aten": 1, "int8": 2, "w8a8": 3}
 
 

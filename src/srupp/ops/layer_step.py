@@ -4,7 +4,7 @@ At one token per sequence a layer is some 30 small operations (the pre-norm,
 three few-row products, the cache appends, one query's attention, α, the
 LayerNorm, the recurrence, the post-norm); at batch 1 the time between them
 was about half of a decoding step (docs/performance.md, "Generation"). This op
-runs them all in one C++ call (``layer_step_cpu`` in ``csrc/cpu_kernels.cpp``),
+runs them all in one C++ call (``layer_step_cpu`` in ``csrc/layer_step.cpp``),
 and writes the new token's row of the attention memory and of the key/value
 cache in place, into rows the caller has reserved (the buffers and row offsets
 are passed, not views of them: a view costs a microsecond or two to make).
@@ -106,7 +106,7 @@ def layer_step_applies(x: Tensor) -> bool:
 def stack_step_kernel():
     """The C++ ``stack_step``: the op's kernel for every layer of a stack in turn, in one
     call and without the dispatcher (its argument parsing alone costs a few µs per call;
-    ``stack_step_cpu`` in ``csrc/cpu_kernels.cpp`` documents the arguments). Eager only:
+    ``stack_step_cpu`` in ``csrc/layer_step.cpp`` documents the arguments). Eager only:
     under tracing call :func:`layer_step`. None when the extension can't be built."""
     return cpu_kernels.function("stack_step")
 
@@ -114,7 +114,7 @@ def stack_step_kernel():
 def decode_loop_kernel():
     """The C++ ``decode_loop``: up to n tokens of a causal LM over an SRU++ stack, each
     sampled, embedded, stepped through ``stack_step``'s layers and the output layer, with
-    no Python between (``decode_loop_cpu`` in ``csrc/cpu_kernels.cpp`` documents the
+    no Python between (``decode_loop_cpu`` in ``csrc/decode_loop.cpp`` documents the
     arguments; :meth:`srupp.models.CausalLM.generate` calls it). Eager only."""
     return cpu_kernels.function("decode_loop")
 
