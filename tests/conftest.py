@@ -49,7 +49,7 @@ def pytest_configure(config):
 # The slowest tests (``pytest --durations``), started first: under ``pytest -n auto``
 # (``make test``) a long test that starts last keeps one core busy while the others
 # have finished.
-SLOW_FIRST = ("test_sweep_configs_compile_for_sm80_and_sm90", "test_kernel_ab",
+SLOW_FIRST = ("test_sweep_configs_issue_their_loads_first_and_do_not_spill", "test_kernel_ab",
               "test_gpu_check_dry_run", "test_sigkill_of_the_launcher",
               "test_compiles_for_sm80_and_sm90_without_spills", "test_crossover",
               "test_gpu_check_pytest_cut_short", "test_accumulation_syncing_once",

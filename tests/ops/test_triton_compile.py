@@ -259,7 +259,8 @@ def sweep_results():
     return results
 
 
-def test_sweep_configs_compile_for_sm80_and_sm90_without_spills(sweep_results):
+def _no_spills(sweep_results):
+    """Every sweep configuration compiles for sm_80 and sm_90, without spills."""
     errors = [f"{r['name']} sm_{r['arch']}: {r['error']}" for r in sweep_results if "error" in r]
     assert not errors, "\n".join(errors)
     seen = {(r["name"].split("BLOCK=")[1], r["kernel"], r["arch"]) for r in sweep_results}
@@ -274,7 +275,14 @@ def test_sweep_configs_compile_for_sm80_and_sm90_without_spills(sweep_results):
         assert 0 < r["n_regs"] <= 255
 
 
-def test_explicit_blocks_issue_their_loads_first(sweep_results):
+def test_sweep_configs_issue_their_loads_first_and_do_not_spill(sweep_results):
+    """Both checks of the sweep's compiled variants in one test, so that its compilations
+    run once under pytest -n (a module fixture runs once per worker that needs it)."""
+    _no_spills(sweep_results)
+    _loads_first(sweep_results)
+
+
+def _loads_first(sweep_results):
     """In the PTX, a block of K steps issues all its K steps' loads before the first
     ex2 (the first sigmoid) of its updates, where the plain loop issues one step's;
     the steps after the last whole block run the plain loop. (ptxas then moves many
