@@ -1310,22 +1310,13 @@ def measure_host(spec: dict, steps: int = 7) -> dict:
             step()
     finally:
         torch.set_num_threads(threads)
+    import gpu_check
+
     seconds = statistics.median(times)
     return {"workload": "host", "call_us": round(seconds / Count.calls * 1e6, 2),
-            "step_ms": round(seconds * 1e3, 2), "calls": Count.calls, "cpu": _cpu_name(),
+            "step_ms": round(seconds * 1e3, 2), "calls": Count.calls,
+            "cpu": gpu_check._cpu_name(),
             "widths": list(HOST_WIDTHS)}
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 def _worker() -> None:
