@@ -11,6 +11,8 @@ Tolerances:
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -338,8 +340,8 @@ def test_one_query_kernel_against_fp64(B, H, S, hd, dtype):
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_one_query_kernel_splits_keys_over_threads(threads, dtype):
-    # fewer (batch, head) pairs than threads: each pair's keys are split over the
-    # threads and the parts merged; the result is the fp64 softmax's at any count
+    # 300 keys are three blocks (44, 128 and 128 keys), run on the threads and merged;
+    # the result is the fp64 softmax's at any count
     g = torch.Generator().manual_seed(threads)
     q = (torch.randn(1, 1, 1, 40, generator=g) * 2).to(dtype)
     k, v = (torch.randn(1, 1, 300, 40, generator=g).to(dtype) for _ in range(2))
@@ -352,6 +354,128 @@ def test_one_query_kernel_splits_keys_over_threads(threads, dtype):
     exact = ops.attention_reference(q.double(), k.double(), v.double())
     tol = FP32 if dtype == torch.float32 else dict(rtol=2 ** -8, atol=2 ** -8)
     torch.testing.assert_close(got.double(), exact, **tol)
+
+
+@contextlib.contextmanager
+def _threads(n):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _one_query_inputs(B, S, dtype, hd=40, seed=0):
+    # keys and values as views of one [K | V] cache, as decoding reads them
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(B, 1, S, 2 * hd, generator=g).to(dtype)
+    q = (torch.randn(B, 1, 1, hd, generator=g) * 2).to(dtype)
+    return q, kv[..., :hd], kv[..., hd:]
+
+
+_needs_kernel = pytest.mark.skipif(not ops.cpu_kernels.is_available(),
+                                   reason="the C++ CPU extension could not be built")
+
+
+@_needs_kernel
+@pytest.mark.parametrize("S", [7, 100, 300, 700])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_query_kernel_row_alone_is_the_row_in_a_batch(S, dtype):
+    """A served stream's output may not depend on who shares its step: each row alone
+    (one pair, fewer than the threads) is the same bits as inside a batch of 5."""
+    kernel = ops.cpu_kernels.function("attend_one_query")
+    q, k, v = _one_query_inputs(5, S, dtype)
+    with _threads(2):
+        batched = kernel(q, k, v, 40 ** -0.5)
+        for b in range(5):
+            alone = kernel(q[b:b + 1], k[b:b + 1], v[b:b + 1], 40 ** -0.5)
+            assert torch.equal(alone, batched[b:b + 1]), b
+
+
+@_needs_kernel
+@pytest.mark.parametrize("S", [7, 100, 300, 700])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_query_kernel_is_the_same_at_any_thread_count(S, dtype):
+    kernel = ops.cpu_kernels.function("attend_one_query")
+    q, k, v = _one_query_inputs(5, S, dtype, seed=1)
+    outs = []
+    for n in (1, 2, 3):
+        with _threads(n):
+            outs.append((kernel(q[:1], k[:1], v[:1], 40 ** -0.5), kernel(q, k, v, 40 ** -0.5)))
+    for one, five in outs[1:]:
+        assert torch.equal(one, outs[0][0]) and torch.equal(five, outs[0][1])
+
+
+def _step_args(dtype, B, M, seed):
+    """One SRU++ layer's decoding step (srupp::layer_step, the op that reads a padded
+    memory) with one head of 40 dims over M cached keys plus the token's own."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=0.3):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    from srupp.ops.matmul import FEW_ROWS
+    d, dp = 32, 40
+    return dict(x=r(B, d, scale=1.0), c=torch.randn(B, d, generator=g), w1=r(dp, d),
+                w2=r(2 * dp, dp), w3=r(3 * d, dp), alpha=r(1, scale=1.0), norm_weight=None,
+                norm_bias=None, attn_norm_weight=None, attn_norm_bias=None,
+                weight_c=r(2, d), bias=r(2, d), kv=r(B, M + 1, 2 * dp, scale=1.0),
+                memory=r(B, M + 1, d, scale=1.0), memory_pad=None, kv_start=0,
+                memory_start=0, cached=M, norm_eps=1e-5, attn_norm_eps=1e-5, scale_x=1.0,
+                num_heads=1, normalize_after=False, few_rows=FEW_ROWS[dtype])
+
+
+def _left_pad(args, P, seed):
+    """The same step with P more cached rows on the left, masked (their keys random)."""
+    g = torch.Generator().manual_seed(seed)
+    B, M = args["kv"].shape[0], args["cached"]
+    grow = {name: torch.cat([torch.randn(B, P, args[name].shape[-1], generator=g)
+                             .to(args[name].dtype), args[name]], 1)
+            for name in ("kv", "memory")}
+    old = (args["memory_pad"] if args["memory_pad"] is not None
+           else torch.zeros(B, M, dtype=torch.bool))
+    pad = torch.cat([torch.ones(B, P, dtype=torch.bool), old], 1)
+    return dict(args, **grow, memory_pad=pad, cached=M + P)
+
+
+@_needs_kernel
+@pytest.mark.parametrize("P", [1, 50, 200, 300])
+@pytest.mark.parametrize("M", [6, 99, 299])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_query_left_padding_changes_no_bit(M, P, dtype):
+    """A stream batched with longer ones has its memory left-padded: P masked keys
+    before its M + 1 real ones (through layer_step, whose attention is this kernel)
+    must give the same bits as none, whether the extra keys fill the first block or
+    add blocks before it."""
+    from srupp.ops.layer_step import layer_step
+    args = _step_args(dtype, 1, M, seed=M)
+    with _threads(2):
+        h, c = layer_step(**{k: t.clone() if torch.is_tensor(t) else t
+                             for k, t in args.items()})
+        h_pad, c_pad = layer_step(**_left_pad(args, P, seed=P))
+    assert torch.equal(h_pad, h) and torch.equal(c_pad, c)
+
+
+@_needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_streams_of_different_lengths_batched_as_alone(dtype):
+    """The serving case: two streams of 40 and 260 cached steps, the shorter one
+    left-padded to the longer, in one step of B = 2: each row is its step alone."""
+    from srupp.ops.layer_step import layer_step
+    long = _step_args(dtype, 1, 260, seed=2)
+    own = _step_args(dtype, 1, 40, seed=1)             # the same layer, another stream
+    short = dict(long, **{name: own[name] for name in ("x", "c", "kv", "memory")}, cached=40)
+    short_padded = _left_pad(short, 220, seed=3)
+    batch = {name: torch.cat([short_padded[name], long[name]])
+             for name in ("x", "c", "kv", "memory")}
+    batch = dict(long, **batch, memory_pad=torch.cat(
+        [short_padded["memory_pad"], torch.zeros(1, 260, dtype=torch.bool)]))
+    with _threads(2):
+        h, c = layer_step(**batch)
+        for row, alone in enumerate((short, long)):
+            h1, c1 = layer_step(**alone)
+            assert torch.equal(h[row:row + 1], h1) and torch.equal(c[row:row + 1], c1), row
 
 
 def test_one_query_dispatch(monkeypatch):

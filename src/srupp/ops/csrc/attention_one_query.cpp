@@ -8,10 +8,18 @@
 // in fp32; the output rounds to the input dtype once. K and V are read in place at any
 // row stride (a [K | V] cache).
 //
-// With fewer (batch, head) pairs than threads (batch-1 decoding) each pair's keys are
-// split over the threads: each part keeps its own max, sum and weighted rows, merged
-// at the end (the flash-decoding split), so the second thread is not idle. The sums
-// then run in another order: results depend on the thread count, within rounding.
+// Blocks. Each (batch, head)'s keys are cut into blocks of kKeysPerBlock keys aligned to
+// the newest key (the last block is full, the first takes the rest); each block keeps its
+// own max, sum and weighted rows, merged at the end in block order (the flash-decoding
+// split), and the blocks are tasks for the threads, so batch-1 decoding over a long
+// window uses every thread. The cut depends on S only, so a query's result is the same
+// bits at any batch size, head count and thread count. It is also the same bits under
+// extra padding on the left (a batched serving memory, left-padded to its longest
+// stream): padded keys in a block add exact zeros to its sum and are skipped for V,
+// wholly padded blocks (max -inf) are skipped by the merge, and the real keys' blocks
+// keep their bounds, since the cut counts from the end. One block goes through the same
+// merge as many (its weight exp(0) = 1 is exact), so growing from one block to several
+// by padding changes nothing either.
 
 #include "common.h"
 
@@ -30,7 +38,11 @@ inline float hsum(const Vec& v) {
 #endif
 }
 
-constexpr int64_t kMinKeysPerPart = 32;  // fewer keys per thread cost more than they save
+// Keys per block. Each block costs one more merge (an exp and hd multiply-adds) against
+// 2 * 128 * hd multiply-adds of its own, well under 1%, and its scores (512 bytes) stay in
+// L1; smaller blocks would add merge work for every batch size (the cut may not depend on
+// it), larger ones would give batch-1 decoding fewer tasks (2 blocks at 300 keys at 256).
+constexpr int64_t kKeysPerBlock = 128;
 
 // One query's softmax pieces over keys j0 .. j1 - 1: returns their max score m (-inf when
 // every one is padded) and writes l = sum exp(s - m) to *l and sum exp(s - m) v_j to acc
@@ -83,24 +95,56 @@ float attend_keys(const float* qf, const T* kb, int64_t skr, const T* vb, int64_
   return mx;
 }
 
+// o = the blocks' weighted rows rescaled to their common max and added in block order,
+// divided by their rescaled sums, rounded to T once. m, l: nb floats; acc: nb rows of
+// hd_pad floats; out: hd_pad floats of scratch. A block whose keys are all padded
+// (m = -inf) adds nothing and moves nothing: it is skipped. One block weighs exp(0) = 1,
+// so its rows pass unchanged (acc is never -0: it starts at +0).
+template <typename T>
+void merge_blocks(const float* m, const float* l, const float* acc, int64_t nb, int64_t hd,
+                  int64_t hd_pad, float* out, T* op) {
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  float mx = kNone;
+  for (int64_t r = 0; r < nb; ++r) mx = std::max(mx, m[r]);
+  std::fill(out, out + hd_pad, 0.f);
+  float sum = 0.f;
+  if (mx != kNone) {
+    for (int64_t r = 0; r < nb; ++r) {
+      if (m[r] == kNone) continue;  // all padded
+      const float w = std::exp(m[r] - mx);
+      sum += w * l[r];
+      const Vec wv(w);
+      const float* a = acc + r * hd_pad;
+      for (int64_t i = 0; i < hd_pad; i += kW)
+        at::vec::fmadd(wv, Vec::loadu(a + i), Vec::loadu(out + i)).store(out + i);
+    }
+  }
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;  // no key left: o = 0
+  for (int64_t i = 0; i < hd; ++i) op[i] = static_cast<T>(out[i] * inv);
+}
+
 }  // namespace
 
 template <typename T>
 OneQuery<T>::OneQuery(const T* q_, const T* k_, const T* v_, T* o_, int64_t B_, int64_t H_,
                       int64_t S_, int64_t hd_, const int64_t* sq_, const int64_t* sk_,
                       const int64_t* sv_, float scale_, const bool* key_pad_, int64_t spad_,
-                      int64_t pad_len_, int64_t threads)
+                      int64_t pad_len_, int64_t /*threads: the cut may not depend on it*/)
     : q(q_), k(k_), v(v_), o(o_), B(B_), H(H_), S(S_), hd(hd_), sq(sq_), sk(sk_), sv(sv_),
       scale(scale_), key_pad(key_pad_), spad(spad_), pad_len(pad_len_) {
   hd_pad = (hd + kW - 1) / kW * kW;
   NH = B * H;
-  parts = NH == 0 || NH >= threads ? 1
-      : std::max<int64_t>(1, std::min((threads + NH - 1) / NH, S / kMinKeysPerPart));
-  if (parts > 1) {
-    part_m.resize(NH * parts);
-    part_l.resize(NH * parts);
-    part_acc.resize(NH * parts * hd_pad);
+  blocks = std::max<int64_t>(1, (S + kKeysPerBlock - 1) / kKeysPerBlock);  // S only
+  if (blocks > 1) {
+    part_m.resize(NH * blocks);
+    part_l.resize(NH * blocks);
+    part_acc.resize(NH * blocks * hd_pad);
   }
+}
+
+template <typename T>
+int64_t OneQuery<T>::scratch() const {
+  return 2 * hd_pad + std::max<int64_t>(std::min(S, kKeysPerBlock), 1);
 }
 
 template <typename T>
@@ -108,48 +152,33 @@ void OneQuery<T>::task(int64_t t, float* scratch_) {
   float* qf = scratch_;
   float* acc = qf + hd_pad;
   float* p = acc + hd_pad;
-  const int64_t n = t / parts, part = t % parts, b = n / H, h = n % H;
-  const int64_t j0 = S * part / parts, j1 = S * (part + 1) / parts;
+  const int64_t n = t / blocks, r = t % blocks, b = n / H, h = n % H;
+  // block r of the cut from the end: the last block ends at S, the first starts at 0
+  const int64_t j1 = S - (blocks - 1 - r) * kKeysPerBlock;
+  const int64_t j0 = std::max<int64_t>(0, j1 - kKeysPerBlock);
   const T* qp = q + b * sq[0] + h * sq[1];
   for (int64_t i = 0; i < hd; ++i) qf[i] = static_cast<float>(qp[i]);
   std::fill(qf + hd, qf + hd_pad, 0.f);
   const bool* pad = key_pad == nullptr ? nullptr : key_pad + b * spad;
-  float* acc_t = parts > 1 ? part_acc.data() + t * hd_pad : acc;
+  float* acc_t = blocks > 1 ? part_acc.data() + t * hd_pad : acc;
   float l = 0.f;
   const float m = attend_keys<T>(qf, k + b * sk[0] + h * sk[1], sk[2], v + b * sv[0] + h * sv[1],
                                  sv[2], j0, j1, hd, scale, pad, pad_len, p, acc_t, &l);
-  if (parts > 1) {
+  if (blocks > 1) {
     part_m[t] = m;
     part_l[t] = l;
     return;
   }
-  const float inv = l > 0.f ? 1.f / l : 0.f;
-  T* op = o + n * hd;
-  for (int64_t i = 0; i < hd; ++i) op[i] = static_cast<T>(acc[i] * inv);
+  // one block: the same merge as finish's, so that it gives what several would (qf is
+  // free now: the merge's scratch)
+  merge_blocks<T>(&m, &l, acc, 1, hd, hd_pad, qf, o + n * hd);
 }
 
 template <typename T>
 void OneQuery<T>::finish(int64_t n, float* out) const {
-  if (parts == 1) return;
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t r = 0; r < parts; ++r) mx = std::max(mx, part_m[n * parts + r]);
-  std::fill(out, out + hd_pad, 0.f);
-  float sum = 0.f;
-  if (mx != -std::numeric_limits<float>::infinity()) {
-    for (int64_t r = 0; r < parts; ++r) {
-      const int64_t t = n * parts + r;
-      if (part_m[t] == -std::numeric_limits<float>::infinity()) continue;  // all padded
-      const float w = std::exp(part_m[t] - mx);
-      sum += w * part_l[t];
-      const Vec wv(w);
-      const float* a = part_acc.data() + t * hd_pad;
-      for (int64_t i = 0; i < hd_pad; i += kW)
-        at::vec::fmadd(wv, Vec::loadu(a + i), Vec::loadu(out + i)).store(out + i);
-    }
-  }
-  const float inv = sum > 0.f ? 1.f / sum : 0.f;
-  T* op = o + n * hd;
-  for (int64_t i = 0; i < hd; ++i) op[i] = static_cast<T>(out[i] * inv);
+  if (blocks == 1) return;  // the task merged its one block
+  merge_blocks<T>(part_m.data() + n * blocks, part_l.data() + n * blocks,
+                  part_acc.data() + n * blocks * hd_pad, blocks, hd, hd_pad, out, o + n * hd);
 }
 
 template struct OneQuery<float>;
@@ -166,8 +195,14 @@ void one_query_kernel(const T* q, const T* k, const T* v, T* o, int64_t B, int64
     std::vector<float> scratch(att.scratch());
     for (int64_t t = t0; t < t1; ++t) att.task(t, scratch.data());
   });
-  std::vector<float> out(att.hd_pad);
-  for (int64_t n = 0; n < att.NH; ++n) att.finish(n, out.data());
+  if (att.blocks == 1) return;
+  // the merges too are spread over the threads (each pair's is one thread's, in block
+  // order): they run at every batch size now, not only at batch 1
+  const int64_t grain = std::max<int64_t>(1, 16384 / (att.blocks * att.hd_pad));
+  at::parallel_for(0, att.NH, grain, [&](int64_t n0, int64_t n1) {
+    std::vector<float> out(att.hd_pad);
+    for (int64_t n = n0; n < n1; ++n) att.finish(n, out.data());
+  });
 }
 
 template void one_query_kernel<float>(const float*, const float*, const float*, float*, int64_t,

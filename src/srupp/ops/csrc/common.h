@@ -173,10 +173,13 @@ bool linear_rows_bf16_native();
 // attention_one_query.cpp: o = softmax(scale q K^T) V for one query per (batch, head).
 
 // The attention of B x H single queries as tasks for a team of threads: task t covers
-// (batch, head) t / parts and its keys' part t % parts; finish(n) merges pair n's parts
-// into o when the keys were split. q (B, H, hd) at strides sq, K and V (B, H, S, hd) at
-// strides sk and sv; key_pad (B, >= pad_len) at row stride spad, or null. o (B*H, hd)
-// contiguous. (Instantiated for float and BFloat16.)
+// (batch, head) t / blocks and its keys' block t % blocks (blocks of 128 keys cut from the
+// newest key, their number set by S alone); finish(n) merges pair n's blocks into o when
+// there are several (one block: the task writes o). Each pair's result is the same bits at
+// any B, H and thread count, and under extra padded keys on the left. q (B, H, hd) at
+// strides sq, K and V (B, H, S, hd) at strides sk and sv; key_pad (B, >= pad_len) at row
+// stride spad, or null. o (B*H, hd) contiguous. `threads` is not used (the cut may not
+// depend on it). (Instantiated for float and BFloat16.)
 template <typename T>
 struct OneQuery {
   const T *q, *k, *v;
@@ -186,20 +189,21 @@ struct OneQuery {
   float scale;
   const bool* key_pad;
   int64_t spad, pad_len;
-  int64_t hd_pad, NH, parts;
-  std::vector<float> part_m, part_l, part_acc;  // per task when the keys are split
+  int64_t hd_pad, NH, blocks;
+  std::vector<float> part_m, part_l, part_acc;  // per task when there are several blocks
 
   OneQuery(const T* q_, const T* k_, const T* v_, T* o_, int64_t B_, int64_t H_, int64_t S_,
            int64_t hd_, const int64_t* sq_, const int64_t* sk_, const int64_t* sv_,
            float scale_, const bool* key_pad_, int64_t spad_, int64_t pad_len_,
            int64_t threads);
 
-  int64_t tasks() const { return NH * parts; }
+  int64_t tasks() const { return NH * blocks; }
   // floats of scratch a thread needs for its tasks
-  int64_t scratch() const { return 2 * hd_pad + std::max<int64_t>((S + parts - 1) / parts, 1); }
+  int64_t scratch() const;
 
   void task(int64_t t, float* scratch_);
-  // pair n's parts rescaled to their common max and added (out: hd_pad floats of scratch)
+  // pair n's blocks rescaled to their common max and added in block order (out: hd_pad
+  // floats of scratch)
   void finish(int64_t n, float* out) const;
 };
 
