@@ -29,8 +29,9 @@ LAYERS = [
     {"ops"},
     {"nn"},
     {"models", "data", "compat", "demo"},
+    {"engine"},
     {"inference"},
-    {"hf", "onnx"},
+    {"hf", "onnx", "serve"},
     {"train"},
     {"cli"},
 ]

@@ -26,6 +26,9 @@ EXTRA_OF = {
     "onnxruntime": "onnx",
     "transformers": "hf",
     "tensorboard": "tensorboard",
+    "fastapi": "serve",
+    "uvicorn": "serve",
+    "prometheus_client": "serve",
 }
 
 

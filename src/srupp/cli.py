@@ -112,7 +112,9 @@ def cmd_eval(args) -> int:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     # the weights: int8 computes in fp32, so that the scores show the weights' rounding alone
-    activations = _weights_in(model, args.dtype, "fp32")
+    from .inference import weights_in
+
+    activations = weights_in(model, args.dtype, "fp32")
     if args.data:
         from .data import TABLES
 
@@ -127,37 +129,11 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def _native_bf16_or_refuse(flag: str) -> None:
-    from .ops.settings import cpu_has_native_bf16
-
-    if not cpu_has_native_bf16():
-        raise UserError(f"{flag}: this CPU has no bf16 instructions (AVX-512 BF16 or AMX), so "
-                        f"bf16 would be emulated and slower; use --dtype fp32")
-
-
-def _weights_in(model, dtype: str, int8_activations: str) -> str:
-    """Convert ``model`` in place to the weights of ``--dtype`` (fp32, bf16, or int8 and
-    w8a8, whose float work runs in ``int8_activations``); returns the dtype the model
-    computes in."""
-    import torch
-
-    if dtype in ("int8", "w8a8"):
-        model.quantize(dtype)
-        dtype = int8_activations
-    if dtype == "bf16":
-        model.to(torch.bfloat16)  # the recurrent state c stays fp32
-    return dtype
-
-
 def cmd_generate(args) -> int:
-    from .inference import generate_text
-    from .ops.settings import cpu_has_native_bf16
+    from .inference import generate_text, weights_for_decoding
 
-    if args.dtype == "bf16":
-        _native_bf16_or_refuse("--dtype bf16")
     _, tokenizer, model, _ = _load_for(args, "generate")
-    # int8 weights compute in bf16 where the CPU has bf16 instructions
-    activations = _weights_in(model, args.dtype, "bf16" if cpu_has_native_bf16() else "fp32")
+    activations = weights_for_decoding(model, args.dtype)
     if not tokenizer.encode(args.prompt).numel():
         raise UserError("--prompt is empty: give at least one character")
     sys.stdout.write(args.prompt)
@@ -179,6 +155,14 @@ def cmd_generate(args) -> int:
 def _write(text: str) -> None:
     sys.stdout.write(text)
     sys.stdout.flush()
+
+
+def cmd_serve(args) -> int:
+    from .serve import serve
+
+    return serve(_load_for(args, "generate"), host=args.host, port=args.port, max_streams=args.max_streams,
+                 max_queue=args.max_queue, sessions=args.sessions, dtype=args.dtype,
+                 mem_len=args.mem_len, grace=args.grace, threads=args.threads)
 
 
 def cmd_export(args) -> int:
@@ -387,6 +371,9 @@ def _number(rng: str = "", *, integer: bool = False):
 
 _AT_LEAST_1 = _number(">= 1", integer=True)
 _WINDOW = _number(">= 0", integer=True)  # --mem-len
+# --dtype of eval, generate and serve (srupp.inference.DECODING_DTYPES, not imported here:
+# the parser is built without torch; tests/test_cli.py checks the two agree)
+_DECODING_DTYPES = ["fp32", "bf16", "int8", "w8a8"]
 
 
 def _add_set(parser: argparse.ArgumentParser, help: Optional[str] = None) -> None:
@@ -413,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--checkpoint", required=True, help="run directory or checkpoint folder")
     e.add_argument("--data", help="corpus (default: the run's)")
     e.add_argument("--split", choices=["valid", "test"], default="valid")
-    e.add_argument("--dtype", choices=["fp32", "bf16", "int8", "w8a8"], default="fp32",
+    e.add_argument("--dtype", choices=_DECODING_DTYPES, default="fp32",
                    help="weights: fp32 (default), bf16, int8 (one scale per output "
                         "channel, computed in fp32), or w8a8 (int8 weights, and each "
                         "layer's input rounded to int8 per row)")
@@ -460,13 +447,36 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=_number("[0, 2**63)", integer=True), default=0,
                    help="the sampling's seed (default 0)")
     g.add_argument("--mem-len", type=_WINDOW, help="attention window (default: the model's)")
-    g.add_argument("--dtype", choices=["fp32", "bf16", "int8", "w8a8"], default="fp32",
+    g.add_argument("--dtype", choices=_DECODING_DTYPES, default="fp32",
                    help="weights while decoding: fp32, bf16 (half the bytes; needs a CPU "
                         "with bf16 instructions), int8 (a quarter; computes in bf16 where "
                         "the CPU has bf16 instructions, else fp32) or w8a8 (int8, with each "
                         "layer's input rounded to int8 too: integer products, VNNI where "
                         "the CPU has it)")
     g.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="serve a language model over HTTP (OpenAI's completions "
+                                      "API); needs pip install 'srupp[serve]'")
+    sv.add_argument("--checkpoint", required=True, help="run directory or checkpoint folder")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
+                                                         "127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=_number("[0, 65535]", integer=True), default=8000,
+                    help="port (default 8000; 0: any free one)")
+    sv.add_argument("--max-streams", type=_AT_LEAST_1, default=32,
+                    help="streams decoded at once in one batched step (default 32)")
+    sv.add_argument("--max-queue", type=_WINDOW, default=256,
+                    help="requests waiting for a stream slot at most; more get 429 "
+                         "(default 256)")
+    sv.add_argument("--sessions", help="folder where sessions are saved, so that they "
+                                       "survive a restart (default: no sessions)")
+    sv.add_argument("--dtype", choices=_DECODING_DTYPES, default="fp32",
+                    help="weights while decoding, as srupp generate's --dtype (default fp32)")
+    sv.add_argument("--mem-len", type=_WINDOW,
+                    help="attention window each stream keeps (default: the model's)")
+    sv.add_argument("--grace", type=_number(">= 0"), default=30.0,
+                    help="seconds streams in flight may run on after SIGTERM (default 30)")
+    sv.add_argument("--threads", type=_AT_LEAST_1, help="torch threads")
+    sv.set_defaults(func=cmd_serve)
 
     ex = sub.add_parser("export", help="write a language model as ONNX graphs (or for "
                                        "Hugging Face transformers)")

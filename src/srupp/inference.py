@@ -178,50 +178,66 @@ class Generation(NamedTuple):
     new_tokens: int
 
 
-class _TextStream:
-    """Hands on the text of a growing list of ids as it grows, holding back a last
-    character that may be the first bytes of a multi-byte one."""
+#: ``--dtype`` of ``srupp generate`` and ``srupp serve``: the weights while decoding.
+DECODING_DTYPES = ("fp32", "bf16", "int8", "w8a8")
 
-    def __init__(self, tokenizer, on_text: Callable[[str], None]):
-        self.tokenizer, self.on_text, self.ids, self.sent = tokenizer, on_text, [], ""
 
-    def __call__(self, tokens: torch.Tensor) -> None:  # (1,): this step's token
-        t = int(tokens[0])
-        if t < 0:  # the sequence has ended
-            return
-        self.ids.append(t)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return
-        self.on_text(text[len(self.sent):])
-        self.sent = text
+def weights_for_decoding(model, dtype: str) -> str:
+    """Convert ``model`` in place to the weights of ``dtype`` (one of :data:`DECODING_DTYPES`)
+    and return the dtype it computes in: fp32; bf16 (a UserError on a CPU without bf16
+    instructions, where it would be emulated and slower); int8 and w8a8 compute in bf16
+    where the CPU has bf16 instructions, else fp32. ``srupp generate`` and ``srupp serve``
+    both call it, so that the two give the same text."""
+    from .ops.settings import cpu_has_native_bf16
 
-    def finish(self, text: str) -> None:
-        if text.startswith(self.sent):
-            self.on_text(text[len(self.sent):])
+    if dtype not in DECODING_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DECODING_DTYPES)}, got {dtype!r}")
+    native = model.device.type != "cpu" or cpu_has_native_bf16()
+    if dtype == "bf16" and not native:
+        raise UserError("--dtype bf16: this CPU has no bf16 instructions (AVX-512 BF16 or "
+                        "AMX), so bf16 would be emulated and slower; use --dtype fp32")
+    return weights_in(model, dtype, "bf16" if native else "fp32")
+
+
+def weights_in(model, dtype: str, int8_activations: str) -> str:
+    """Convert ``model`` in place to the weights of ``dtype`` (fp32, bf16, or int8 and
+    w8a8, whose float work runs in ``int8_activations``); returns the dtype the model
+    computes in."""
+    if dtype in ("int8", "w8a8"):
+        model.quantize(dtype)
+        dtype = int8_activations
+    if dtype == "bf16":
+        model.to(torch.bfloat16)  # the recurrent state c stays fp32
+    return dtype
 
 
 def generate_text(model, tokenizer, prompt: str, max_new_tokens: int, *,
                   temperature: float = 1.0, top_k: Optional[int] = None,
                   top_p: Optional[float] = None, mem_len: Optional[int] = None,
-                  seed: int = 0, on_text: Optional[Callable[[str], None]] = None) -> Generation:
+                  seed: int = 0, stop: Sequence[str] = (),
+                  on_text: Optional[Callable[[str], None]] = None) -> Generation:
     """Continue ``prompt`` with a language model, sampling with a generator seeded by ``seed``.
 
+    It runs the serving engine (:class:`srupp.engine.Engine`) with one stream, so
+    ``srupp generate`` and ``srupp serve`` give the same text for the same settings.
     ``on_text`` is called with each new piece of text as it is decoded (for
     streaming); the pieces together are the returned ``text``. The sampling
-    arguments are the model's ``generate``'s (temperature 0 is greedy).
+    arguments are the model's ``generate``'s (temperature 0 is greedy); the text
+    ends before the first of the ``stop`` strings.
     """
+    from .engine import Engine, Sampling
+
     prompt_ids = tokenizer.encode(prompt).tolist()
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one character")
-    stream = _TextStream(tokenizer, on_text) if on_text is not None else None
-    new = model.generate([prompt_ids], max_new_tokens, temperature=temperature, top_k=top_k,
-                         top_p=top_p, mem_len=mem_len,
-                         generator=torch.Generator().manual_seed(seed), on_tokens=stream)[0]
-    text = tokenizer.decode(new)
-    if stream is not None:
-        stream.finish(text)
-    return Generation(text, len(prompt_ids), len(new))
+    sampling = Sampling(max_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                        top_p=top_p, seed=seed, stop=tuple(stop))
+    engine = Engine(model, tokenizer, max_streams=1, window=mem_len,
+                    max_prompt_tokens=max(len(prompt_ids), 1),
+                    eos_id=getattr(tokenizer, "eos_id", None))
+    callback = None if on_text is None else (lambda ev: ev.text and on_text(ev.text))
+    stream = engine.generate(prompt_ids, sampling, on_event=callback)
+    return Generation(stream.text, len(prompt_ids), len(stream.generated))
 
 
 # --------------------------------------------------------------------------- translation

@@ -266,6 +266,17 @@ class CausalLM(SavedModel):
                 yield from self._step_chunks(logits, state, n, sampling)
                 return
 
+    @torch.no_grad()
+    def prefill(self, tokens: Tensor, state) -> Tuple[Tensor, Any]:
+        """Read a chunk of tokens (B, L) into ``state``: (the last position's logits (B, V),
+        the new state). ``forward`` without the logits of the other positions."""
+        if tokens.dim() != 2 or tokens.shape[1] == 0:
+            raise ValueError(f"prefill takes tokens (B, L >= 1), got {tuple(tokens.shape)}")
+        h, state = self.backbone(self.embedding(tokens), state, None)    # (B, L, d)
+        last = h[:, -1:]                                                  # (B, 1, d)
+        logits = self.output.log_prob(last) if self.adaptive else self.output(last)
+        return logits[:, 0], state
+
     def step(self, tokens: Tensor, state) -> Tuple[Tensor, Any]:
         """One token per sequence, for decoding: tokens (B,) -> (logits (B, V), new state).
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -89,6 +89,28 @@ class TensorState:
         dev = next(iter(self.tensors.values())).device if self.tensors else None
         idx = torch.as_tensor(batch_indices, dtype=torch.long, device=dev)
         return self._map(lambda t, d: t if d is None else t.index_select(d, idx))
+
+    @classmethod
+    def cat(cls, states: Sequence["TensorState"]) -> "TensorState":
+        """Several batches as one, in order: the same names and batch dimensions, equal
+        shapes but for the batch, and equal values where a tensor is not batched."""
+        if not states:
+            raise ValueError("TensorState.cat needs at least one state")
+        first = states[0]
+        if any(s.batch_dims != first.batch_dims for s in states):
+            raise ValueError("TensorState.cat: the states hold different tensors; join "
+                             "states of one model made the same way")
+        out = {}
+        for k, d in first.batch_dims.items():
+            ts = [s.tensors[k] for s in states]
+            if d is None:
+                if any(not torch.equal(t, ts[0]) for t in ts[1:]):
+                    raise ValueError(f"TensorState.cat: the shared tensor {k!r} differs "
+                                     f"between the states")
+                out[k] = ts[0]
+            else:
+                out[k] = ts[0] if len(ts) == 1 else torch.cat(ts, d)
+        return cls(out, dict(first.batch_dims))
 
     def to(self, *args, **kwargs) -> "TensorState":
         """Move to a device. Pass a device only: dtypes are part of the state."""

@@ -410,6 +410,29 @@ class SRUpp(StackBase):
                         dtype=first.state_dtype, device=device or first.weight_c.device)
         return SRUppState(c=c, mem_len=mem_len)
 
+    def padded_state(self, batch_size: int, window: int, *, device=None, dtype=None
+                     ) -> SRUppState:
+        """A zero state whose attention memory is ``window`` steps of padding.
+
+        It acts as :meth:`initial_state` (padded steps are never attended to) while
+        every state that follows it keeps exactly ``window`` steps of memory: states
+        of streams at different points then join into one batch (:meth:`SRUppState.cat`)
+        without reshaping, which is how a serving engine batches them. ``dtype`` is the
+        memory's (the layers' input dtype; the weights' by default).
+        """
+        state = self.initial_state(batch_size, device=device, mem_len=window)
+        first = self.layers[0]
+        dt = dtype or first.weight_c.dtype
+        if window == 0:
+            return state
+        memory = [first.weight_c.new_zeros(batch_size, window, layer.input_size, dtype=dt,
+                                           device=state.c.device)
+                  if layer.use_attention else None for layer in self.layers]
+        if all(m is None for m in memory):
+            return state
+        mask = torch.ones(batch_size, window, dtype=torch.bool, device=state.c.device)
+        return SRUppState(c=state.c, memory=memory, memory_mask_pad=mask, mem_len=window)
+
     def forward(self, input: Union[Tensor, PackedSequence], state: StateLike = None, *,
                 mask_pad: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None
                 ) -> Tuple[Union[Tensor, PackedSequence], SRUppState]:

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from ..ops.layer_step import stack_step_kernel
-from ..ops.matmul import FEW_ROWS
+from ..ops.matmul import few_rows
 from .append import append_steps, reserve_steps
 from .quant import Int8Linear
 from .state import KVCache, SRUppState
@@ -215,7 +215,7 @@ class FusedSteps:
         plans = self.plans
         return ([p.norm_eps for p in plans], [p.attn_norm_eps for p in plans],
                 [p.scale_x for p in plans], [p.num_heads for p in plans],
-                [int(p.normalize_after) for p in plans], FEW_ROWS[self.dtype],
+                [int(p.normalize_after) for p in plans], few_rows(self.dtype),
                 [s for p in plans for s in p.scales], [p.quant for p in plans])
 
     def state_after(self, c: Tensor, memory: list, new_kvs: list, shift: int) -> SRUppState:

@@ -187,6 +187,41 @@ class SRUppState:
         idx = torch.as_tensor(batch_indices, dtype=torch.long, device=self.c.device)
         return self._map(lambda t, dim: t.index_select(dim, idx))
 
+    @classmethod
+    def cat(cls, states: Sequence["SRUppState"]) -> "SRUppState":
+        """The states of several batches as one batch, in order (the inverse of
+        :meth:`index_select` on disjoint rows): their memories must have one length M
+        (left-pad with ``memory_mask_pad`` to make them so) and one ``mem_len``.
+
+        The cached keys and values are kept where every state has them, made by the
+        same weights (a serving engine joins streams without recomputing them).
+        """
+        if not states:
+            raise ValueError("SRUppState.cat needs at least one state")
+        if len(states) == 1:
+            return states[0]
+        first = states[0]
+        if len({s.memory_length for s in states}) > 1 or len({s.mem_len for s in states}) > 1:
+            raise ValueError(f"SRUppState.cat: the states disagree on memory length "
+                             f"{sorted({s.memory_length for s in states})} or mem_len; "
+                             f"left-pad their memories to one length first")
+        B = [s.batch_size for s in states]
+        masks = None
+        if any(s.memory_mask_pad is not None for s in states) and first.memory_length:
+            masks = torch.cat([s.memory_mask_pad if s.memory_mask_pad is not None else
+                               torch.zeros(b, first.memory_length, dtype=torch.bool,
+                                           device=first.c.device)
+                               for s, b in zip(states, B)])
+        memory, kv_cache = [], []
+        for i in range(first.num_layers):
+            ms = [s.memory[i] for s in states]
+            memory.append(None if ms[0] is None else torch.cat(ms))
+            kvs = [s.kv_cache[i] for s in states]
+            same = all(kv is not None and kv._weights == kvs[0]._weights for kv in kvs)
+            kv_cache.append(kvs[0].with_kv(torch.cat([kv.kv for kv in kvs])) if same else None)
+        return cls(c=torch.cat([s.c for s in states], 1), memory=memory,
+                   memory_mask_pad=masks, mem_len=first.mem_len, kv_cache=kv_cache)
+
     def to(self, *args, **kwargs) -> "SRUppState":
         """Move to a device. Dtypes are kept (c stays fp32), so pass a device only."""
         return self._map(lambda t, dim: t.to(*args, **kwargs))

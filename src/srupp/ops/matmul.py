@@ -37,6 +37,7 @@ continuation compute bit for bit the same thing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Optional
 
@@ -48,7 +49,8 @@ from . import cpu_kernels
 from .settings import CHOICES, accessors, tracing
 
 __all__ = ["linear", "linear_reference", "linear_onednn", "onednn_available",
-           "linear_few_rows", "few_rows_applies", "linear_route", "FEW_ROWS",
+           "linear_few_rows", "few_rows_applies", "linear_route", "FEW_ROWS", "few_rows",
+           "batch_invariant",
            "set_matmul_backend", "get_matmul_backend", "use_matmul_backend",
            "MATMUL_BACKENDS", "MIN_ROWS"]
 
@@ -59,6 +61,34 @@ MATMUL_BACKENDS = CHOICES["matmul"]
 # below memory bandwidth and the kernel does not; past these counts BLAS's blocked
 # GEMM (bf16: oneDNN's dot-product instructions) wins (docs/performance.md).
 FEW_ROWS = {torch.float32: 8, torch.bfloat16: 2}
+
+# Set by batch_invariant(): the row count up to which products take the few-rows kernel
+# instead of FEW_ROWS (None: FEW_ROWS).
+_invariant_rows: Optional[int] = None
+
+
+def few_rows(dtype: torch.dtype) -> int:
+    """The row count up to which products of ``dtype`` take the few-rows kernel:
+    :data:`FEW_ROWS`, or what :func:`batch_invariant` sets (0 for other dtypes)."""
+    if _invariant_rows is not None:
+        return _invariant_rows
+    return FEW_ROWS.get(dtype, 0)
+
+
+@contextlib.contextmanager
+def batch_invariant(max_rows: int):
+    """Within it, products of up to ``max_rows`` rows take the few-rows kernel, which
+    computes every row the same way whatever the number of rows: a row's result is then
+    the same alone or in any batch (BLAS's blocking depends on the batch). A serving
+    engine decodes under it, so that a stream's tokens do not depend on its neighbours.
+    Process-wide (not per thread): enter it from the one thread that runs the model."""
+    global _invariant_rows
+    before, _invariant_rows = _invariant_rows, int(max_rows)
+    try:
+        yield
+    finally:
+        _invariant_rows = before
+
 
 # Below this many rows (batch × time) oneDNN's per-call overhead outweighs its
 # faster inner kernel (docs/performance.md).
@@ -137,7 +167,7 @@ def few_rows_applies(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -
     and the C++ extension built.
     """
     dt = x.dtype
-    if dt not in FEW_ROWS or x.dim() == 0 or x.numel() > FEW_ROWS[dt] * x.shape[-1] \
+    if dt not in FEW_ROWS or x.dim() == 0 or x.numel() > few_rows(dt) * x.shape[-1] \
             or x.device.type != "cpu":
         return False
     if weight.dtype != dt or weight.dim() != 2 or (bias is not None and bias.dtype != dt):

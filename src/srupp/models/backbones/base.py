@@ -99,6 +99,13 @@ class Backbone(nn.Module):
         """The state generation starts from (a KV cache may keep every position)."""
         return self.initial_state(batch_size, mem_len)
 
+    def padded_state(self, batch_size: int, window: int) -> Any:
+        """A causal state that decodes as :meth:`generation_state` does and keeps exactly
+        ``window`` positions, padding included, from the start: the states of streams at
+        different points then join into one batch (the serving engine's slots). A state
+        with no time dimension (SRU, LSTM) is already so: this default returns it."""
+        return self.generation_state(batch_size, window)
+
     def init_decoder(self, enc: EncoderOutput, *, steps: bool = True) -> Any:
         """The decoder role's state before its first token, holding what it reads of the source
         (computed once per sentence); ``steps=False``: for one teacher-forced call."""

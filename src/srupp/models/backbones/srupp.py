@@ -243,6 +243,9 @@ class SRUppBackbone(Backbone):
     def initial_state(self, batch_size: int, mem_len: Optional[int] = None) -> SRUppState:
         return self.rnn.initial_state(batch_size, device=self.device, mem_len=mem_len)
 
+    def padded_state(self, batch_size: int, window: int) -> SRUppState:
+        return self.rnn.padded_state(batch_size, window, device=self.device)
+
     def init_decoder(self, enc: EncoderOutput, *, steps: bool = True):
         """:class:`~srupp.nn.SRUppState` ("memory") or :class:`CrossAttentionState` ("sublayer").
 

@@ -227,6 +227,22 @@ class TransformerBackbone(Backbone):
                                                    dtype=torch.long)},
                            {"pos": 0, "window": None})
 
+    def padded_state(self, batch_size: int, window: int) -> TensorState:
+        """A KV cache of ``window`` padded positions: every later state keeps ``window``."""
+        state = self.generation_state(batch_size, window)
+        if window == 0:
+            return state
+        tensors, dims = dict(state.tensors), dict(state.batch_dims)
+        w = next(self.parameters())
+        for i, block in enumerate(self.blocks):
+            H = block.num_heads
+            kv = w.new_zeros(batch_size, H, window, self.config.d_model // H)
+            tensors[f"k.{i}"], tensors[f"v.{i}"] = kv, kv.clone()
+            dims[f"k.{i}"] = dims[f"v.{i}"] = 0
+        tensors["key_pad"] = torch.ones(batch_size, window, dtype=torch.bool, device=w.device)
+        dims["key_pad"] = 0
+        return TensorState(tensors, dims)
+
     def init_decoder(self, enc: EncoderOutput, *, steps: bool = True) -> TensorState:
         state = self.generation_state(enc.states.shape[0], None if steps else 0)
         tensors, dims = dict(state.tensors), dict(state.batch_dims)

@@ -1,0 +1,464 @@
+"""The decoding engine: many generation streams through one batched step.
+
+    Sampling   one request's settings: max_tokens, temperature, top_k, top_p, seed, stop
+    Stream     one request in flight: its tokens, sampler, text, and the events it hands on
+    Event      what a stream hands its consumer after a step: new text, tokens, finish reason
+    Engine     the streams: a bounded queue, prompts read in chunks between steps, and one
+               decoding step for every active stream
+
+How a stream moves. It waits in the queue until a slot is free. It then reads its
+prompt in chunks of ``prefill_chunk`` tokens (one chunk per engine step, so a long
+prompt never stalls the others), all but its last token; that token is its *pending*
+token. It then joins the batch: every step feeds each active stream's pending token
+through the model at once and samples each stream's next token, which becomes pending.
+A stream therefore always holds (state, pending token): exactly what a session keeps
+to continue later (:mod:`srupp.engine.sessions`).
+
+Slots. A stream's state starts as the backbone's ``padded_state``: an SRU++ stack's
+attention memory (or a Transformer's KV cache) is ``window`` positions of padding from
+the first token, so every state keeps exactly ``window`` positions and the states of
+streams at different points join into one batch as they are (``SRUppState.cat``). A
+slot's memory is the state's bytes (:attr:`Engine.state_bytes`), fixed per stream;
+``max_streams`` bounds them all.
+
+Batch invariance. Decoding runs under :func:`srupp.ops.matmul.batch_invariant`: each
+row's products, attention, norms and recurrence are computed the same way whatever the
+other rows, so a stream's tokens are the same alone or beside any others (bit for bit
+in fp32 and bf16; tests/engine/test_engine.py says what holds for int8 weights).
+Prompts are read one stream at a time, so they are invariant too.
+
+Threads. :meth:`Engine.submit` and :meth:`Stream.cancel` may be called from any
+thread; :meth:`Engine.step` (or :meth:`Engine.run`, its loop) from one thread only,
+the one that runs the model.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Deque, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from .._ranges import check
+from ..models.lm import check_sampling, sample
+from ..ops.matmul import batch_invariant
+from .sessions import Session, SessionStore, check_session_id
+from .text import StopMatcher, TextDecoder, check_stops
+
+# finish reasons, as OpenAI's API names them; "abort": the server ended the stream
+# (shutdown past its grace period, or the client went away)
+STOP, LENGTH, ABORT = "stop", "length", "abort"
+
+#: The attention window of a model whose config keeps every position (mem_len None):
+#: a stream's state must have a fixed size.
+DEFAULT_WINDOW = 1024
+
+
+class QueueFull(RuntimeError):
+    """The engine's queue is full: try again later (HTTP 429)."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine takes no new streams: it is shutting down (HTTP 503)."""
+
+
+class SessionBusy(RuntimeError):
+    """A request for this session is already in flight (HTTP 409)."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one stream samples; checked on construction (ValueError/TypeError naming the field)."""
+
+    max_tokens: int = 16                  # new tokens at most (OpenAI's default)
+    temperature: float = 1.0              # 0: greedy, the most likely token
+    top_k: Optional[int] = None           # sample among the k most likely tokens
+    top_p: Optional[float] = None         # ... among those holding this much probability
+    seed: Optional[int] = None            # None: a seed drawn for this stream
+    stop: Tuple[str, ...] = ()            # the text ends before the first of these
+
+    def __post_init__(self):
+        check("max_tokens", self.max_tokens, ">= 0", integer=True)
+        check_sampling(self.temperature, self.top_k, self.top_p)
+        check("seed", self.seed, "[0, 2**63)", integer=True)
+        object.__setattr__(self, "stop", tuple(check_stops(self.stop)))
+
+
+@dataclass
+class Event:
+    """What a stream hands on after a step: final text, the tokens it came from, and
+    once the stream has ended, why (STOP, LENGTH or ABORT)."""
+
+    text: str
+    tokens: List[int]
+    finish_reason: Optional[str] = None
+
+
+class Stream:
+    """One request in flight. Read its events with :meth:`events` (or give the engine an
+    ``on_event`` callback); :meth:`cancel` ends it at the next step."""
+
+    _ids = itertools.count()
+
+    def __init__(self, engine: "Engine", prompt: List[int], sampling: Sampling,
+                 session: Optional[str], on_event: Optional[Callable[[Event], None]]):
+        self.id = next(Stream._ids)
+        self.prompt, self.sampling, self.session = prompt, sampling, session
+        seed = sampling.seed if sampling.seed is not None else \
+            int(torch.randint(0, 2**62, (1,)).item())
+        self.generator = torch.Generator().manual_seed(seed)
+        self.decoder = TextDecoder(engine.tokenizer)
+        self.stopper = StopMatcher(sampling.stop)
+        self.generated: List[int] = []
+        self.text = ""                      # the text handed on so far
+        self.finish_reason: Optional[str] = None
+        self.cancelled = False
+        self.state: Any = None              # while reading the prompt; then a batch row
+        self.todo: List[int] = []           # tokens to read: a session's pending + prompt
+        self.read = 0                       # of todo
+        self.pending = -1
+        self.session_tokens = 0             # tokens the session had before this request
+        self.submitted = time.perf_counter()
+        self.first_token_at: Optional[float] = None
+        self.last_token_at: Optional[float] = None
+        self._on_event = on_event
+        self._queue: "queue.SimpleQueue[Event]" = queue.SimpleQueue()
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def cancel(self) -> None:
+        """End the stream (a client that went away); its slot is freed at the next step."""
+        self.cancelled = True
+
+    def events(self, timeout: Optional[float] = None) -> Iterator[Event]:
+        """The stream's events as they come, until its last (which has a finish reason)."""
+        while True:
+            event = self._queue.get(timeout=timeout)
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    def _emit(self, event: Event) -> None:
+        self.text += event.text
+        if self._on_event is not None:
+            self._on_event(event)
+        else:
+            self._queue.put(event)
+
+
+class Engine:
+    """Generation streams of one causal language model, batched.
+
+    Args:
+        model: a :class:`~srupp.models.CausalLM` (any backbone), put in eval mode.
+        tokenizer: its tokenizer (ids -> text for the streams' text).
+        max_streams: streams decoded at once (slots); more wait in the queue.
+        max_queue: streams waiting at most; :meth:`submit` then raises :class:`QueueFull`.
+        window: positions of attention memory (KV cache) each stream keeps; default
+            the model's ``mem_len``, else :data:`DEFAULT_WINDOW`.
+        prefill_chunk: prompt tokens read per engine step (one stream's).
+        max_prompt_tokens: longer prompts are a ValueError (the server's 413).
+        sessions: where sessions are kept; None: requests may not name one.
+        eos_id: a stream also ends after this token (kept in its output).
+    """
+
+    def __init__(self, model, tokenizer, *, max_streams: int = 32, max_queue: int = 256,
+                 window: Optional[int] = None, prefill_chunk: int = 256,
+                 max_prompt_tokens: int = 65536, sessions: Optional[SessionStore] = None,
+                 eos_id: Optional[int] = None):
+        for name, value in (("max_streams", max_streams), ("prefill_chunk", prefill_chunk),
+                            ("max_prompt_tokens", max_prompt_tokens)):
+            check(name, value, ">= 1", integer=True)
+        check("max_queue", max_queue, ">= 0", integer=True)
+        check("window", window, ">= 0", integer=True)
+        if getattr(model, "task", None) != "lm":
+            raise TypeError(f"the engine decodes causal language models, got "
+                            f"{type(model).__name__}")
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.max_streams, self.max_queue = max_streams, max_queue
+        self.prefill_chunk, self.max_prompt_tokens = prefill_chunk, max_prompt_tokens
+        self.sessions, self.eos_id = sessions, eos_id
+        config_window = getattr(model.config, "mem_len", None)
+        self.window = window if window is not None else (
+            config_window if config_window is not None else DEFAULT_WINDOW)
+        self.vocab_size = model.config.vocab_size
+        self.state_bytes = _nbytes(self._new_state())
+        self.closed = False
+        self.tokens_generated = 0
+        # observers (the server's metrics): seconds to a stream's first token, between tokens
+        self.on_first_token: Optional[Callable[[float], None]] = None
+        self.on_inter_token: Optional[Callable[[float], None]] = None
+        self._lock = threading.Condition()
+        self._queue: Deque[Stream] = collections.deque()
+        self._reading: Deque[Stream] = collections.deque()   # reading their prompts
+        self._active: List[Stream] = []                      # rows of self._batch, in order
+        self._batch: Any = None
+        self._busy_sessions: set = set()
+
+    # ------------------------------------------------------------------ any thread
+    def submit(self, prompt: Sequence[int], sampling: Sampling = Sampling(), *,
+               session: Optional[str] = None,
+               on_event: Optional[Callable[[Event], None]] = None) -> Stream:
+        """Queue a stream: prompt token ids (may be empty only when continuing a session).
+
+        Raises ValueError (a bad prompt or session id), :class:`QueueFull`,
+        :class:`EngineClosed` or :class:`SessionBusy`.
+        """
+        prompt = [int(t) for t in prompt]
+        if session is not None:
+            if self.sessions is None:
+                raise ValueError("session: this engine keeps no sessions (start the server "
+                                 "with --sessions DIR)")
+            check_session_id(session)
+        if not prompt and session is None:
+            raise ValueError("prompt: give at least one token")
+        if len(prompt) > self.max_prompt_tokens:
+            raise ValueError(f"prompt: {len(prompt)} tokens, more than the limit of "
+                             f"{self.max_prompt_tokens}")
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} is outside the vocabulary "
+                             f"(0 .. {self.vocab_size - 1})")
+        with self._lock:
+            if self.closed:
+                raise EngineClosed("the engine is shutting down")
+            if len(self._queue) >= self.max_queue and self._free_slots() == 0:
+                raise QueueFull(f"{len(self._queue)} streams are waiting (max_queue)")
+            if session is not None:
+                if session in self._busy_sessions:
+                    raise SessionBusy(f"session {session!r} has a request in flight")
+                self._busy_sessions.add(session)
+            stream = Stream(self, prompt, sampling, session, on_event)
+            self._queue.append(stream)
+            self._lock.notify_all()
+        return stream
+
+    def close(self) -> None:
+        """Take no new streams (those queued and in flight go on)."""
+        with self._lock:
+            self.closed = True
+            self._lock.notify_all()
+
+    @property
+    def active_streams(self) -> int:
+        return len(self._active) + len(self._reading)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def idle(self) -> bool:
+        return not (self._queue or self._reading or self._active)
+
+    # ------------------------------------------------------------ the model thread
+    def step(self) -> bool:
+        """One engine step: admit waiting streams to free slots, read one prompt chunk,
+        then decode one token for every active stream. False when there was nothing to do."""
+        with self._lock:
+            while self._queue and self._free_slots():
+                self._reading.append(self._queue.popleft())
+        worked = self._drop_cancelled()
+        with torch.no_grad():
+            if self._reading:
+                self._read_chunk(self._reading[0])
+                worked = True
+            if self._active:
+                self._decode()
+                worked = True
+        return worked
+
+    def run(self, stop: threading.Event, *, grace: float = 30.0) -> None:
+        """Step until ``stop`` is set; then take no new streams, finish those in flight
+        for up to ``grace`` seconds, end the rest with ABORT, and save their sessions."""
+        while not stop.is_set():
+            if not self.step():
+                with self._lock:
+                    if self.idle and not stop.is_set():
+                        self._lock.wait(0.05)
+        self.close()
+        deadline = time.monotonic() + grace
+        while not self.idle and time.monotonic() < deadline:
+            self.step()
+        self.abort_all()
+
+    def abort_all(self) -> None:
+        """End every stream now (ABORT), keeping the sessions of those decoding."""
+        with self._lock:
+            waiting, self._queue = list(self._queue) + list(self._reading), collections.deque()
+            self._reading = collections.deque()
+        for s in waiting:
+            self._finish(s, ABORT)
+        self._leave(list(range(len(self._active))), ABORT)
+
+    def generate(self, prompt: Sequence[int], sampling: Sampling = Sampling(), *,
+                 session: Optional[str] = None,
+                 on_event: Optional[Callable[[Event], None]] = None) -> Stream:
+        """One stream from start to end on this thread (the engine must be otherwise idle):
+        what ``srupp generate`` runs. Returns the finished stream."""
+        stream = self.submit(prompt, sampling, session=session, on_event=on_event)
+        while not stream.done:
+            self.step()
+        return stream
+
+    # ------------------------------------------------------------------ internals
+    def _free_slots(self) -> int:
+        return self.max_streams - len(self._active) - len(self._reading)
+
+    def _new_state(self):
+        return self.model.backbone.padded_state(1, self.window)
+
+    def _drop_cancelled(self) -> bool:
+        gone = [s for s in self._reading if s.cancelled]
+        for s in gone:
+            self._reading.remove(s)
+            self._finish(s, ABORT)
+        rows = [i for i, s in enumerate(self._active) if s.cancelled]
+        if rows:
+            self._leave(rows, ABORT)
+        return bool(gone or rows)
+
+    def _read_chunk(self, s: Stream) -> None:
+        """Read the next chunk of s's prompt; once all but its last token are read, s joins
+        the batch with that token pending."""
+        if s.state is None:
+            s.state, pending, s.session_tokens = self._start_state(s)
+            s.todo = ([pending] if pending is not None else []) + s.prompt
+            if not s.todo:  # a session with nothing pending and an empty prompt
+                self._reading.popleft()
+                self._finish(s, LENGTH)
+                return
+        n = min(self.prefill_chunk, len(s.todo) - 1 - s.read)
+        if n > 0:
+            ids = torch.tensor([s.todo[s.read:s.read + n]], device=self.model.device)
+            _, s.state = self.model.prefill(ids, s.state)
+            s.read += n
+        if s.read < len(s.todo) - 1:
+            return
+        self._reading.popleft()
+        s.pending = s.todo[-1]
+        if s.sampling.max_tokens == 0:
+            self._batch_join(s)
+            self._leave([len(self._active) - 1], LENGTH)
+            return
+        self._batch_join(s)
+
+    def _start_state(self, s: Stream) -> Tuple[Any, Optional[int], int]:
+        """(state, pending token or None, tokens so far) that s starts from."""
+        if s.session is not None:
+            kept = self.sessions.get(s.session)
+            if kept is not None:
+                return kept.state, kept.pending, kept.tokens
+        return self._new_state(), None, 0
+
+    def _batch_join(self, s: Stream) -> None:
+        state, s.state = s.state, None
+        self._batch = state if self._batch is None else type(state).cat([self._batch, state])
+        self._active.append(s)
+
+    def _decode(self) -> None:
+        """One token for every active stream: feed the pending tokens, sample the next."""
+        active = self._active
+        tokens = torch.tensor([s.pending for s in active], device=self.model.device)
+        with batch_invariant(self.max_streams):
+            logits, self._batch = self.model.step(tokens, self._batch)   # (B, V)
+        ids = self._sample(logits, active)
+        now = time.perf_counter()
+        ended: List[int] = []
+        for row, (s, t) in enumerate(zip(active, ids)):
+            s.generated.append(t)
+            s.pending = t
+            self._time(s, now)
+            text, stopped = s.stopper.feed(s.decoder.push(t))
+            reason = STOP if stopped or t == self.eos_id else (
+                LENGTH if len(s.generated) >= s.sampling.max_tokens else None)
+            s._emit(Event(text, [t]))
+            if reason is not None:
+                ended.append(row)
+        self.tokens_generated += len(active)
+        if ended:
+            self._leave(ended, None)
+
+    def _sample(self, logits: torch.Tensor, active: List[Stream]) -> List[int]:
+        """Each stream's next token by its own settings and generator; greedy rows at once."""
+        ids: List[Optional[int]] = [None] * len(active)
+        greedy = [i for i, s in enumerate(active) if s.sampling.temperature == 0]
+        if greedy:
+            rows = logits if len(greedy) == len(active) else logits[greedy]
+            for i, t in zip(greedy, rows.argmax(-1).tolist()):
+                ids[i] = t
+        for i, s in enumerate(active):
+            if ids[i] is None:
+                p = s.sampling
+                ids[i] = int(sample(logits[i:i + 1], temperature=p.temperature, top_k=p.top_k,
+                                    top_p=p.top_p, generator=s.generator)[0])
+        return ids  # type: ignore[return-value]
+
+    def _time(self, s: Stream, now: float) -> None:
+        if s.first_token_at is None:
+            s.first_token_at = now
+            if self.on_first_token is not None:
+                self.on_first_token(now - s.submitted)
+        elif self.on_inter_token is not None:
+            self.on_inter_token(now - s.last_token_at)
+        s.last_token_at = now
+
+    def _leave(self, rows: List[int], reason: Optional[str]) -> None:
+        """Streams at these batch rows leave it: sessions kept, the batch compacted, and
+        each stream ended (with ``reason``, or the one its last token gave)."""
+        if not rows:
+            return
+        leaving = [self._active[i] for i in rows]
+        for i, s in zip(rows, leaving):
+            if s.session is not None and self.sessions is not None:
+                row = self._batch.index_select(torch.tensor([i]))
+                self.sessions.put(s.session, Session(
+                    state=row, pending=s.pending,
+                    tokens=s.session_tokens + len(s.prompt) + len(s.generated),
+                    model_id=self.sessions.model_id, updated=time.time()), persist=True)
+        keep = [i for i in range(len(self._active)) if i not in set(rows)]
+        self._batch = self._batch.index_select(torch.tensor(keep)) if keep else None
+        self._active = [self._active[i] for i in keep]
+        for s in leaving:
+            self._finish(s, reason)
+
+    def _finish(self, s: Stream, reason: Optional[str]) -> None:
+        """End s: the text held back (unless a stop string cut it) and the finish reason."""
+        if s.done:
+            return
+        if reason is None:
+            last = s.generated[-1] if s.generated else None
+            reason = STOP if s.stopper.stopped or (last is not None and last == self.eos_id) \
+                else LENGTH
+        rest = ""
+        if not s.stopper.stopped:
+            text, _ = s.stopper.feed(s.decoder.flush())
+            rest = text + s.stopper.flush()
+        s.finish_reason = reason
+        with self._lock:
+            self._busy_sessions.discard(s.session)
+        s._emit(Event(rest, [], reason))
+
+
+def _nbytes(state) -> int:
+    """Bytes of a state's tensors (a cached K/V included)."""
+    return int(state.nbytes()) if hasattr(state, "nbytes") else 0
+
+
+def model_fingerprint(model) -> str:
+    """A short id of a model's shape and weights (a strided sample of each tensor), that
+    the sessions saved for it carry: a session is never continued by another model."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.state_dict().items()):
+        flat = p.detach().reshape(-1)
+        h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
+        h.update(flat[:: max(1, flat.numel() // 256)].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
