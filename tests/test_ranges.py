@@ -239,12 +239,15 @@ FLAGS = [
     ("classify", "--threads", "0"),
     ("export", "--mem-len", "-1"),
     ("compare", "--budget", "0"), ("compare", "--params", "0"),
+    ("serve", "--port", "65536"), ("serve", "--max-streams", "0"), ("serve", "--max-queue", "-1"),
+    ("serve", "--mem-len", "-1"), ("serve", "--grace", "-1"), ("serve", "--threads", "0"),
 ]
 REQUIRED = {"generate": ["--checkpoint", "/no/such/run", "--prompt", "a"],
             "translate": ["--checkpoint", "/no/such/run"],
             "classify": ["--checkpoint", "/no/such/run"],
             "export": ["--checkpoint", "/no/such/run", "--out", "/no/such/out"],
-            "compare": ["--data", "shakespeare", "--budget", "1", "--params", "1000"]}
+            "compare": ["--data", "shakespeare", "--budget", "1", "--params", "1000"],
+            "serve": ["--checkpoint", "/no/such/run"]}
 
 
 def _numeric_flags():
