@@ -252,7 +252,7 @@ def token_parts(model, prompt, reps=500):
     reps calls) after the prompt and 16 steps: the stack's kernel (``stack_step``, its
     arguments fixed), the output layer and the embedding (their modules, so a few µs of
     Python more than the loop's C++ calls), the argmax."""
-    from srupp.ops.layer_step import stack_step_kernel
+    from srupp.ops.layer_step import stack_step_arguments, stack_step_kernel
 
     out = model(prompt)
     state, tok = out.state, out.logits[:, -1].argmax(-1)
@@ -264,7 +264,7 @@ def token_parts(model, prompt, reps=500):
     if steps is None:
         return None
     kernel = stack_step_kernel()
-    args = (x, steps.c0, *steps.buffers(), 0, steps.M + 1, *steps.layer_args())  # row M again
+    args = stack_step_arguments(x, steps.stack_args(), first=0, kept=steps.M + 1)  # row M again
     h = kernel(*args)[0]                                                     # (1, D)
     parts = {"stack_kernel": lambda: kernel(*args),
              "output_module": lambda: model.output(h),

@@ -13,13 +13,20 @@ cut to 3 tokens here, so that the state is handed from call to call many times
 
 import copy
 
+import importlib
+
 import pytest
 import torch
 
 import srupp.models.lm as lm_module
+from srupp.nn.stack_step import output_args
+from srupp.ops.layer_step import decode_loop
 from srupp.models import CausalLM
 from srupp.ops import cpu_kernels
 from srupp.ops.layer_step import use_step_backend
+
+# the module, not srupp.ops's function of the same name
+layer_step_module = importlib.import_module("srupp.ops.layer_step")
 
 from lm_helpers import tiny_srupp_lm
 
@@ -55,13 +62,13 @@ def make(dtype=torch.float32, **kw):
 def loop_calls(monkeypatch):
     """Chunks of 3 tokens, and how many chunks the C++ loop ran."""
     calls = []
-    real = lm_module.decode_loop_kernel()
+    real = layer_step_module.decode_loop_kernel()
 
     def counted(*args):
         calls.append(args[-7])          # n, the chunk's tokens
         return real(*args)
 
-    monkeypatch.setattr(lm_module, "decode_loop_kernel", lambda: counted)
+    monkeypatch.setattr(layer_step_module, "decode_loop_kernel", lambda: counted)
     monkeypatch.setattr(CausalLM, "FUSED_CHUNK", 3)
     return calls
 
@@ -200,11 +207,10 @@ def test_the_kernel_leaves_the_python_loops_logits_and_state(case, dtype):
     start_logits, start = prefill()
     like = m.embedding.weight.new_empty(2, 8)
     steps = m.backbone.fused_steps(start, 5, like)
-    tokens, c, got, memory, kvs, shift = lm_module.decode_loop_kernel()(
+    tokens, c, got, memory, kvs, shift = decode_loop(
         start_logits, torch.zeros(2, dtype=torch.bool), m.embedding.weight,
-        *lm_module._output_route(m.output, like), steps.c0, *steps.buffers(),
-        -1 if steps.mem_len is None else steps.mem_len, *steps.layer_args(),
-        5, False, 0.0, -1, 1.0, None, -1)
+        output_args(m.output, like), steps.stack_args(), mem_len=steps.mem_len, n=5,
+        final=False, temperature=0.0, top_k=None, top_p=None, generator=None, eos_id=None)
     after = steps.state_after(c, memory, kvs, shift)
     assert tokens.shape == (2, 5) and torch.equal(got, logits)
     assert torch.equal(after.c, state.c)

@@ -70,21 +70,21 @@ def test_w8a8_rounds_the_activations_too():
     torch.manual_seed(0)
     lin = nn.Linear(24, 10)
     x = torch.randn(3, 24)
-    wonly, w8a8 = Int8Linear.from_linear(lin), Int8Linear.from_linear(lin, activations="int8")
-    assert "activations=int8" in repr(w8a8) and "activations=float" in repr(wonly)
+    wonly, w8a8 = Int8Linear.from_linear(lin), Int8Linear.from_linear(lin, kind="w8a8")
+    assert "kind=w8a8" in repr(w8a8) and "kind=int8" in repr(wonly)
     with torch.no_grad():
         ref, a, b = lin(x), wonly(x), w8a8(x)
     torch.testing.assert_close(b, ref, rtol=0.05, atol=0.05)
     assert not torch.equal(a, b)  # the activations' rounding shows
-    with pytest.raises(ValueError, match="activations must be one of"):
-        Int8Linear(2, 2, activations="int4")
+    with pytest.raises(ValueError, match="unknown quantization 'int4'"):
+        Int8Linear(2, 2, kind="int4")
 
 
 def test_quantize_linears_w8a8_sets_every_layer():
     stack = SRUpp(16, 16, 8, num_layers=2, causal=True).eval()
     quantize_linears(stack, "w8a8")
     layers = [m for m in stack.modules() if isinstance(m, Int8Linear)]
-    assert layers and all(m.activations == "int8" for m in layers)
+    assert layers and all(m.kind == "w8a8" for m in layers)
 
 
 def test_w8a8_refuses_layers_wider_than_its_int32_sums_at_quantize_time():

@@ -14,6 +14,8 @@ order); against the full forward, whose GEMMs and kernels differ more, the
 whole-model ones of tests/tolerances.py.
 """
 
+import importlib
+
 import pytest
 import torch
 
@@ -24,6 +26,9 @@ from srupp.models import CausalLM, SRUppConfig
 from srupp.nn import SRUpp
 from srupp.ops import cpu_kernels
 from srupp.ops.layer_step import use_step_backend
+
+# the module, not srupp.ops's function of the same name
+layer_step_module = importlib.import_module("srupp.ops.layer_step")
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not cpu_kernels.is_available(),
@@ -60,13 +65,13 @@ def make(dtype, input_size=6, num_layers=2, **kw):
 def op_calls(monkeypatch):
     """How many layer steps the stack ran through the op (one entry per layer)."""
     calls = []
-    real = srupp_module.stack_step_kernel()
+    real = layer_step_module.stack_step_kernel()
 
     def counted(x, c, *args):
         calls.extend([1] * c.shape[0])
         return real(x, c, *args)
 
-    monkeypatch.setattr(srupp_module, "stack_step_kernel", lambda: counted)
+    monkeypatch.setattr(layer_step_module, "stack_step_kernel", lambda: counted)
     return calls
 
 
@@ -266,7 +271,7 @@ def test_changing_the_activations_of_a_layer_reaches_the_op(op_calls):
     steps(m, x, None, "auto")                     # the plan is made (weight-only)
     for layer in m.modules():
         if isinstance(layer, Int8Linear):
-            layer.activations = "int8"
+            layer.kind = "w8a8"
     fused, _ = steps(m, x, None, "auto")
     plain, _ = steps(m, x, None, "modules")
     torch.testing.assert_close(fused, plain, **TOL[torch.float32])

@@ -7,6 +7,9 @@ to 1e-5 (sums in another order); bf16 to one bf16 rounding of the output
 order of fp32 sums. The state c is fp32 in both dtypes.
 """
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -263,3 +266,44 @@ def test_stack_step_refuses_lists_of_the_wrong_length():
         stack_step_kernel()(a["x"], c, *int8)
     with pytest.raises(RuntimeError, match="c \\(layers, B, D\\)"):
         stack_step_kernel()(a["x"], a["c"], *args)
+
+
+# --------------------------------------------------------------------------- the C++ interface
+
+CSRC = Path(__file__).resolve().parents[2] / "src" / "srupp" / "ops" / "csrc"
+
+
+def _cpp_params(source: str, function: str) -> tuple:
+    """The parameter names of ``function``'s definition in a C++ source file."""
+    text = (CSRC / source).read_text()
+    start = text.index(f"\n{function}(") + len(function) + 2
+    depth, end = 1, start
+    while depth:
+        depth += {"(": 1, ")": -1}.get(text[end], 0)
+        end += 1
+    params = re.sub(r"<[^<>]*(<[^<>]*>[^<>]*)*>", "", text[start:end - 1])  # drop templates
+    return tuple(p.split()[-1].lstrip("&*") for p in params.split(","))
+
+
+def _cpp_enum(source: str, name: str) -> dict:
+    body = re.search(rf"enum {name}\b[^{{]*\{{([^}}]*)\}}", (CSRC / source).read_text()).group(1)
+    return {k.strip(): int(v) for k, v in (e.split("=") for e in body.split(","))}
+
+
+def test_the_python_side_of_the_cpp_interface_is_the_cpp():
+    """ops/layer_step.py is the one place that knows stack_step's and decode_loop's
+    signatures and enums: its parameter orders, QUANT and OUTPUT_ROUTES are the C++'s, and
+    the C++'s int8 few-rows limit is srupp.ops.quant.INT8_FEW_ROWS."""
+    from srupp.ops.layer_step import (DECODE_LOOP_PARAMS, OUTPUT_ROUTES, QUANT,
+                                      STACK_STEP_PARAMS)
+    from srupp.ops.quant import INT8_FEW_ROWS
+
+    assert _cpp_params("layer_step.cpp", "stack_step_cpu") == STACK_STEP_PARAMS
+    assert _cpp_params("decode_loop.cpp", "decode_loop_cpu") == DECODE_LOOP_PARAMS
+    assert _cpp_enum("layer_step.cpp", "Quant") == {
+        "kFloatWeights": QUANT["float"], "kInt8": QUANT["int8"], "kW8A8": QUANT["w8a8"]}
+    assert _cpp_enum("decode_loop.cpp", "OutputRoute") == {
+        "kRows": OUTPUT_ROUTES["rows"], "kAten": OUTPUT_ROUTES["aten"],
+        "kInt8Rows": OUTPUT_ROUTES["int8"], "kW8A8Rows": OUTPUT_ROUTES["w8a8"]}
+    limit = re.search(r"kInt8FewRows = (\d+);", (CSRC / "layer_step.cpp").read_text()).group(1)
+    assert int(limit) == INT8_FEW_ROWS

@@ -190,7 +190,10 @@ class Engine:
         self.window = window if window is not None else (
             config_window if config_window is not None else DEFAULT_WINDOW)
         self.vocab_size = model.config.vocab_size
-        self.state_bytes = _nbytes(self._new_state())
+        with torch.no_grad():  # a state as decoding holds it: with its cached keys and values
+            _, state = model.prefill(torch.zeros(1, 1, dtype=torch.long, device=model.device),
+                                     self._new_state())
+        self.state_bytes = _nbytes(state)
         self.closed = False
         self.tokens_generated = 0
         # observers (the server's metrics): seconds to a stream's first token, between tokens

@@ -19,10 +19,7 @@ from torch import Tensor, nn
 from .._ranges import check
 from ..nn.adaptive import AdaptiveInput, ProjectedAdaptiveLogSoftmax
 from ..nn.linear import Linear
-from ..nn.quant import Int8Linear
-from ..ops.layer_step import decode_loop_kernel
-from ..ops.matmul import linear_route
-from ..ops.quant import int8_kernel_applies
+from ..nn.stack_step import output_args
 from .base import SavedModel, init_embedding
 from .config import LMConfig
 
@@ -216,55 +213,59 @@ class CausalLM(SavedModel):
             if i + 1 < n:  # (not reached once the caller stops)
                 logits, state = self.step(nxt, state)
 
+    def fused_decoder(self, state, n: int, like: Tensor) -> Optional[tuple]:
+        """(steps, output) for :meth:`FusedSteps.decode <srupp.nn.stack_step.FusedSteps.decode>`:
+        n tokens from ``state`` in one C++ call, rows like ``like`` (B, d); None where that call
+        can't run this model (training, an adaptive or a non-plain embedding, an output layer
+        it doesn't compute as the module does, a backbone other than an eval-mode causal
+        SRU++ stack, not the CPU)."""
+        emb = self.embedding
+        if n == 0 or self.training or self.adaptive or type(emb) is not nn.Embedding \
+                or emb.max_norm is not None or like.device.type != "cpu":
+            return None
+        output = output_args(self.output, like)
+        if output is None:
+            return None
+        steps = self.backbone.fused_steps(state, n, like)
+        return None if steps is None else (steps, output)
+
     def _fused_chunks(self, logits: Tensor, state, n: int, eos_id: Optional[int],
                       sampling: dict, on_tokens: Optional[Callable]
                       ) -> Optional[Iterator[Tensor]]:
         """The tokens of n steps in (B, ≤ FUSED_CHUNK) chunks from the C++ ``decode_loop``
         (sampling, embedding, the SRU++ stack and the output layer in one call), the very
-        tokens :meth:`_step_chunks` gives; None where it can't run this model (eval-mode
-        SRU++ stack, plain embedding, output as :func:`_output_route` takes it, CPU).
-        When streaming (``on_tokens``), chunks start at one token and double."""
-        B = logits.shape[0]
-        emb = self.embedding
-        if n == 0 or self.FUSED_CHUNK < 1 or self.training or self.adaptive \
-                or type(emb) is not nn.Embedding or emb.max_norm is not None \
-                or logits.device.type != "cpu":
-            return None
+        tokens :meth:`_step_chunks` gives; None where :meth:`fused_decoder` says it can't
+        run this model, or the generator is not a CPU one. When streaming (``on_tokens``),
+        chunks start at one token and double."""
         generator = sampling["generator"]
-        if generator is not None and generator.device.type != "cpu":
+        if self.FUSED_CHUNK < 1 or (generator is not None and generator.device.type != "cpu"):
             return None
-        like = emb.weight.new_empty(B, emb.embedding_dim)         # (B, d)
-        output = _output_route(self.output, like)
-        if output is None:
-            return None
+        like = self.embedding.weight.new_empty(logits.shape[0], self.embedding.embedding_dim)
         chunk = self.FUSED_CHUNK if on_tokens is None else 1
-        steps = self.backbone.fused_steps(state, min(n, chunk), like)
-        if steps is None:
+        decoder = self.fused_decoder(state, min(n, chunk), like)
+        if decoder is None:
             return None
-        return self._run_fused(steps, like, logits, n, eos_id, output, sampling, chunk)
+        return self._run_fused(decoder, like, logits, n, eos_id, sampling, chunk)
 
-    def _run_fused(self, steps, like: Tensor, logits: Tensor, n: int, eos_id: Optional[int],
-                   output: tuple, sampling: dict, chunk: int) -> Iterator[Tensor]:
+    def _run_fused(self, decoder: tuple, like: Tensor, logits: Tensor, n: int,
+                   eos_id: Optional[int], sampling: dict, chunk: int) -> Iterator[Tensor]:
         done = torch.zeros(like.shape[0], dtype=torch.bool)       # rows that sampled eos_id
-        top_k, top_p = sampling["top_k"], sampling["top_p"]
-        loop = decode_loop_kernel()
+        steps, output = decoder
         while True:
             t = steps.L
-            tokens, c, logits, memory, kvs, shift = loop(
-                logits, done, self.embedding.weight, *output, steps.c0, *steps.buffers(),
-                -1 if steps.mem_len is None else steps.mem_len, *steps.layer_args(),
-                t, t == n, float(sampling["temperature"]), -1 if top_k is None else top_k,
-                1.0 if top_p is None else float(top_p), sampling["generator"],
-                -1 if eos_id is None else eos_id)               # tokens (B, ≤ t)
+            tokens, logits, state = steps.decode(
+                logits, done, self.embedding.weight, output, final=t == n, eos_id=eos_id,
+                **sampling)                                       # tokens (B, ≤ t)
             yield tokens
-            if tokens.shape[1] < t or t == n or bool(done.all()):  # all rows ended, or n ran
+            if state is None or bool(done.all()):  # all rows ended, or n ran
                 return
-            state, n = steps.state_after(c, memory, kvs, shift), n - t
+            n -= t
             chunk = min(2 * chunk, self.FUSED_CHUNK)  # streaming: the first tokens come soon
-            steps = self.backbone.fused_steps(state, min(n, chunk), like)
-            if steps is None:  # the model changed under us (in on_tokens, say): step on
+            decoder = self.fused_decoder(state, min(n, chunk), like)
+            if decoder is None:  # the model changed under us (in on_tokens, say): step on
                 yield from self._step_chunks(logits, state, n, sampling)
                 return
+            steps, output = decoder
 
     @torch.no_grad()
     def prefill(self, tokens: Tensor, state) -> Tuple[Tensor, Any]:
@@ -329,33 +330,6 @@ def sample(logits: Tensor, *, temperature: float = 1.0, top_k: Optional[int] = N
         draw = torch.multinomial(probs.to(generator.device), 1, generator=generator)
         return draw.squeeze(-1).to(probs.device)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-# decode_loop's output routes (enum OutputRoute in csrc/decode_loop.cpp)
-_ROUTES = {"rows": 0, "aten": 1, "int8": 2, "w8a8": 3}
-
-
-def _output_route(output: nn.Module, like: Tensor) -> Optional[tuple]:
-    """(weight, bias, scale, route): how ``output`` computes logits for rows like ``like``,
-    as its forward would, for ``decode_loop``; None for what the loop doesn't compute the
-    same way (oneDNN's GEMM, an int8 layer at too many rows, any other module)."""
-    if isinstance(output, Int8Linear):
-        if type(output) is not Int8Linear or not int8_kernel_applies(like):
-            return None
-        route = _ROUTES["w8a8" if output.activations == "int8" else "int8"]
-        return output.weight.contiguous(), output.bias, output.scale, route
-    if type(output) not in (Linear, nn.Linear):
-        return None
-    weight, bias = output.weight, output.bias
-    route = linear_route(like, weight, bias) if type(output) is Linear else "aten"
-    if route == "onednn" or weight.dtype != like.dtype:
-        return None
-    if route == "rows":  # as linear_few_rows passes them
-        if not weight.is_contiguous():
-            weight = weight.contiguous()
-        if bias is not None and not bias.is_contiguous():
-            bias = bias.contiguous()
-    return weight, bias, None, _ROUTES[route]
 
 
 def _cut_at_stop(ids: List[int], decode: Callable, stops: Sequence[str]) -> List[int]:

@@ -53,23 +53,18 @@ class Int8Linear(nn.Module):
     scale would add its own rounding, and a conversion per call). Inputs of
     fp32 or bf16; the output has the input's dtype.
 
-    ``activations``: "float" (weight-only, the default) computes with the input
-    as it is; "int8" rounds each row of the input to int8 with its own scale
-    first (w8a8), and sums integer products.
+    ``kind`` (one of :data:`QUANTIZATIONS`, as ``quantize`` names them): "int8"
+    (weight-only, the default) computes with the input as it is; "w8a8" rounds each
+    row of the input to int8 with its own scale first, and sums integer products.
 
     Shapes: input (..., in_features) -> (..., out_features).
     """
 
-    ACTIVATIONS = ("float", "int8")
-
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
-                 activations: str = "float", device=None, dtype=None):
+                 kind: str = "int8", device=None, dtype=None):
         super().__init__()
-        if activations not in self.ACTIVATIONS:
-            raise ValueError(f"activations must be one of {self.ACTIVATIONS}, got "
-                             f"{activations!r}")
         self.in_features, self.out_features = in_features, out_features
-        self.activations = activations
+        self.kind = check_quantization(kind)
         dtype = dtype or torch.get_default_dtype()
         self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=torch.int8,
                                                    device=device))
@@ -80,7 +75,7 @@ class Int8Linear(nn.Module):
         self.training = False
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, activations: str = "float") -> "Int8Linear":
+    def from_linear(cls, linear: nn.Linear, kind: str = "int8") -> "Int8Linear":
         """The int8 version of ``linear`` (its weight quantized per output feature)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"Int8Linear.from_linear takes an nn.Linear, got "
@@ -88,7 +83,7 @@ class Int8Linear(nn.Module):
         w = linear.weight
         q, scale = quantize_per_channel(w)
         m = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                activations=activations, device=w.device, dtype=w.dtype)
+                kind=kind, device=w.device, dtype=w.dtype)
         m.weight.copy_(q)
         m.scale.copy_(scale)
         if linear.bias is not None:
@@ -96,7 +91,7 @@ class Int8Linear(nn.Module):
         return m
 
     def forward(self, input: Tensor) -> Tensor:
-        if self.activations == "int8":
+        if self.kind == "w8a8":
             return linear_w8a8(input, self.weight, self.scale, self.bias)
         return linear_int8(input, self.weight, self.scale, self.bias)
 
@@ -115,7 +110,7 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, weight=int8 per-channel, "
-                f"activations={self.activations}")
+                f"kind={self.kind}")
 
 
 def quantize_linears(model: nn.Module, kind: str = "int8",
@@ -150,6 +145,6 @@ def quantize_linears(model: nn.Module, kind: str = "int8",
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and (skip is None or child is not skip):
                 setattr(parent, name, Int8Linear.from_linear(
-                    child, activations="int8" if kind == "w8a8" else "float"))
+                    child, kind=kind))
     model.requires_grad_(False)
     return model.eval()

@@ -24,9 +24,11 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..ops.layer_step import stack_step_kernel
-from ..ops.matmul import few_rows
+from ..ops.layer_step import QUANT, OutputArgs, StackArgs, decode_loop, stack_step
+from ..ops.matmul import few_rows, linear_route
+from ..ops.quant import int8_kernel_applies
 from .append import append_steps, reserve_steps
+from .linear import Linear
 from .quant import Int8Linear
 from .state import KVCache, SRUppState
 
@@ -55,7 +57,7 @@ class _StepPlan:
 
     weights: tuple            # w1, w2, w3, α, norm w/b, attention norm w/b, weight_c, bias
     scales: tuple             # w1, w2, w3's scales when they are int8, else Nones
-    quant: int                # 0: float projections, 1: int8 weights, 2: w8a8 (_QUANT)
+    quant: int                # how W1, W2, W3 hold their weights: a QUANT value
     floats: tuple             # the float weights present: they must have x's dtype
     norm_eps: float
     attn_norm_eps: float
@@ -102,10 +104,6 @@ class _Lookups:
         return value
 
 
-# _StepPlan.quant: how a layer's projections hold their weights (stack_step's enum Quant)
-_QUANT = {None: 0, "float": 1, "int8": 2}     # Linear; Int8Linear by its activations
-
-
 def _projection(get: "_Lookups", t: nn.Module, name: str):
     """(weight, scale or None, quant) of the projection ``t.<name>``: a float Linear's
     weight Parameter, or an :class:`Int8Linear`'s int8 weight and scale buffers. A
@@ -114,12 +112,12 @@ def _projection(get: "_Lookups", t: nn.Module, name: str):
     if isinstance(m, Int8Linear):
         if get(m, "_buffers", "bias") is not None:
             raise LookupError("bias")
-        # the plan holds the mode too: it is a plain attribute, so record where it came from
-        activations = get(m, "__dict__", "activations")
-        return get(m, "_buffers", "weight"), get(m, "_buffers", "scale"), _QUANT[activations]
+        # the plan holds the kind too: it is a plain attribute, so record where it came from
+        kind = get(m, "__dict__", "kind")
+        return get(m, "_buffers", "weight"), get(m, "_buffers", "scale"), QUANT[kind]
     if get(m, "_parameters", "bias") is not None:  # the op's projections have no bias
         raise LookupError("bias")
-    return get(m, "_parameters", "weight"), None, _QUANT[None]
+    return get(m, "_parameters", "weight"), None, QUANT["float"]
 
 
 def _step_plan(layer: nn.Module) -> Optional[_StepPlan]:
@@ -204,19 +202,37 @@ class FusedSteps:
         if self.mem_mask is not None and L > 1:  # then L zeros: the tokens' own rows
             self.mem_mask = append_steps(self.mem_mask, self.mem_mask.new_zeros(B, L))
 
-    def buffers(self) -> tuple:
-        """(weights, kv, memory, memory_pad, kv_start, memory_start, cached): the
-        arguments stack_step and decode_loop take after c."""
-        return ([w for p in self.plans for w in p.weights], self.kvs, self.mems, self.mem_mask,
-                self.kv_starts, self.mem_starts, self.M)
-
-    def layer_args(self) -> tuple:
-        """(norm_eps, ..., quant): the per-layer arguments the kernels take last."""
+    def stack_args(self) -> StackArgs:
+        """The layers, their buffers and the state as ``stack_step`` and ``decode_loop`` read them."""
         plans = self.plans
-        return ([p.norm_eps for p in plans], [p.attn_norm_eps for p in plans],
-                [p.scale_x for p in plans], [p.num_heads for p in plans],
-                [int(p.normalize_after) for p in plans], few_rows(self.dtype),
-                [s for p in plans for s in p.scales], [p.quant for p in plans])
+        return StackArgs(
+            c=self.c0, weights=[w for p in plans for w in p.weights], kv=self.kvs,
+            memory=self.mems, memory_pad=self.mem_mask, kv_start=self.kv_starts,
+            memory_start=self.mem_starts, cached=self.M,
+            norm_eps=[p.norm_eps for p in plans], attn_norm_eps=[p.attn_norm_eps for p in plans],
+            scale_x=[p.scale_x for p in plans], num_heads=[p.num_heads for p in plans],
+            normalize_after=[int(p.normalize_after) for p in plans],
+            few_rows=few_rows(self.dtype), scales=[s for p in plans for s in p.scales],
+            quant=[p.quant for p in plans])
+
+    def decode(self, logits: Tensor, done: Tensor, embedding: Tensor, output: OutputArgs, *,
+               final: bool, temperature: float, top_k: Optional[int], top_p: Optional[float],
+               generator: Optional[torch.Generator], eos_id: Optional[int]
+               ) -> Tuple[Tensor, Tensor, Optional[SRUppState]]:
+        """Up to L tokens in one C++ call (``decode_loop``): each sampled from the logits
+        before it, embedded and stepped through the layers and ``output``. Rows ``done``
+        (B,) bool, and rows that sample ``eos_id``, stop (``done`` is updated).
+
+        Returns (tokens (B, ≤ L), the logits after the last token fed, the state after the
+        tokens fed: all L, or all but the last with ``final``, when nothing follows; None
+        when the call stopped early because every row was done)."""
+        tokens, c, logits, memory, kvs, shift = decode_loop(
+            logits, done, embedding, output, self.stack_args(), mem_len=self.mem_len, n=self.L,
+            final=final, temperature=temperature, top_k=top_k, top_p=top_p,
+            generator=generator, eos_id=eos_id)                         # tokens (B, ≤ L)
+        if final or tokens.shape[1] < self.L:
+            return tokens, logits, None
+        return tokens, logits, self.state_after(c, memory, kvs, shift)
 
     def state_after(self, c: Tensor, memory: list, new_kvs: list, shift: int) -> SRUppState:
         """The state after all L tokens: c (layers, B, D); the kernel's views of each
@@ -290,8 +306,30 @@ def _step_fused(layers: Sequence[nn.Module], input_to_hidden: Optional[nn.Module
     # the memory after this token keeps its last `kept` steps (all when mem_len is None)
     kept = M + 1 if mem_len is None else min(M + 1, mem_len)
     first = M + 1 - kept
-    h, c, memory, new_kvs = stack_step_kernel()(  # layer_step_applies ran: the extension is built
-        x.contiguous(), steps.c0, *steps.buffers(), first, kept,
-        *steps.layer_args())                          # (B, D), (layers, B, D), views or None
+    # (layer_step_applies ran: the extension is built)
+    h, c, memory, new_kvs = stack_step(x.contiguous(), steps.stack_args(), first=first,
+                                       kept=kept)     # (B, D), (layers, B, D), views or None
     return h, steps.state_after(c, memory, new_kvs, first)
 
+
+
+def output_args(output: nn.Module, like: Tensor) -> Optional[OutputArgs]:
+    """How ``output`` computes logits for rows like ``like`` (B, d), as its forward would, for
+    ``decode_loop``; None for what the loop doesn't compute the same way (oneDNN's GEMM, an
+    int8 layer at too many rows, any other module)."""
+    if isinstance(output, Int8Linear):
+        if type(output) is not Int8Linear or not int8_kernel_applies(like):
+            return None
+        return OutputArgs(output.weight.contiguous(), output.bias, output.scale, output.kind)
+    if type(output) not in (Linear, nn.Linear):
+        return None
+    weight, bias = output.weight, output.bias
+    route = linear_route(like, weight, bias) if type(output) is Linear else "aten"
+    if route == "onednn" or weight.dtype != like.dtype:
+        return None
+    if route == "rows":  # as linear_few_rows passes them
+        if not weight.is_contiguous():
+            weight = weight.contiguous()
+        if bias is not None and not bias.is_contiguous():
+            bias = bias.contiguous()
+    return OutputArgs(weight, bias, None, route)

@@ -40,7 +40,8 @@ same contract in plain PyTorch, the op's oracle.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -51,7 +52,9 @@ from .matmul import FEW_ROWS
 from .settings import accessors, tracing
 
 __all__ = ["layer_step", "layer_step_reference", "layer_step_available", "layer_step_applies",
-           "stack_step_kernel", "decode_loop_kernel",
+           "stack_step_kernel", "decode_loop_kernel", "stack_step", "stack_step_arguments",
+           "decode_loop", "StackArgs",
+           "OutputArgs", "QUANT", "OUTPUT_ROUTES", "STACK_STEP_PARAMS", "DECODE_LOOP_PARAMS",
            "set_step_backend", "get_step_backend", "use_step_backend"]
 
 set_step_backend, get_step_backend, use_step_backend = accessors("step")
@@ -101,6 +104,105 @@ def layer_step_applies(x: Tensor) -> bool:
                            f"autocast with the C++ extension built; got {x.dtype} on "
                            f"{x.device.type} (extension: {cpu_kernels.build_error() or 'ok'})")
     return ok and layer_step_available()
+
+
+# ------------------------------------------------------------ the C++ entry points' arguments
+# The one place that knows the C++ signatures of stack_step and decode_loop: their enums,
+# and the order of their arguments, which callers fill by name (StackArgs, OutputArgs).
+# tests/ops/test_layer_step.py reads csrc/ and checks all three against it.
+
+#: ``enum Quant`` of csrc/layer_step.cpp: how a layer's W1, W2, W3 hold their weights
+#: (float; int8 weights with float activations; int8 weights and activations).
+QUANT = {"float": 0, "int8": 1, "w8a8": 2}
+
+#: ``enum OutputRoute`` of csrc/decode_loop.cpp: how decode_loop computes the logits
+#: (the few-rows kernel, ATen's linear, the int8 or the w8a8 few-rows kernel).
+OUTPUT_ROUTES = {"rows": 0, "aten": 1, "int8": 2, "w8a8": 3}
+
+#: ``stack_step_cpu``'s parameters, in order.
+STACK_STEP_PARAMS = ("x", "c", "weights", "kv", "memory", "memory_pad", "kv_start",
+                     "memory_start", "cached", "first", "kept", "norm_eps", "attn_norm_eps",
+                     "scale_x", "num_heads", "normalize_after", "few_rows", "scales", "quant")
+
+#: ``decode_loop_cpu``'s parameters, in order.
+DECODE_LOOP_PARAMS = ("logits", "done", "embedding", "out_weight", "out_bias", "out_scale",
+                      "out_route", "c", "weights", "kv", "memory", "memory_pad", "kv_start",
+                      "memory_start", "cached", "mem_len", "norm_eps", "attn_norm_eps",
+                      "scale_x", "num_heads", "normalize_after", "few_rows", "scales", "quant",
+                      "n", "final", "temperature", "top_k", "top_p", "generator", "eos_id")
+
+
+@dataclass
+class StackArgs:
+    """What ``stack_step`` and ``decode_loop`` read of a stack's layers (L of them) and
+    its state, by name; :class:`srupp.nn.stack_step.FusedSteps` fills it."""
+
+    c: Tensor                          # (L, B, D) fp32: the recurrent state
+    weights: List[Optional[Tensor]]    # 10 per layer: w1, w2, w3, α, norm w, b, attn norm w, b,
+    #                                    weight_c, bias (None where the layer has none)
+    kv: List[Optional[Tensor]]         # per layer: the [K | V] buffer (B, T, 2·d′), or None
+    memory: List[Optional[Tensor]]     # per layer: the memory buffer (B, T′, n_in), or None
+    memory_pad: Optional[Tensor]       # (B, M [+ tokens]) bool: True at padded memory
+    kv_start: List[int]                # per layer: the first cached row in kv
+    memory_start: List[int]            # per layer: the first cached row in memory
+    cached: int                        # M, the memory positions cached
+    norm_eps: List[float]
+    attn_norm_eps: List[float]
+    scale_x: List[float]
+    num_heads: List[int]
+    normalize_after: List[int]         # 0 / 1
+    few_rows: int                      # products of up to this many rows: the few-rows kernel
+    scales: List[Optional[Tensor]]     # 3 per layer: int8 weights' scales, else None
+    quant: List[int]                   # per layer: a QUANT value
+
+
+@dataclass
+class OutputArgs:
+    """How ``decode_loop`` computes the logits: the output layer's weight, bias and (int8)
+    scale, and the route (an :data:`OUTPUT_ROUTES` key)."""
+
+    weight: Tensor
+    bias: Optional[Tensor]
+    scale: Optional[Tensor]
+    route: str
+
+
+def _in_order(params: Tuple[str, ...], named: dict) -> list:
+    missing = set(params) - named.keys()
+    if missing or len(named) != len(params):
+        raise TypeError(f"srupp: the C++ call lacks {sorted(missing)} or has extra arguments "
+                        f"{sorted(named.keys() - set(params))}")
+    return [named[p] for p in params]
+
+
+def stack_step_arguments(x: Tensor, stack: StackArgs, *, first: int, kept: int) -> list:
+    """``stack_step_cpu``'s arguments, in its order (a benchmark replays one call)."""
+    return _in_order(STACK_STEP_PARAMS, {**vars(stack), "x": x, "first": first, "kept": kept})
+
+
+def stack_step(x: Tensor, stack: StackArgs, *, first: int, kept: int):
+    """One token x (B, n_in) through every layer: ``stack_step_cpu``. Returns h (B, D), the
+    new c (L, B, D) and each layer's memory and [K | V] after the token (views, or None),
+    of which the memory keeps steps ``first`` .. ``first + kept - 1``."""
+    return stack_step_kernel()(*stack_step_arguments(x, stack, first=first, kept=kept))
+
+
+def decode_loop(logits: Tensor, done: Tensor, embedding: Tensor, output: OutputArgs,
+                stack: StackArgs, *, mem_len: Optional[int], n: int, final: bool,
+                temperature: float, top_k: Optional[int], top_p: Optional[float],
+                generator: Optional[torch.Generator], eos_id: Optional[int]):
+    """Up to n tokens through ``decode_loop_cpu`` (sampled from ``logits`` (B, V) first; rows
+    already ``done`` (B,) bool, and rows that sample ``eos_id``, stop). ``final``: the last
+    token is not fed (nothing follows). Returns (tokens (B, ≤ n), c, logits, memory, kv,
+    shift), as ``csrc/decode_loop.cpp`` documents."""
+    named = {**vars(stack), "logits": logits, "done": done, "embedding": embedding,
+             "out_weight": output.weight, "out_bias": output.bias, "out_scale": output.scale,
+             "out_route": OUTPUT_ROUTES[output.route],
+             "mem_len": -1 if mem_len is None else mem_len, "n": n, "final": final,
+             "temperature": float(temperature), "top_k": -1 if top_k is None else top_k,
+             "top_p": 1.0 if top_p is None else float(top_p), "generator": generator,
+             "eos_id": -1 if eos_id is None else eos_id}
+    return decode_loop_kernel()(*_in_order(DECODE_LOOP_PARAMS, named))
 
 
 def stack_step_kernel():

@@ -39,7 +39,7 @@ Tensor sample(const Tensor& logits, double temperature, int64_t top_k, double to
 }
 
 // How the LM's output layer computes its logits at these rows, chosen in Python
-// (srupp/models/lm.py, _output_route) by the rules its module's forward follows.
+// (srupp/nn/stack_step.py, output_args) by the rules its module's forward follows.
 enum OutputRoute : int64_t { kRows = 0, kAten = 1, kInt8Rows = 2, kW8A8Rows = 3 };
 
 Tensor output(const Tensor& h, const Tensor& w, const std::optional<Tensor>& bias,

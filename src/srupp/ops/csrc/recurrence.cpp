@@ -21,9 +21,9 @@
 // sums run serially over time. The weight_c / bias gradients are summed per batch row
 // into a (B, 4, D) buffer and then reduced over B serially, in index order. No
 // atomics: results are bit-for-bit identical from run to run, and do not even depend
-// on the thread count. (The decoding attention, attention_one_query.cpp, is the
-// exception: at batch 1 it splits a query's keys over the threads, so its sums depend
-// on the thread count, though still not on the run.)
+// on the thread count. (The decoding attention, attention_one_query.cpp, cuts keys into
+// fixed blocks from the newest key, so it too depends on neither the thread count nor
+// the batch.)
 //
 // Memory. The loops are bandwidth-bound, so the big outputs (h, the stored c, grad_U,
 // grad_x) are written with streaming stores when they are too large to stay in cache,
