@@ -123,6 +123,7 @@ class Stream:
         self.todo: List[int] = []           # tokens to read: a session's pending + prompt
         self.read = 0                       # of todo
         self.pending = -1
+        self.chunk = 2                      # tokens of the next C++ call, when alone
         self.session_tokens = 0             # tokens the session had before this request
         self.submitted = time.perf_counter()
         self.first_token_at: Optional[float] = None
@@ -368,27 +369,63 @@ class Engine:
         self._active.append(s)
 
     def _decode(self) -> None:
-        """One token for every active stream: feed the pending tokens, sample the next."""
+        """One token for every active stream: feed the pending tokens, sample the next. A
+        stream alone (nothing else active or waiting) runs on for a chunk of tokens in one
+        C++ call (:meth:`_run_alone`): the very tokens these steps would give."""
         active = self._active
         tokens = torch.tensor([s.pending for s in active], device=self.model.device)
         with batch_invariant(self.max_streams):
             logits, self._batch = self.model.step(tokens, self._batch)   # (B, V)
-        ids = self._sample(logits, active)
+            alone = self._run_alone(active[0], logits) if len(active) == 1 else None
+        produced = [alone] if alone is not None else [[t] for t in self._sample(logits, active)]
         now = time.perf_counter()
         ended: List[int] = []
-        for row, (s, t) in enumerate(zip(active, ids)):
-            s.generated.append(t)
-            s.pending = t
-            self._time(s, now)
-            text, stopped = s.stopper.feed(s.decoder.push(t))
-            reason = STOP if stopped or t == self.eos_id else (
-                LENGTH if len(s.generated) >= s.sampling.max_tokens else None)
-            s._emit(Event(text, [t]))
-            if reason is not None:
-                ended.append(row)
-        self.tokens_generated += len(active)
+        for row, (s, ids) in enumerate(zip(active, produced)):
+            text = []
+            for t in ids:
+                s.generated.append(t)
+                s.pending = t
+                piece, stopped = s.stopper.feed(s.decoder.push(t))
+                text.append(piece)
+                if stopped or t == self.eos_id or len(s.generated) >= s.sampling.max_tokens:
+                    ended.append(row)
+                    break
+            self._time(s, now, len(ids))
+            s._emit(Event("".join(text), list(ids)))
+            self.tokens_generated += len(ids)
         if ended:
             self._leave(ended, None)
+
+    #: The most tokens a lone stream runs in one C++ call: enough to amortise the call,
+    #: few enough that a new request waits at most a few milliseconds to join.
+    ALONE_CHUNK = 64
+
+    def _run_alone(self, s: Stream, logits: torch.Tensor) -> Optional[List[int]]:
+        """The tokens of a stream decoding alone, from ``logits``, in one call of the C++
+        loop (:meth:`CausalLM.fused_decoder`): up to :attr:`ALONE_CHUNK`, starting at 2 and
+        doubling, so that the first tokens stream soon. The last is left pending. None
+        (nothing run) where the loop does not apply: other streams waiting, stop strings
+        or an end token (which could end the stream inside the chunk), or a model the loop
+        can't run."""
+        left = s.sampling.max_tokens - len(s.generated)
+        if self._queue or self._reading or s.cancelled or left < 2 or s.sampling.stop \
+                or self.eos_id is not None:
+            return None
+        n = min(left, s.chunk)
+        emb = self.model.embedding
+        like = emb.weight.new_empty(1, getattr(emb, "embedding_dim", 0))
+        decoder = self.model.fused_decoder(self._batch, n, like)
+        if decoder is None:
+            return None
+        steps, output = decoder
+        p = s.sampling
+        tokens, _, state = steps.decode(
+            logits, torch.zeros(1, dtype=torch.bool), emb.weight, output, final=True,
+            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, generator=s.generator,
+            eos_id=None)                                                  # (1, n)
+        self._batch = state
+        s.chunk = min(2 * s.chunk, self.ALONE_CHUNK)
+        return tokens[0].tolist()
 
     def _sample(self, logits: torch.Tensor, active: List[Stream]) -> List[int]:
         """Each stream's next token by its own settings and generator; greedy rows at once."""
@@ -405,13 +442,17 @@ class Engine:
                                     top_p=p.top_p, generator=s.generator)[0])
         return ids  # type: ignore[return-value]
 
-    def _time(self, s: Stream, now: float) -> None:
-        if s.first_token_at is None:
-            s.first_token_at = now
+    def _time(self, s: Stream, now: float, n: int = 1) -> None:
+        """Record n tokens of s that arrived at ``now`` (a chunk's are spread evenly)."""
+        gaps, since = n, s.last_token_at
+        if s.first_token_at is None:  # the first token; the rest of its chunk came with it
+            s.first_token_at = since = now
+            gaps -= 1
             if self.on_first_token is not None:
                 self.on_first_token(now - s.submitted)
-        elif self.on_inter_token is not None:
-            self.on_inter_token(now - s.last_token_at)
+        if self.on_inter_token is not None:
+            for _ in range(gaps):
+                self.on_inter_token((now - since) / gaps)
         s.last_token_at = now
 
     def _leave(self, rows: List[int], reason: Optional[str]) -> None:

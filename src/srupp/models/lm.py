@@ -257,7 +257,7 @@ class CausalLM(SavedModel):
                 logits, done, self.embedding.weight, output, final=t == n, eos_id=eos_id,
                 **sampling)                                       # tokens (B, ≤ t)
             yield tokens
-            if state is None or bool(done.all()):  # all rows ended, or n ran
+            if tokens.shape[1] < t or t == n or bool(done.all()):  # all rows ended, or n ran
                 return
             n -= t
             chunk = min(2 * chunk, self.FUSED_CHUNK)  # streaming: the first tokens come soon

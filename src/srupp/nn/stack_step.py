@@ -223,22 +223,26 @@ class FusedSteps:
         before it, embedded and stepped through the layers and ``output``. Rows ``done``
         (B,) bool, and rows that sample ``eos_id``, stop (``done`` is updated).
 
-        Returns (tokens (B, ≤ L), the logits after the last token fed, the state after the
-        tokens fed: all L, or all but the last with ``final``, when nothing follows; None
-        when the call stopped early because every row was done)."""
+        Returns (tokens (B, t ≤ L), the logits after the last token fed, the state after
+        the tokens fed). Every token is fed but the last when the call ends early (every
+        row done) or with ``final`` (nothing reads what would follow it)."""
         tokens, c, logits, memory, kvs, shift = decode_loop(
             logits, done, embedding, output, self.stack_args(), mem_len=self.mem_len, n=self.L,
             final=final, temperature=temperature, top_k=top_k, top_p=top_p,
             generator=generator, eos_id=eos_id)                         # tokens (B, ≤ L)
-        if final or tokens.shape[1] < self.L:
-            return tokens, logits, None
-        return tokens, logits, self.state_after(c, memory, kvs, shift)
+        t = tokens.shape[1]
+        ended = (final and t == self.L) or (eos_id is not None and bool(done.all()))
+        return tokens, logits, self.state_after(c, memory, kvs, shift, t - 1 if ended else t)
 
-    def state_after(self, c: Tensor, memory: list, new_kvs: list, shift: int) -> SRUppState:
-        """The state after all L tokens: c (layers, B, D); the kernel's views of each
-        attention layer's memory and [K | V] (None for other layers), whose first row is
-        ``shift`` rows past where the cached ones started."""
+    def state_after(self, c: Tensor, memory: list, new_kvs: list, shift: int,
+                    fed: Optional[int] = None) -> SRUppState:
+        """The state after the first ``fed`` of the L tokens (all by default): c (layers, B,
+        D); the kernel's views of each attention layer's memory and [K | V] (None for other
+        layers), whose first row is ``shift`` rows past where the cached ones started."""
         state, M = self.state, self.M
+        fed = self.L if fed is None else fed
+        if fed == 0:
+            return state
         kv_cache, rows = [], []
         for i, (plan, new_mem, new_kv) in enumerate(zip(self.plans, memory, new_kvs)):
             if new_mem is None:
@@ -255,7 +259,9 @@ class FusedSteps:
             mask = self.mem_mask
             if self.L == 1:
                 mask = append_steps(mask, mask.new_zeros(mask.shape[0], 1))
-            new_mask = _keep_last(mask, self.mem_len)                   # (B, ≤ M + L)
+            elif fed < self.L:  # the tokens' own rows: only those fed
+                mask = mask[:, :M + fed]
+            new_mask = _keep_last(mask, self.mem_len)                   # (B, ≤ M + fed)
         return SRUppState._from_step(c, memory, new_mask, state.mem_len, kv_cache, tuple(rows))
 
 
