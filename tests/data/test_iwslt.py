@@ -1,7 +1,7 @@
 """IWSLT'14 De-En: fairseq's preparation, and download through the corpus machinery, offline.
 
 The archive is a small de-en.tgz built here with the real member names, served
-by test_download's HTTP server on 127.0.0.1.
+by test_fetch's HTTP server on 127.0.0.1.
 """
 
 import dataclasses
@@ -11,9 +11,9 @@ import random
 import tarfile
 
 import pytest
-from test_download import one_line, server  # noqa: F401 (server: the HTTP server fixture)
+from test_fetch import one_line, server  # noqa: F401 (server: the HTTP server fixture)
 
-from srupp.data import CORPORA, TABLES, load_table
+from srupp.data import CORPORA, TABLES, fetch, load_table
 from srupp.data import download as dl
 
 NAME = "iwslt14-de-en"
@@ -23,7 +23,7 @@ NAME = "iwslt14-de-en"
 def cache(tmp_path, monkeypatch):
     d = tmp_path / "cache"
     monkeypatch.setenv("SRUPP_CACHE", str(d))
-    monkeypatch.setattr(dl, "RETRY_WAIT_S", 0.0)
+    monkeypatch.setattr(fetch, "RETRY_WAIT_S", 0.0)
     return d
 
 
