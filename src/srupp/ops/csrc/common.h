@@ -20,9 +20,9 @@
 // the one-query attention, which the layer step runs inside its own parallel region) are
 // declared here and instantiated for float and BFloat16 in their own file.
 //
-// One mutable global: layer_step_impl::team_enabled (layer_step.cpp), which only the tests
-// flip (set_layer_step_team) to compare a layer step's two paths. It is a plain bool, not
-// thread-safe: flip it only while no step runs.
+// One mutable global: layer_step_impl::team_enabled (layer_step.cpp), which Python sets
+// through srupp.ops.settings.tuning().layer_step_team (the binding set_layer_step_team);
+// the tests turn it off to compare a layer step's two paths.
 
 #pragma once
 
@@ -38,6 +38,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -257,7 +258,7 @@ namespace layer_step_impl {
 // Whether a layer's step at few rows with float weights runs in one parallel region
 // (layer_step_team); the tests turn it off to compare the two paths. The one mutable
 // global of the extension (see the top of this file).
-extern bool team_enabled;
+extern std::atomic<bool> team_enabled;
 
 using OptTensors = std::vector<std::optional<Tensor>>;
 

@@ -63,7 +63,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cached_bytes", []() { return static_cast<int64_t>(cached_bytes()); },
         "bytes held in the output-block cache");
   m.def("capability", &capability, "vector ISA the extension was compiled for");
-  m.def("set_layer_step_team", [](bool on) { layer_step_impl::team_enabled = on; },
-        "tests: whether a layer's step at few rows runs in one parallel region (default on)");
+  // srupp.ops.settings.tuning().layer_step_team sets it (and reads it back in its tests)
+  m.def("set_layer_step_team", [](bool on) { layer_step_impl::team_enabled.store(on); },
+        "whether a layer's step at few rows runs in one parallel region (default on)");
+  m.def("layer_step_team", []() { return layer_step_impl::team_enabled.load(); },
+        "whether a layer's step at few rows runs in one parallel region");
   m.def("vector_width", []() { return static_cast<int64_t>(kW); }, "floats per vector");
 }

@@ -1,9 +1,9 @@
 // One SRU++ layer's decoding step (srupp::layer_step): one token per sequence, no
 // gradient, every small operation of the layer in one call (srupp/ops/layer_step.py
-// has its plain reference and the exact contract). At batch 1 the layer's Python path
-// spent about half its time between ~30 small operations; here they are loops over
-// a few thousand floats each, and the products are the few-rows kernel
-// (matmul_few_rows.cpp; ATen's GEMM for larger batches). Rounding follows the layer's
+// has its plain reference and the exact contract). At batch 1 the cost of dispatching the
+// layer's ~30 small operations one by one rivals their work (docs/performance.md); here
+// they are loops over a few thousand floats each, and the products are the few-rows
+// kernel (matmul_few_rows.cpp; ATen's GEMM for larger batches). Rounding follows the layer's
 // modules: every intermediate the modules store in the weights' dtype (q, K and V, o,
 // U, h) is rounded to it here too; sums, norms and the recurrence are in fp32.
 
@@ -12,6 +12,8 @@
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
+
+#include <atomic>
 
 namespace srupp_cpu {
 
@@ -143,12 +145,12 @@ void recurrence_step(const T* U, int64_t k, const T* x, int64_t ldx, const float
 // At batch 1 the step is a chain of small pieces: three products, the attention, two
 // norms and the recurrence. As separate at::parallel_for regions each costs a fork and a
 // join, and between them the second thread idles while the first allocates and runs the
-// serial pieces (together about a third of a 5M model's step). Here the team enters
-// once per layer; the products, the attention's keys and the recurrence's units are
-// split over its threads, barriers stand between dependent pieces, the serial pieces run
-// on thread 0, and the intermediates live in a reused workspace. The arithmetic is the
-// other path's, piece for piece: the same kernels on the same rows, so the results are
-// bit for bit the same (tests/ops/test_layer_step.py checks it).
+// serial pieces. Here the team enters once per layer; the products, the attention's keys
+// and the recurrence's units are split over its threads, barriers stand between dependent
+// pieces, the serial pieces run on thread 0, and the intermediates live in a reused
+// workspace. The arithmetic is the other path's, piece for piece: the same kernels on the
+// same rows, so the results are bit for bit the same (tests/ops/test_layer_step.py checks
+// it).
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 constexpr bool kBf16Dot = true;
@@ -172,14 +174,24 @@ inline int team_rank() {
 #endif
 }
 
-bool team_enabled = true;  // tests turn it off to compare the two paths (common.h)
+// Every thread of the team waits here for the others (called inside the region; a no-op
+// for a team of one).
+inline void team_barrier() {
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+}
+
+// Set from Python only (srupp.ops.settings.tuning().layer_step_team, common.h); atomic, so
+// that a change while another thread steps is not a data race (that step takes either path).
+std::atomic<bool> team_enabled{true};
 
 template <typename T>
 const T* ptr_or_null(const std::optional<Tensor>& t) {
   return t.has_value() && t->defined() ? t->data_ptr<T>() : nullptr;
 }
 
-// Raw pointers and sizes of one layer's step, as layer_step_run checked them.
+// Raw pointers and sizes of one layer's step, as check_layer checked them.
 template <typename T>
 struct LayerView {
   const T* x;
@@ -216,136 +228,388 @@ struct Workspace {
     used += (static_cast<size_t>(n) * sizeof(U) + 63) / 64 * 16;
     return p;
   }
+  static size_t floats(int64_t bytes) { return static_cast<size_t>((bytes + 63) / 64 * 16); }
 };
 
+// One layer's step in one parallel region: the plan (the attention's split over the
+// threads, the intermediates in the workspace) and the pieces each thread runs between
+// barriers, in run()'s order. Built and run on one thread, by layer_step_team.
 template <typename T>
-void layer_step_team(const LayerView<T>& L, T* h, float* c_new) {
-  const int64_t B = L.B, dp = L.dp, D = L.D, S = L.cached + 1, hd = L.dp / L.H;
-  const bool attention = L.w3 != nullptr;
+struct TeamStep {
   // fp32 copies of the products' inputs for the generic kernel (bf16 without the dot
   // instruction); fp32 tensors are their own copies
-  constexpr bool widen = std::is_same<T, BFloat16>::value && !kBf16Dot;
-  const int threads = at::get_num_threads();
-  const int64_t sq[2] = {dp, hd};
-  const int64_t skv[3] = {L.kv_s0, hd, L.kv_s1};
-  // a layer without attention plans no keys: no split, no part buffers, no scratch for them
-  OneQuery<T> att(nullptr, L.kv, attention ? L.kv + dp : nullptr, nullptr, B, L.H,
-                  attention ? S : 0, hd, sq, skv, skv,
-                  1.f / std::sqrt(static_cast<float>(hd)), L.pad, L.pad_s0, L.cached,
-                  threads);
-  const int64_t widest = std::max(L.n_in, dp);
-  const int64_t att_stride = (att.scratch() + 15) / 16 * 16;  // floats per thread
-  auto floats = [](int64_t bytes) { return static_cast<size_t>((bytes + 63) / 64 * 16); };
-  Workspace ws(floats(B * L.n_in * sizeof(T)) + 4 * floats(B * dp * sizeof(T)) +
-               floats(B * L.kD * sizeof(T)) + floats(B * widest * 4) +
-               floats((threads * att_stride + att.hd_pad) * 4));
-  T* xin = L.pre ? ws.take<T>(B * L.n_in) : const_cast<T*>(L.x);
-  T* q = ws.take<T>(B * dp);
-  T* o = ws.take<T>(B * dp);
-  T* y = ws.take<T>(B * dp);
-  T* yn = ws.take<T>(B * dp);
-  T* U = ws.take<T>(B * L.kD);
-  float* wide = widen ? ws.take<float>(B * widest) : nullptr;
-  float* att_scratch = ws.take<float>(threads * att_stride + att.hd_pad);
-  att.q = q;
-  att.o = o;
+  static constexpr bool widen = std::is_same<T, BFloat16>::value && !kBf16Dot;
+
+  const LayerView<T>& L;
+  T* const h;
+  float* const c_new;
+  const bool attention;
+  const int threads;
+  const int64_t sq[2], skv[3];  // the attention's strides (att points at them)
+  OneQuery<T> att;
+  const int64_t att_stride;     // floats of attention scratch per thread
+  Workspace ws;
+  T *xin, *q, *o, *y, *yn, *U;
+  float *wide, *att_scratch;
+
+  TeamStep(const LayerView<T>& L_, T* h_, float* c_new_)
+      : L(L_), h(h_), c_new(c_new_), attention(L_.w3 != nullptr),
+        threads(at::get_num_threads()),
+        sq{L_.dp, L_.dp / L_.H},
+        skv{L_.kv_s0, L_.dp / L_.H, L_.kv_s1},
+        // a layer without attention plans no keys: no split, no part buffers, no scratch
+        att(nullptr, L_.kv, attention ? L_.kv + L_.dp : nullptr, nullptr, L_.B, L_.H,
+            attention ? L_.cached + 1 : 0, L_.dp / L_.H, sq, skv, skv,
+            1.f / std::sqrt(static_cast<float>(L_.dp / L_.H)), L_.pad, L_.pad_s0, L_.cached,
+            threads),
+        att_stride((att.scratch() + 15) / 16 * 16),
+        ws(workspace_floats()) {
+    const int64_t B = L.B, dp = L.dp;
+    xin = L.pre ? ws.take<T>(B * L.n_in) : const_cast<T*>(L.x);
+    q = ws.take<T>(B * dp);
+    o = ws.take<T>(B * dp);
+    y = ws.take<T>(B * dp);
+    yn = ws.take<T>(B * dp);
+    U = ws.take<T>(B * L.kD);
+    wide = widen ? ws.take<float>(B * std::max(L.n_in, dp)) : nullptr;
+    att_scratch = ws.take<float>(threads * att_stride + att.hd_pad);
+    att.q = q;
+    att.o = o;
+  }
+
+  size_t workspace_floats() const {
+    const int64_t B = L.B, dp = L.dp;
+    return Workspace::floats(B * L.n_in * sizeof(T)) + 4 * Workspace::floats(B * dp * sizeof(T)) +
+           Workspace::floats(B * L.kD * sizeof(T)) +
+           Workspace::floats(B * std::max(L.n_in, dp) * 4) +
+           Workspace::floats((threads * att_stride + att.hd_pad) * 4);
+  }
+
   // widen: `wide` = the next product's input in fp32 (thread 0, before a barrier)
-  auto widen_input = [&](const T* in, int64_t n) {
+  void widen_input(const T* in, int64_t n) const {
     if (widen)
       for (int64_t i = 0; i < n; ++i) wide[i] = static_cast<float>(in[i]);
-  };
+  }
+
   // this thread's share of out (B rows ldo apart) = in (B, I) @ w (O, I)^T
-  auto product = [&](int tid, int nt, const T* in, const T* w, int64_t I, int64_t O, T* out,
-                     int64_t ldo) {
+  void product(int tid, int nt, const T* in, const T* w, int64_t I, int64_t O, T* out,
+               int64_t ldo) const {
     const int64_t chunk = ((O + nt - 1) / nt + 3) / 4 * 4;
     const int64_t o0 = std::min(O, tid * chunk), o1 = std::min(O, o0 + chunk);
     if (o0 >= o1) return;
     if constexpr (std::is_same<T, float>::value) {
-      linear_rows_range<T>(in, w, I, nullptr, out, ldo, B, I, o0, o1);
+      linear_rows_range<T>(in, w, I, nullptr, out, ldo, L.B, I, o0, o1);
     } else {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-      linear_rows_bf16_dot_range(in, w, I, nullptr, out, ldo, B, I, o0, o1);
+      linear_rows_bf16_dot_range(in, w, I, nullptr, out, ldo, L.B, I, o0, o1);
 #else
-      linear_rows_range<T>(wide, w, I, nullptr, out, ldo, B, I, o0, o1);
+      linear_rows_range<T>(wide, w, I, nullptr, out, ldo, L.B, I, o0, o1);
 #endif
     }
-  };
-#ifdef _OPENMP
-#pragma omp parallel num_threads(threads) if (!omp_in_parallel())
-#endif
-  {
-    const int nt = team_size(), tid = team_rank();
+  }
+
+  // thread 0: the pre-norm into xin, the memory's new row, xin widened for W1
+  void read_input() const {
+    const int64_t B = L.B;
+    if (L.pre)
+      layer_norm_rows<T>(L.x, L.ldx, L.norm_w, L.norm_b, L.norm_eps, xin, L.n_in, B, L.n_in);
+    if (L.memory != nullptr)
+      for (int64_t r = 0; r < B; ++r)
+        std::memcpy(L.memory + r * L.mem_s0, xin + r * (L.pre ? L.n_in : L.ldx),
+                    sizeof(T) * L.n_in);
+    widen_input(xin, B * L.n_in);
+  }
+
+  // every thread: the token's [K | V] row from q, the attention over the keys, then (thread
+  // 0) the blocks merged and y = q + alpha * o
+  void attend(int tid, int nt) {
+    const int64_t B = L.B, dp = L.dp;
+    if (widen) {
+      if (tid == 0) widen_input(q, B * dp);
+      team_barrier();
+    }
+    product(tid, nt, q, L.w2, dp, 2 * dp, L.kv + L.cached * L.kv_s1, L.kv_s0);  // [K | V]
+    team_barrier();
+    float* mine = att_scratch + tid * att_stride;
+    for (int64_t t = tid; t < att.tasks(); t += nt) att.task(t, mine);
+    team_barrier();
     if (tid == 0) {
-      if (L.pre)
-        layer_norm_rows<T>(L.x, L.ldx, L.norm_w, L.norm_b, L.norm_eps, xin, L.n_in, B, L.n_in);
-      if (L.memory != nullptr)
-        for (int64_t r = 0; r < B; ++r)
-          std::memcpy(L.memory + r * L.mem_s0, xin + r * (L.pre ? L.n_in : L.ldx),
-                      sizeof(T) * L.n_in);
-      widen_input(xin, B * L.n_in);
+      for (int64_t n = 0; n < att.NH; ++n) att.finish(n, att_scratch + threads * att_stride);
+      residual<T>(q, o, L.alpha, y, B * dp);
     }
-#ifdef _OPENMP
-#pragma omp barrier
-#endif
-    product(tid, nt, xin, L.w1, L.n_in, dp, q, dp);                       // q (B, d')
-#ifdef _OPENMP
-#pragma omp barrier
-#endif
-    const T* u_in = q;
-    if (attention) {
-      if (widen) {
-        if (tid == 0) widen_input(q, B * dp);
-#ifdef _OPENMP
-#pragma omp barrier
-#endif
-      }
-      product(tid, nt, q, L.w2, dp, 2 * dp, L.kv + L.cached * L.kv_s1, L.kv_s0);  // [K | V]
-#ifdef _OPENMP
-#pragma omp barrier
-#endif
-      float* mine = att_scratch + tid * att_stride;
-      for (int64_t t = tid; t < att.tasks(); t += nt) att.task(t, mine);
-#ifdef _OPENMP
-#pragma omp barrier
-#endif
-      u_in = y;
-      if (tid == 0) {
-        for (int64_t n = 0; n < att.NH; ++n) att.finish(n, att_scratch + threads * att_stride);
-        residual<T>(q, o, L.alpha, y, B * dp);
-      }
+  }
+
+  // W3's (W2's without attention) input: the attention's output or q, after the
+  // attention's norm when there is one; the same choice on every thread
+  const T* gate_input() const {
+    return L.attn_norm_w != nullptr ? yn : (attention ? y : q);
+  }
+
+  // thread 0: the attention's norm into yn, and W3's input widened
+  void norm_gate_input() const {
+    const T* u_in = attention ? y : q;
+    if (L.attn_norm_w != nullptr) {
+      layer_norm_rows<T>(u_in, L.dp, L.attn_norm_w, L.attn_norm_b, L.attn_norm_eps, yn, L.dp,
+                         L.B, L.dp);
+      u_in = yn;
     }
-    if (tid == 0) {
-      if (L.attn_norm_w != nullptr) {
-        layer_norm_rows<T>(u_in, dp, L.attn_norm_w, L.attn_norm_b, L.attn_norm_eps, yn, dp, B, dp);
-        u_in = yn;
-      }
-      widen_input(u_in, B * dp);
-    }
-#ifdef _OPENMP
-#pragma omp barrier
-#endif
-    // every thread reads the same choice thread 0 made (the norm is uniform)
-    const T* u_src = L.attn_norm_w != nullptr ? yn : (attention ? y : q);
-    product(tid, nt, u_src, attention ? L.w3 : L.w2, dp, L.kD, U, L.kD);  // U (B, k*D)
-#ifdef _OPENMP
-#pragma omp barrier
-#endif
+    widen_input(u_in, L.B * L.dp);
+  }
+
+  // every thread: its units of the recurrence, then (thread 0) the post-norm of h
+  void recur(int tid, int nt) const {
+    const int64_t D = L.D;
     const int64_t cols = ((D + nt - 1) / nt + kW - 1) / kW * kW;
     const int64_t j0 = std::min(D, tid * cols), j1 = std::min(D, j0 + cols);
     if (j0 < j1)
-      recurrence_cols<T>(U, L.k, L.x, L.ldx, L.c, L.wc, L.bias, L.scale_x, h, c_new, D, 0, B,
+      recurrence_cols<T>(U, L.k, L.x, L.ldx, L.c, L.wc, L.bias, L.scale_x, h, c_new, D, 0, L.B,
                          j0, j1);
     if (L.post) {
-#ifdef _OPENMP
-#pragma omp barrier
-#endif
-      if (tid == 0) layer_norm_rows<T>(h, D, L.norm_w, L.norm_b, L.norm_eps, h, D, B, D);
+      team_barrier();
+      if (tid == 0) layer_norm_rows<T>(h, D, L.norm_w, L.norm_b, L.norm_eps, h, D, L.B, D);
     }
+  }
+
+  void run() {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads) if (!omp_in_parallel())
+#endif
+    {
+      const int nt = team_size(), tid = team_rank();
+      if (tid == 0) read_input();
+      team_barrier();
+      product(tid, nt, xin, L.w1, L.n_in, L.dp, q, L.dp);                      // q (B, d')
+      team_barrier();
+      if (attention) attend(tid, nt);                                         // y (B, d')
+      if (tid == 0) norm_gate_input();
+      team_barrier();
+      product(tid, nt, gate_input(), attention ? L.w3 : L.w2, L.dp, L.kD, U, L.kD);  // U
+      team_barrier();
+      recur(tid, nt);                                                         // h, c_new
+    }
+  }
+};
+
+template <typename T>
+void layer_step_team(const LayerView<T>& L, T* h, float* c_new) {
+  TeamStep<T>(L, h, c_new).run();
+}
+
+// ---- layer_step_run: checks, then one of the two paths --------------------------------
+
+// One layer's step arguments, as layer_step_run takes them (layer_step_cpu's, with the
+// projections' weights W1, W2, W3 optionally int8: `quant` says how (enum Quant) and
+// scales[0..2] hold their scales, fp32, one per output feature).
+struct LayerArgs {
+  const Tensor &x, &c, &w1, &w2;
+  const std::optional<Tensor> &w3, &alpha, &norm_weight, &norm_bias, &attn_norm_weight,
+      &attn_norm_bias;
+  const Tensor &weight_c, &bias;
+  const std::optional<Tensor> &kv, &memory, &memory_pad;
+  int64_t kv_start, memory_start, cached;
+  double norm_eps, attn_norm_eps, scale_x;
+  int64_t num_heads;
+  bool normalize_after;
+  int64_t few_rows, quant;
+  const std::optional<Tensor>* scales;
+};
+
+// What check_layer reads from a layer's arguments.
+struct LayerShape {
+  at::ScalarType dt;
+  bool attention, pre, has_memory;
+  int64_t B, n_in, D, dp, kD, k, H, hd;
+  const Tensor* wscale[3];  // the projections' int8 scales (null: float weights)
+  Tensor pad;               // (B, cached) bool, last dim contiguous, or undefined
+};
+
+// The projections' weights: x's dtype, or int8 with their scales.
+void check_projections(const LayerArgs& a, LayerShape& s) {
+  TORCH_CHECK(a.quant == kFloatWeights || a.quant == kInt8 || a.quant == kW8A8,
+              "srupp layer_step: quant must be 0 (float), 1 (int8) or 2 (w8a8)");
+  const Tensor* proj[3] = {&a.w1, &a.w2, s.attention ? &*a.w3 : nullptr};
+  for (int i = 0; i < 3; ++i) {
+    s.wscale[i] = nullptr;
+    if (proj[i] == nullptr) continue;
+    if (a.quant == kFloatWeights) {
+      TORCH_CHECK(proj[i]->scalar_type() == s.dt && proj[i]->is_contiguous(),
+                  "srupp layer_step: weights contiguous, of x's dtype");
+      continue;
+    }
+    TORCH_CHECK(proj[i]->scalar_type() == at::kChar && proj[i]->is_contiguous() &&
+                    a.scales != nullptr && a.scales[i].has_value() && a.scales[i]->defined() &&
+                    a.scales[i]->numel() == proj[i]->size(0),
+                "srupp layer_step: quantized projections take contiguous int8 weights with "
+                "one scale per output feature");
+    s.wscale[i] = &*a.scales[i];
   }
 }
 
-// layer_step_cpu, with the projections' weights W1, W2, W3 optionally int8: `quant` says
-// how (enum Quant) and scales[0..2] hold their scales (fp32, one per output feature).
+// The buffers (memory, [K | V], the padding of the cached keys) and the attention's scalars.
+void check_buffers(const LayerArgs& a, LayerShape& s) {
+  TORCH_CHECK(a.cached >= 0 && a.kv_start >= 0 && a.memory_start >= 0,
+              "srupp layer_step: kv_start, memory_start and cached must be >= 0");
+  if (s.has_memory) {
+    const Tensor& memory = *a.memory;
+    TORCH_CHECK(memory.scalar_type() == s.dt && memory.dim() == 3 && memory.size(0) == s.B &&
+                memory.size(2) == s.n_in && memory.stride(2) == 1 &&
+                a.memory_start + a.cached < memory.size(1),
+                "srupp layer_step: memory (B, > memory_start + cached, n_in) of x's dtype, "
+                "last dim contiguous");
+  }
+  if (!s.attention) return;
+  const std::optional<Tensor>& kv = a.kv;
+  TORCH_CHECK(kv.has_value() && kv->defined() && kv->scalar_type() == s.dt && kv->dim() == 3 &&
+              kv->size(0) == s.B && kv->size(2) == 2 * s.dp && kv->stride(2) == 1 &&
+              a.kv_start + a.cached < kv->size(1),
+              "srupp layer_step: kv (B, > kv_start + cached, 2*d') of x's dtype, last dim "
+              "contiguous");
+  TORCH_CHECK(s.H >= 1 && s.dp % s.H == 0, "srupp layer_step: num_heads must divide d'");
+  TORCH_CHECK(a.alpha.has_value() && a.alpha->defined() && a.alpha->scalar_type() == s.dt &&
+              a.alpha->numel() == 1, "srupp layer_step: alpha (1,) of x's dtype");
+  const std::optional<Tensor>& memory_pad = a.memory_pad;
+  if (memory_pad.has_value() && memory_pad->defined()) {
+    TORCH_CHECK(memory_pad->scalar_type() == at::kBool && memory_pad->dim() == 2 &&
+                memory_pad->size(0) == s.B && memory_pad->size(1) == a.cached,
+                "srupp layer_step: memory_pad (B, M) bool");
+    s.pad = memory_pad->stride(1) == 1 ? *memory_pad : memory_pad->contiguous();
+  }
+}
+
+LayerShape check_layer(const LayerArgs& a) {
+  LayerShape s;
+  const Tensor& x = a.x;
+  s.dt = x.scalar_type();
+  TORCH_CHECK(s.dt == at::kFloat || s.dt == at::kBFloat16,
+              "srupp layer_step: float32 or bfloat16 tensors, got ", s.dt);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "srupp layer_step: x (B, n_in) contiguous");
+  for (const Tensor* t : {&a.weight_c, &a.bias})
+    TORCH_CHECK(t->scalar_type() == s.dt && t->is_contiguous(),
+                "srupp layer_step: weights contiguous, of x's dtype");
+  s.attention = a.w3.has_value() && a.w3->defined();
+  check_projections(a, s);
+  s.B = x.size(0);
+  s.n_in = x.size(1);
+  s.D = a.weight_c.size(1);
+  TORCH_CHECK(a.weight_c.dim() == 2 && a.weight_c.size(0) == 2 && s.D >= 1 &&
+                  a.bias.numel() == 2 * s.D, "srupp layer_step: weight_c and bias (2, D), D >= 1");
+  TORCH_CHECK(a.c.scalar_type() == at::kFloat && a.c.is_contiguous() && a.c.size(0) == s.B &&
+              a.c.size(1) == s.D, "srupp layer_step: c (B, D) float32 contiguous");
+  s.kD = (s.attention ? *a.w3 : a.w2).size(0);
+  s.k = s.kD / s.D;
+  TORCH_CHECK(s.kD % s.D == 0 && ((s.k == 3 && s.n_in == s.D) || s.k == 4),
+              "srupp layer_step: U must have 3 planes (n_in == D) or 4, got ", s.kD,
+              " rows for D = ", s.D);
+  s.pre = !a.normalize_after && a.norm_weight.has_value() && a.norm_weight->defined();
+  s.has_memory = a.memory.has_value() && a.memory->defined();
+  s.dp = a.w1.size(0);
+  s.H = a.num_heads;
+  s.hd = s.H >= 1 ? s.dp / s.H : 0;
+  check_buffers(a, s);
+  // the products' shapes (the one-region path reads the weights raw)
+  TORCH_CHECK(a.w1.dim() == 2 && a.w1.size(1) == s.n_in && a.w2.dim() == 2 &&
+                  a.w2.size(1) == s.dp && a.w2.size(0) == (s.attention ? 2 * s.dp : s.kD) &&
+                  (!s.attention || (a.w3->dim() == 2 && a.w3->size(1) == s.dp)),
+              "srupp layer_step: w1 (d', n_in), w2 (2 d', d') and w3 (k D, d') with attention, "
+              "w2 (k D, d') without; got ", a.w1.sizes(), " and ", a.w2.sizes());
+  auto check_norm = [&](const std::optional<Tensor>& g, const std::optional<Tensor>& b,
+                        int64_t n, const char* name) {
+    if (!g.has_value() || !g->defined()) return;
+    TORCH_CHECK(b.has_value() && b->defined() && g->numel() == n && b->numel() == n &&
+                    g->scalar_type() == s.dt && b->scalar_type() == s.dt && g->is_contiguous() &&
+                    b->is_contiguous(),
+                "srupp layer_step: ", name, " weight and bias (", n, ",) of x's dtype");
+  };
+  check_norm(a.norm_weight, a.norm_bias, a.normalize_after ? s.D : s.n_in, "norm");
+  check_norm(a.attn_norm_weight, a.attn_norm_bias, s.dp, "attn_norm");
+  return s;
+}
+
+// The one-region path (float weights, few rows): the arguments as raw pointers for
+// TeamStep.
+std::tuple<Tensor, Tensor> step_in_one_region(const LayerArgs& a, const LayerShape& s) {
+  Tensor h = at::empty({s.B, s.D}, a.x.options());
+  Tensor c_new = at::empty({s.B, s.D}, a.c.options());
+  SRUPP_DISPATCH_F32_BF16(s.dt, [&] {
+    using T = scalar_t;
+    LayerView<T> L;
+    L.x = a.x.data_ptr<T>(); L.ldx = a.x.stride(0); L.B = s.B; L.n_in = s.n_in; L.D = s.D;
+    L.dp = s.dp; L.kD = s.kD; L.k = s.k; L.H = s.attention ? s.H : 1; L.cached = a.cached;
+    L.c = a.c.data_ptr<float>();
+    L.w1 = a.w1.data_ptr<T>(); L.w2 = a.w2.data_ptr<T>();
+    L.w3 = s.attention ? a.w3->data_ptr<T>() : nullptr;
+    L.alpha = s.attention ? static_cast<float>(*a.alpha->data_ptr<T>()) : 0.f;
+    L.norm_w = ptr_or_null<T>(a.norm_weight); L.norm_b = ptr_or_null<T>(a.norm_bias);
+    L.attn_norm_w = ptr_or_null<T>(a.attn_norm_weight);
+    L.attn_norm_b = ptr_or_null<T>(a.attn_norm_bias);
+    L.norm_eps = static_cast<float>(a.norm_eps);
+    L.attn_norm_eps = static_cast<float>(a.attn_norm_eps);
+    L.scale_x = static_cast<float>(a.scale_x);
+    L.pre = s.pre; L.post = a.normalize_after && L.norm_w != nullptr;
+    L.wc = a.weight_c.data_ptr<T>(); L.bias = a.bias.data_ptr<T>();
+    const std::optional<Tensor>& kv = a.kv;
+    L.kv = s.attention ? kv->data_ptr<T>() + a.kv_start * kv->stride(1) : nullptr;
+    L.kv_s0 = s.attention ? kv->stride(0) : 0; L.kv_s1 = s.attention ? kv->stride(1) : 0;
+    const std::optional<Tensor>& memory = a.memory;
+    L.memory = s.has_memory
+                   ? memory->data_ptr<T>() + (a.memory_start + a.cached) * memory->stride(1)
+                   : nullptr;
+    L.mem_s0 = s.has_memory ? memory->stride(0) : 0;
+    L.pad = s.pad.defined() ? s.pad.data_ptr<bool>() : nullptr;
+    L.pad_s0 = s.pad.defined() ? s.pad.stride(0) : 0;
+    layer_step_team<T>(L, h.data_ptr<T>(), c_new.data_ptr<float>());
+  });
+  return {h, c_new};
+}
+
+// The path by pieces (int8 weights, or more rows): each piece its own kernel (and
+// parallel region), the products through project().
+std::tuple<Tensor, Tensor> step_by_pieces(const LayerArgs& a, const LayerShape& s) {
+  const Tensor& x = a.x;
+  const int64_t B = s.B, dp = s.dp, few = a.few_rows;
+  const Tensor xin = s.pre ? maybe_norm(x, a.norm_weight, a.norm_bias, a.norm_eps) : x;  // (B, n_in)
+  if (s.has_memory) write_row(*a.memory, a.memory_start + a.cached, xin);
+  const Tensor q = project(xin, a.w1, few, s.wscale[0], a.quant);                 // (B, d')
+  Tensor U;
+  if (s.attention) {
+    const Tensor& kv = *a.kv;
+    write_row(kv, a.kv_start + a.cached,
+              project(q, a.w2, few, s.wscale[1], a.quant).contiguous());        // new [K | V]
+    Tensor o = at::empty({B, dp}, x.options());
+    const int64_t sq[2] = {dp, s.hd};
+    const int64_t sk[3] = {kv.stride(0), s.hd, kv.stride(1)};
+    const float scale = 1.f / std::sqrt(static_cast<float>(s.hd));
+    Tensor y = at::empty({B, dp}, x.options());
+    SRUPP_DISPATCH_F32_BF16(s.dt, [&] {
+      const float alpha = static_cast<float>(*a.alpha->data_ptr<scalar_t>());
+      const scalar_t* kvp = kv.data_ptr<scalar_t>() + a.kv_start * kv.stride(1);
+      one_query_kernel<scalar_t>(q.data_ptr<scalar_t>(), kvp, kvp + dp, o.data_ptr<scalar_t>(),
+                                 B, s.H, a.cached + 1, s.hd, sq, sk, sk, scale,
+                                 s.pad.defined() ? s.pad.data_ptr<bool>() : nullptr,
+                                 s.pad.defined() ? s.pad.stride(0) : 0, a.cached);
+      residual<scalar_t>(q.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(), alpha,
+                         y.data_ptr<scalar_t>(), B * dp);
+    });
+    U = project(maybe_norm(y, a.attn_norm_weight, a.attn_norm_bias, a.attn_norm_eps), *a.w3,
+                few, s.wscale[2], a.quant);                                       // (B, k*D)
+  } else {
+    U = project(maybe_norm(q, a.attn_norm_weight, a.attn_norm_bias, a.attn_norm_eps), a.w2,
+                few, s.wscale[1], a.quant);
+  }
+  U = U.contiguous();
+  Tensor h = at::empty({B, s.D}, x.options());
+  Tensor c_new = at::empty({B, s.D}, a.c.options());
+  SRUPP_DISPATCH_F32_BF16(s.dt, [&] {
+    recurrence_step<scalar_t>(U.data_ptr<scalar_t>(), s.k, x.data_ptr<scalar_t>(), x.stride(0),
+                              a.c.data_ptr<float>(), a.weight_c.data_ptr<scalar_t>(),
+                              a.bias.data_ptr<scalar_t>(), static_cast<float>(a.scale_x),
+                              h.data_ptr<scalar_t>(), c_new.data_ptr<float>(), B, s.D);
+  });
+  if (a.normalize_after) h = maybe_norm(h, a.norm_weight, a.norm_bias, a.norm_eps);
+  return {h, c_new};
+}
+
+// layer_step_cpu, with the projections' weights W1, W2, W3 optionally int8 (LayerArgs).
 std::tuple<Tensor, Tensor> layer_step_run(
     const Tensor& x, const Tensor& c, const Tensor& w1, const Tensor& w2,
     const std::optional<Tensor>& w3, const std::optional<Tensor>& alpha,
@@ -355,157 +619,14 @@ std::tuple<Tensor, Tensor> layer_step_run(
     const std::optional<Tensor>& memory, const std::optional<Tensor>& memory_pad,
     int64_t kv_start, int64_t memory_start, int64_t cached, double norm_eps, double attn_norm_eps, double scale_x, int64_t num_heads,
     bool normalize_after, int64_t few_rows, int64_t quant, const std::optional<Tensor>* scales) {
-  const auto dt = x.scalar_type();
-  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16,
-              "srupp layer_step: float32 or bfloat16 tensors, got ", dt);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "srupp layer_step: x (B, n_in) contiguous");
-  for (const Tensor* t : {&weight_c, &bias})
-    TORCH_CHECK(t->scalar_type() == dt && t->is_contiguous(),
-                "srupp layer_step: weights contiguous, of x's dtype");
-  TORCH_CHECK(quant == kFloatWeights || quant == kInt8 || quant == kW8A8,
-              "srupp layer_step: quant must be 0 (float), 1 (int8) or 2 (w8a8)");
-  const bool attention = w3.has_value() && w3->defined();
-  const Tensor* proj[3] = {&w1, &w2, attention ? &*w3 : nullptr};
-  const Tensor* wscale[3] = {nullptr, nullptr, nullptr};  // the projections' int8 scales
-  for (int i = 0; i < 3; ++i) {
-    if (proj[i] == nullptr) continue;
-    if (quant == kFloatWeights) {
-      TORCH_CHECK(proj[i]->scalar_type() == dt && proj[i]->is_contiguous(),
-                  "srupp layer_step: weights contiguous, of x's dtype");
-      continue;
-    }
-    TORCH_CHECK(proj[i]->scalar_type() == at::kChar && proj[i]->is_contiguous() &&
-                    scales != nullptr && scales[i].has_value() && scales[i]->defined() &&
-                    scales[i]->numel() == proj[i]->size(0),
-                "srupp layer_step: quantized projections take contiguous int8 weights with "
-                "one scale per output feature");
-    wscale[i] = &*scales[i];
-  }
-  const int64_t B = x.size(0), D = weight_c.size(1);
-  TORCH_CHECK(weight_c.dim() == 2 && weight_c.size(0) == 2 && D >= 1 &&
-                  bias.numel() == 2 * D, "srupp layer_step: weight_c and bias (2, D), D >= 1");
-  TORCH_CHECK(c.scalar_type() == at::kFloat && c.is_contiguous() && c.size(0) == B &&
-              c.size(1) == D, "srupp layer_step: c (B, D) float32 contiguous");
-  const int64_t kD = (attention ? *w3 : w2).size(0), k = kD / D;
-  TORCH_CHECK(kD % D == 0 && ((k == 3 && x.size(1) == D) || k == 4),
-              "srupp layer_step: U must have 3 planes (n_in == D) or 4, got ", kD,
-              " rows for D = ", D);
-  const bool pre = !normalize_after && norm_weight.has_value() && norm_weight->defined();
-  TORCH_CHECK(cached >= 0 && kv_start >= 0 && memory_start >= 0,
-              "srupp layer_step: kv_start, memory_start and cached must be >= 0");
-  const bool has_memory = memory.has_value() && memory->defined();
-  if (has_memory) {
-    TORCH_CHECK(memory->scalar_type() == dt && memory->dim() == 3 && memory->size(0) == B &&
-                memory->size(2) == x.size(1) && memory->stride(2) == 1 &&
-                memory_start + cached < memory->size(1),
-                "srupp layer_step: memory (B, > memory_start + cached, n_in) of x's dtype, "
-                "last dim contiguous");
-  }
-  const int64_t dp = w1.size(0);
-  const int64_t S = cached + 1, H = num_heads, hd = H >= 1 ? dp / H : 0;  // keys: cached, then x's
-  Tensor pad;  // (B, cached) bool, last dim contiguous, or undefined
-  if (attention) {
-    TORCH_CHECK(kv.has_value() && kv->defined() && kv->scalar_type() == dt && kv->dim() == 3 &&
-                kv->size(0) == B && kv->size(2) == 2 * dp && kv->stride(2) == 1 &&
-                kv_start + cached < kv->size(1),
-                "srupp layer_step: kv (B, > kv_start + cached, 2*d') of x's dtype, last dim "
-                "contiguous");
-    TORCH_CHECK(H >= 1 && dp % H == 0, "srupp layer_step: num_heads must divide d'");
-    TORCH_CHECK(alpha.has_value() && alpha->defined() && alpha->scalar_type() == dt &&
-                alpha->numel() == 1, "srupp layer_step: alpha (1,) of x's dtype");
-    if (memory_pad.has_value() && memory_pad->defined()) {
-      TORCH_CHECK(memory_pad->scalar_type() == at::kBool && memory_pad->dim() == 2 &&
-                  memory_pad->size(0) == B && memory_pad->size(1) == S - 1,
-                  "srupp layer_step: memory_pad (B, M) bool");
-      pad = memory_pad->stride(1) == 1 ? *memory_pad : memory_pad->contiguous();
-    }
-  }
-  // the products' shapes (the one-region path reads the weights raw)
-  const int64_t n_in = x.size(1);
-  TORCH_CHECK(w1.dim() == 2 && w1.size(1) == n_in && w2.dim() == 2 && w2.size(1) == dp &&
-                  w2.size(0) == (attention ? 2 * dp : kD) &&
-                  (!attention || (w3->dim() == 2 && w3->size(1) == dp)),
-              "srupp layer_step: w1 (d', n_in), w2 (2 d', d') and w3 (k D, d') with attention, "
-              "w2 (k D, d') without; got ", w1.sizes(), " and ", w2.sizes());
-  auto check_norm = [&](const std::optional<Tensor>& g, const std::optional<Tensor>& b,
-                        int64_t n, const char* name) {
-    if (!g.has_value() || !g->defined()) return;
-    TORCH_CHECK(b.has_value() && b->defined() && g->numel() == n && b->numel() == n &&
-                    g->scalar_type() == dt && b->scalar_type() == dt && g->is_contiguous() &&
-                    b->is_contiguous(),
-                "srupp layer_step: ", name, " weight and bias (", n, ",) of x's dtype");
-  };
-  check_norm(norm_weight, norm_bias, normalize_after ? D : n_in, "norm");
-  check_norm(attn_norm_weight, attn_norm_bias, dp, "attn_norm");
-  if (quant == kFloatWeights && B <= few_rows && team_enabled) {  // the one-region path
-    Tensor h = at::empty({B, D}, x.options());
-    Tensor c_new = at::empty({B, D}, c.options());
-    SRUPP_DISPATCH_F32_BF16(dt, [&] {
-      using T = scalar_t;
-      LayerView<T> L;
-      L.x = x.data_ptr<T>(); L.ldx = x.stride(0); L.B = B; L.n_in = x.size(1); L.D = D;
-      L.dp = dp; L.kD = kD; L.k = k; L.H = attention ? H : 1; L.cached = cached;
-      L.c = c.data_ptr<float>();
-      L.w1 = w1.data_ptr<T>(); L.w2 = w2.data_ptr<T>();
-      L.w3 = attention ? w3->data_ptr<T>() : nullptr;
-      L.alpha = attention ? static_cast<float>(*alpha->data_ptr<T>()) : 0.f;
-      L.norm_w = ptr_or_null<T>(norm_weight); L.norm_b = ptr_or_null<T>(norm_bias);
-      L.attn_norm_w = ptr_or_null<T>(attn_norm_weight);
-      L.attn_norm_b = ptr_or_null<T>(attn_norm_bias);
-      L.norm_eps = static_cast<float>(norm_eps); L.attn_norm_eps = static_cast<float>(attn_norm_eps);
-      L.scale_x = static_cast<float>(scale_x);
-      L.pre = pre; L.post = normalize_after && L.norm_w != nullptr;
-      L.wc = weight_c.data_ptr<T>(); L.bias = bias.data_ptr<T>();
-      L.kv = attention ? kv->data_ptr<T>() + kv_start * kv->stride(1) : nullptr;
-      L.kv_s0 = attention ? kv->stride(0) : 0; L.kv_s1 = attention ? kv->stride(1) : 0;
-      L.memory = has_memory ? memory->data_ptr<T>() + (memory_start + cached) * memory->stride(1)
-                            : nullptr;
-      L.mem_s0 = has_memory ? memory->stride(0) : 0;
-      L.pad = pad.defined() ? pad.data_ptr<bool>() : nullptr;
-      L.pad_s0 = pad.defined() ? pad.stride(0) : 0;
-      layer_step_team<T>(L, h.data_ptr<T>(), c_new.data_ptr<float>());
-    });
-    return {h, c_new};
-  }
-  const Tensor xin = pre ? maybe_norm(x, norm_weight, norm_bias, norm_eps) : x;  // (B, n_in)
-  if (has_memory) write_row(*memory, memory_start + cached, xin);
-  const Tensor q = project(xin, w1, few_rows, wscale[0], quant);                  // (B, d')
-  Tensor U;
-  if (attention) {
-    write_row(*kv, kv_start + cached,
-              project(q, w2, few_rows, wscale[1], quant).contiguous());           // new [K | V]
-    Tensor o = at::empty({B, dp}, x.options());
-    const int64_t sq[2] = {dp, hd};
-    const int64_t sk[3] = {kv->stride(0), hd, kv->stride(1)};
-    const float scale = 1.f / std::sqrt(static_cast<float>(hd));
-    Tensor y = at::empty({B, dp}, x.options());
-    SRUPP_DISPATCH_F32_BF16(dt, [&] {
-      const float a = static_cast<float>(*alpha->data_ptr<scalar_t>());
-      const scalar_t* kvp = kv->data_ptr<scalar_t>() + kv_start * kv->stride(1);
-      one_query_kernel<scalar_t>(q.data_ptr<scalar_t>(), kvp, kvp + dp, o.data_ptr<scalar_t>(),
-                                 B, H, S, hd, sq, sk, sk, scale,
-                                 pad.defined() ? pad.data_ptr<bool>() : nullptr,
-                                 pad.defined() ? pad.stride(0) : 0, cached);
-      residual<scalar_t>(q.data_ptr<scalar_t>(), o.data_ptr<scalar_t>(), a,
-                         y.data_ptr<scalar_t>(), B * dp);
-    });
-    U = project(maybe_norm(y, attn_norm_weight, attn_norm_bias, attn_norm_eps), *w3,
-                few_rows, wscale[2], quant);                                       // (B, k*D)
-  } else {
-    U = project(maybe_norm(q, attn_norm_weight, attn_norm_bias, attn_norm_eps), w2, few_rows,
-                wscale[1], quant);
-  }
-  U = U.contiguous();
-  Tensor h = at::empty({B, D}, x.options());
-  Tensor c_new = at::empty({B, D}, c.options());
-  SRUPP_DISPATCH_F32_BF16(dt, [&] {
-    recurrence_step<scalar_t>(U.data_ptr<scalar_t>(), k, x.data_ptr<scalar_t>(), x.stride(0),
-                              c.data_ptr<float>(), weight_c.data_ptr<scalar_t>(),
-                              bias.data_ptr<scalar_t>(), static_cast<float>(scale_x),
-                              h.data_ptr<scalar_t>(), c_new.data_ptr<float>(), B, D);
-  });
-  if (normalize_after) h = maybe_norm(h, norm_weight, norm_bias, norm_eps);
-  return {h, c_new};
+  const LayerArgs a{x, c, w1, w2, w3, alpha, norm_weight, norm_bias, attn_norm_weight,
+                    attn_norm_bias, weight_c, bias, kv, memory, memory_pad, kv_start,
+                    memory_start, cached, norm_eps, attn_norm_eps, scale_x, num_heads,
+                    normalize_after, few_rows, quant, scales};
+  const LayerShape s = check_layer(a);
+  if (quant == kFloatWeights && s.B <= few_rows && team_enabled.load(std::memory_order_relaxed))
+    return step_in_one_region(a, s);
+  return step_by_pieces(a, s);
 }
 
 }  // namespace layer_step_impl
@@ -583,9 +704,9 @@ std::pair<OptTensors, OptTensors> Stack::views(const int64_t* kv_start,
 }  // namespace layer_step_impl
 
 // A whole stack's decoding step: layer_step_cpu for each layer in turn, h feeding the
-// next, in one call from Python (srupp/nn/srupp.py, _step_fused). Per layer, the Python
-// loop, its argument passing and the views of the rows kept cost some 10 µs: a tenth of
-// a small model's step. Layer l reads weights[10l .. 10l+9] (layer_step's w1, w2, w3,
+// next, in one call from Python (srupp/nn/stack_step.py, _step_fused), so that the Python
+// loop over layers, its argument passing and the views of the rows kept are paid once per
+// step, not per layer. Layer l reads weights[10l .. 10l+9] (layer_step's w1, w2, w3,
 // alpha, norm_weight, norm_bias, attn_norm_weight, attn_norm_bias, weight_c, bias), its
 // buffers kv[l] and memory[l] (None: none) at row offsets kv_start[l] and
 // memory_start[l], and its own scalars; `cached` and memory_pad are the stack's. quant[l]
