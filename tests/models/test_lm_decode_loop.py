@@ -1,7 +1,7 @@
 """``CausalLM.generate`` through the C++ ``decode_loop`` against its Python loop.
 
 On the CPU, an eval-mode SRU++ language model generates in chunks of
-``FUSED_CHUNK`` tokens per C++ call: sampling, the embedding, the stack (the
+``tuning().decode_chunk`` tokens per C++ call: sampling, the embedding, the stack (the
 kernels of ``stack_step``) and the output layer, with no Python between. The
 Python loop (``_step_chunks``: ``sample``, then ``model.step``, whose stack runs
 the same ``stack_step`` kernel) is its reference. Both run the same kernels and
@@ -21,9 +21,9 @@ import torch
 import srupp.models.lm as lm_module
 from srupp.nn.stack_step import output_args
 from srupp.ops.layer_step import decode_loop
-from srupp.models import CausalLM
 from srupp.ops import cpu_kernels
 from srupp.ops.layer_step import use_step_backend
+from srupp.ops.settings import tuning
 
 # the module, not srupp.ops's function of the same name
 layer_step_module = importlib.import_module("srupp.ops.layer_step")
@@ -69,17 +69,14 @@ def loop_calls(monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(layer_step_module, "decode_loop_kernel", lambda: counted)
-    monkeypatch.setattr(CausalLM, "FUSED_CHUNK", 3)
-    return calls
+    with tuning().use(decode_chunk=3):
+        yield calls
 
 
 def python_loop(m, *args, **kw):
     """generate through the Python loop (sample, then model.step per token)."""
-    m.FUSED_CHUNK = 0
-    try:
+    with tuning().use(decode_chunk=0):
         return m.generate(*args, **kw)
-    finally:
-        del m.FUSED_CHUNK
 
 
 def same(fused, python):

@@ -26,6 +26,7 @@ from srupp.models import CausalLM, SRUppConfig
 from srupp.nn import SRUpp
 from srupp.ops import cpu_kernels
 from srupp.ops.layer_step import use_step_backend
+from srupp.ops.settings import tuning
 
 # the module, not srupp.ops's function of the same name
 layer_step_module = importlib.import_module("srupp.ops.layer_step")
@@ -300,11 +301,11 @@ def test_generate_gives_the_same_tokens(dtype, op_calls):
             p.add_(torch.randn_like(p) * 0.1)
     lm.to(dtype)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]  # unequal: left padding
-    lm.FUSED_CHUNK = 0  # one model.step per token (the C++ token loop has its own tests)
-    with use_step_backend("fused"):
+    # one model.step per token (the C++ token loop has its own tests)
+    with tuning().use(decode_chunk=0), use_step_backend("fused"):
         fused = lm.generate(prompts, 12, temperature=0)
     assert op_calls
-    with use_step_backend("modules"):
+    with tuning().use(decode_chunk=0), use_step_backend("modules"):
         modules = lm.generate(prompts, 12, temperature=0)
     assert fused == modules
 

@@ -17,6 +17,7 @@ from srupp.ops import cpu_kernels
 from srupp.ops.layer_step import (layer_step, layer_step_applies, layer_step_reference,
                                   use_step_backend)
 from srupp.ops.matmul import FEW_ROWS
+from srupp.ops.settings import tuning
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not cpu_kernels.is_available(),
@@ -159,21 +160,32 @@ def test_one_region_path_is_the_other_path_bit_for_bit(case, dtype, threads):
                   two_rows_heads_padded=dict(B=2, n_in=64, D=64, dp=16, H=4, M=7, pad=True),
                   no_rows=dict(B=0, n_in=64, D=64, dp=16, H=2, M=3))[case]
     args = make_args(dtype, **shapes, seed=7)
-    team = cpu_kernels.function("set_layer_step_team")
     before = torch.get_num_threads()
     outs = []
     try:
         torch.set_num_threads(threads)
         for on in (True, False):
-            team(on)
-            mine = clone(args)
-            outs.append((*layer_step(**mine), mine["kv"], mine["memory"]))
+            with tuning().use(layer_step_team=on):
+                mine = clone(args)
+                outs.append((*layer_step(**mine), mine["kv"], mine["memory"]))
     finally:
-        team(True)
         torch.set_num_threads(before)
     for got, other in zip(*outs):
         if got is not None:
             assert torch.equal(got, other)
+
+
+def test_the_team_setting_reaches_the_extension():
+    """tuning().layer_step_team is the C++ global the op reads: set and restored through
+    the setting; a bad value is refused and changes nothing."""
+    read = cpu_kernels.function("layer_step_team")
+    assert read() is True
+    with tuning().use(layer_step_team=False):
+        assert read() is False
+    assert read() is True
+    with pytest.raises(ValueError, match="layer_step_team must be True or False"):
+        tuning().layer_step_team = 0
+    assert read() is True
 
 
 def test_fake_kernel_and_schema():

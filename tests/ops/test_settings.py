@@ -1,4 +1,4 @@
-"""The backend settings object, and the recurrence's routing rule."""
+"""The settings objects (backends and tuning), and the recurrence's routing rule."""
 
 import pytest
 import torch
@@ -34,6 +34,37 @@ def test_one_typed_settings_object(monkeypatch):
     monkeypatch.setenv("SRUPP_ATTENTION", "flash")
     with pytest.raises(ValueError, match="SRUPP_ATTENTION"):
         ops.get_backend()
+
+
+def test_tuning_fields_are_checked_and_restored(monkeypatch):
+    monkeypatch.setattr(settings, "_tuning", None)  # a fresh object: the defaults
+    t = ops.tuning()
+    assert t == settings.Tuning(decode_chunk=64, layer_step_team=True, triton_block=None,
+                                triton_warps=None, triton_stages=None, triton_steps=None)
+    assert ops.tuning() is t
+    with t.use(decode_chunk=0, triton_block=8, triton_steps=4):
+        assert (t.decode_chunk, t.triton_block, t.triton_steps) == (0, 8, 4)
+        t.triton_warps = 2  # not named by use: stays after it
+    assert (t.decode_chunk, t.triton_block, t.triton_steps, t.triton_warps) == (64, None, None, 2)
+    with pytest.raises(RuntimeError, match="inside"):
+        with t.use(triton_stages=3):
+            raise RuntimeError("inside")
+    assert t.triton_stages is None
+    for field, bad, words in [("decode_chunk", -1, "decode_chunk must be an integer >= 0"),
+                              ("decode_chunk", True, "decode_chunk must be"),
+                              ("layer_step_team", 1, "True or False"),
+                              ("triton_block", 48, "triton_block must be None or a power of two"),
+                              ("triton_warps", 0, "power of two"),
+                              ("triton_stages", 0, "triton_stages must be None .off. or"),
+                              ("triton_steps", 2.5, "triton_steps must be")]:
+        with pytest.raises(ValueError, match=words):
+            setattr(t, field, bad)
+    with pytest.raises(ValueError, match="triton_block"):  # a bad field in use: all restored
+        with t.use(decode_chunk=5, triton_block=3):
+            pass
+    assert (t.decode_chunk, t.triton_block) == (64, None)
+    with pytest.raises(AttributeError, match="no tuning field 'block'"):
+        t.block = 4
 
 
 def test_debug_nan_fill_reads_the_environment_each_time(monkeypatch):

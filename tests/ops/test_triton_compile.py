@@ -37,6 +37,7 @@ from srupp.ops import sru_recurrence  # noqa: E402
 from srupp.ops import triton_compile as tc  # noqa: E402
 from srupp.ops import triton_kernel as tk  # noqa: E402
 from srupp.ops.reference import sru_recurrence_reference  # noqa: E402
+from srupp.ops.settings import Tuning, tuning  # noqa: E402
 
 interpreted = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1",
@@ -99,10 +100,10 @@ class Recorder:
 
 @pytest.fixture
 def recorder(monkeypatch):
-    monkeypatch.setattr(tk, "BLOCK_SIZE", None)  # production launch configurations
     rec = Recorder()
     monkeypatch.setattr(tk, "_run", rec)
-    return rec
+    with tuning().use(triton_block=None, triton_warps=None):  # production configurations
+        yield rec
 
 
 @interpreted
@@ -162,9 +163,9 @@ def test_mixed_dtypes_are_read_as_listed(recorder, spec_keys):
 def test_both_launch_configurations_are_specializations(monkeypatch, spec_keys):
     """A large B * D takes the other launch configuration (recorded, not run: the
     interpreter would take minutes)."""
-    monkeypatch.setattr(tk, "BLOCK_SIZE", None)
     rec = Recorder(run=False)
     monkeypatch.setattr(tk, "_run", rec)
+    assert tuning().triton_block is None and tuning().triton_warps is None  # by size
     for B, D in ((2, 16), (64, 1024)):
         for dtype in (torch.float32, torch.bfloat16):
             U = torch.zeros(B, 2, 3, D, dtype=dtype)
@@ -207,7 +208,7 @@ def test_compiles_for_sm80_and_sm90_without_spills(specs):
 @pytest.mark.parametrize("dtype,block", [(torch.float32, 64), (torch.bfloat16, 128)],
                          ids=["fp32", "bf16"])
 def test_a_pipelined_time_loop_compiles_to_asynchronous_copies(dtype, block):
-    """PIPELINE_STAGES (not yet the default): for sm_90 the pipelined loop's loads
+    """tuning().triton_stages (not yet the default): for sm_90 the pipelined loop's loads
     become asynchronous copies (cp.async) without spilling, and the plain loop's are
     not. bf16 takes two units a thread (block 128, 2 warps): an asynchronous copy
     moves 4 bytes or more."""
@@ -238,7 +239,8 @@ def test_sweep_configs_are_listed():
     assert {4, 8} <= {c.stages for c in configs if c.steps is None}
     assert {4, 8, 12} <= {c.steps for c in configs}
     assert any(c.stages and c.steps for c in configs)
-    assert tk.PIPELINE_STAGES is None and tk.STEPS_PER_BLOCK is None  # not the default yet
+    default = Tuning()
+    assert default.triton_stages is None and default.triton_steps is None  # not yet the default
 
 
 @pytest.fixture(scope="module")

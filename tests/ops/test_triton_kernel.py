@@ -11,7 +11,7 @@ reference runs on the same device as the kernels.
   TRITON_INTERPRET=1 before triton is imported), under which the dispatcher sends
   CPU tensors to Triton. The interpreter runs every program one after another in
   Python, so shapes are tiny (B <= 3, L <= 6) and small unit blocks are forced
-  (``triton_kernel.BLOCK_SIZE``) so that D is not a multiple of the block and,
+  (``tuning().triton_block``) so that D is not a multiple of the block and,
   when bidirectional, blocks straddle the two directions.
 * ``pytest --device cuda``: compiled kernels on real CUDA tensors (no
   interpreter; conftest refuses TRITON_INTERPRET=1 there), the same tiny cases,
@@ -60,6 +60,7 @@ import srupp.ops as ops  # noqa: E402
 from srupp.ops import sru_recurrence  # noqa: E402
 from srupp.ops import triton_kernel as tk  # noqa: E402
 from srupp.ops.reference import sru_recurrence_reference  # noqa: E402
+from srupp.ops.settings import tuning  # noqa: E402
 from tolerances import tol  # noqa: E402
 
 FP32_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -73,13 +74,13 @@ calls = {"sru_fwd": 0, "sru_bwd": 0}
 @pytest.fixture(autouse=True)
 def triton_backend(monkeypatch, device):
     """The triton backend; every output buffer starts as NaN, so an unwritten element
-    fails the test; the kernels' calls are counted. On CPU it needs the interpreter;
+    fails the test; the kernels' calls are counted; the launch settings are the defaults,
+    and whatever a test sets is restored after it. On CPU it needs the interpreter;
     on CUDA (``device`` skips without a GPU) the compiled kernels run."""
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("on CPU the Triton tests run under TRITON_INTERPRET=1 (tests/conftest.py "
                     "sets it unless the environment says otherwise)")
     monkeypatch.setenv("SRUPP_DEBUG_NAN_FILL", "1")
-    monkeypatch.setattr(tk, "BLOCK_SIZE", None)
     for name in calls:
         calls[name] = 0
 
@@ -88,7 +89,8 @@ def triton_backend(monkeypatch, device):
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(tk, name, counted)
-    with ops.use_backend("triton"):
+    with ops.use_backend("triton"), tuning().use(triton_block=None, triton_warps=None,
+                                                 triton_stages=None, triton_steps=None):
         yield
 
 
@@ -126,11 +128,17 @@ def make_inputs(B, L, D, k=3, skip=True, pad=False, dropout=False, dtype=torch.f
     return U, x, wc, bias, c0, mask, dm
 
 
-def run_both(U, x, wc, bias, c0, mask, dm, *, scale_x=1.3, bidir=False, block_size=4,
-             loss="random", seed=1):
-    """Forward + backward on both implementations with the same upstream grads."""
+def run_both(U, x, wc, bias, c0, mask, dm, *, block_size=4, **kw):
+    """Forward + backward on both implementations with the same upstream grads, the
+    kernels in blocks of ``block_size`` units (None: as the settings are)."""
+    if block_size is None:
+        return _run_both(U, x, wc, bias, c0, mask, dm, **kw)
+    with tuning().use(triton_block=block_size):
+        return _run_both(U, x, wc, bias, c0, mask, dm, **kw)
+
+
+def _run_both(U, x, wc, bias, c0, mask, dm, *, scale_x=1.3, bidir=False, loss="random", seed=1):
     kw = dict(scale_x=scale_x, mask_pad=mask, dropout_mask=dm, bidirectional=bidir)
-    tk.BLOCK_SIZE = block_size
     h_t, c_t = sru_recurrence(U, x, wc, bias, c0, **kw)
     h_r, c_r = sru_recurrence_reference(U, x, wc, bias, c0, **kw)
     g = torch.Generator().manual_seed(seed)
@@ -239,7 +247,7 @@ SHAPES = [
     (2, 2, 37, None, False),  # default block size
 ]
 # With --device cuda only (too slow for the interpreter): sizes layers run at, with the
-# default launch configuration (BLOCK_SIZE None), checked against float64
+# default launch configuration (triton_block None), checked against float64
 # (check_against_fp64). B * D < 2^16: 32 units and 1 warp a program; B * D >= 2^16:
 # 64 units and 2 warps.
 CUDA_SHAPES = [
@@ -272,14 +280,13 @@ def test_shapes(B, L, D, block, bidir, device):
                          ids=["2s", "4s", "k3", "2s-k3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("bidir,pad,k", [(False, False, 3), (True, True, 3), (False, True, 4)])
-def test_pipelined_time_loop(stages, steps, dtype, bidir, pad, k, device, monkeypatch):
-    """PIPELINE_STAGES and STEPS_PER_BLOCK, through the dispatcher: the loads of later
+def test_pipelined_time_loop(stages, steps, dtype, bidir, pad, k, device):
+    """tuning()'s triton_stages and triton_steps, through the dispatcher: the loads of later
     steps in flight while a step computes give the same results; L = 7 is not a
     multiple of the stages (the loop's prologue and epilogue) nor of the blocks (two
     blocks of 3 steps, then one step of the plain loop). With --device cuda also a
     long fp32 run against float64, where the compiled pipeline really runs ahead."""
-    monkeypatch.setattr(tk, "PIPELINE_STAGES", stages)
-    monkeypatch.setattr(tk, "STEPS_PER_BLOCK", steps)
+    tuning().triton_stages, tuning().triton_steps = stages, steps
     U, x, wc, bias, c0, mask, dm = make_inputs(3, 7, 6, k, True, pad=pad, dropout=True,
                                                dtype=dtype, seed=stages or 1, device=device)
     tri, ref, inputs = run_both(U, x, wc, bias, c0, mask, dm, bidir=bidir)
@@ -410,7 +417,7 @@ def test_c0_none_and_frozen_inputs(device):
     wc = torch.randn(2, 6, generator=g).to(device)          # no grad wanted
     bias = torch.randn(2, 6, generator=g).to(device).requires_grad_()
     kw = dict(dropout_mask=None, bidirectional=False)
-    tk.BLOCK_SIZE = 4
+    tuning().triton_block = 4
     h_t, c_t = sru_recurrence(U, None, wc, bias, **kw)
     h_r, c_r = sru_recurrence_reference(U, None, wc, bias, **kw)
     torch.testing.assert_close(h_t, h_r, **fp32_tol(device))
@@ -424,7 +431,7 @@ def test_c0_none_and_frozen_inputs(device):
 
 def test_no_grad_forward_and_integer_mask(device):
     U, x, wc, bias, c0, mask, dm = make_inputs(2, 3, 6, 3, True, pad=True, device=device)
-    tk.BLOCK_SIZE = 4
+    tuning().triton_block = 4
     with torch.no_grad():
         h_t, c_t = sru_recurrence(U, x, wc, bias, c0, mask_pad=mask.to(torch.uint8))
         h_r, c_r = sru_recurrence_reference(U, x, wc, bias, c0, mask_pad=mask)
@@ -438,7 +445,7 @@ def test_low_level_api(device):
     results are bitwise deterministic; grad_x is an empty tensor (never None) when
     not wanted; outputs never alias one another."""
     B, L, D = 3, 4, 6
-    tk.BLOCK_SIZE = 4
+    tuning().triton_block = 4
     U, x, wc, bias, c0, mask, dm = make_inputs(B, L, D, 3, True, pad=True, dropout=True,
                                                device=device)
     U, x, wc, bias, c0 = (t.detach() for t in (U, x, wc, bias, c0))
@@ -485,7 +492,6 @@ def test_use_launch_config_launches_every_call_with_it(device, monkeypatch):
     """use_launch_config: every launch inside, through the dispatcher, takes the forced
     configuration whatever the shape; the previous choice returns on exit."""
     forced = tk.LaunchConfig(128, 4, steps=3)
-    monkeypatch.setattr(tk, "BLOCK_SIZE", None)  # (run_both sets it)
     seen = []
     run = tk._run
     monkeypatch.setattr(tk, "_run", lambda launch: (seen.append(launch), run(launch))[1])
@@ -495,7 +501,7 @@ def test_use_launch_config_launches_every_call_with_it(device, monkeypatch):
     seen.clear()
     with tk.use_launch_config(forced):
         assert tk._launch_config(2, 6) == forced
-        inside = run_both(U, x, wc, bias, c0, mask, dm)[0]
+        inside = run_both(U, x, wc, bias, c0, mask, dm, block_size=None)[0]
     assert tk._launch_config(2, 6) != forced
     assert {(la.constexprs["BLOCK"], la.num_warps, la.constexprs.get("STEPS")) for la in seen} \
         == {(128, 4, 3)} != set(default)

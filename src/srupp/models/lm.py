@@ -20,6 +20,7 @@ from .._ranges import check
 from ..nn.adaptive import AdaptiveInput, ProjectedAdaptiveLogSoftmax
 from ..nn.linear import Linear
 from ..nn.stack_step import output_args
+from ..ops.settings import tuning
 from .base import SavedModel, init_embedding
 from .config import LMConfig
 
@@ -200,11 +201,6 @@ class CausalLM(SavedModel):
             new = [_cut_at_stop(ids, decode, stop_strings) for ids in new]
         return new
 
-    # The C++ loop runs this many tokens per call: enough to amortise the call and the
-    # rows reserved in the buffers, few enough that streaming (on_tokens) keeps up.
-    # 0 turns it off (the Python loop, one model.step per token), on a model or the class.
-    FUSED_CHUNK = 64
-
     def _step_chunks(self, logits: Tensor, state, n: int, sampling: dict) -> Iterator[Tensor]:
         """The tokens of n steps, one (B, 1) chunk at a time, through :meth:`step`."""
         for i in range(n):
@@ -232,23 +228,26 @@ class CausalLM(SavedModel):
     def _fused_chunks(self, logits: Tensor, state, n: int, eos_id: Optional[int],
                       sampling: dict, on_tokens: Optional[Callable]
                       ) -> Optional[Iterator[Tensor]]:
-        """The tokens of n steps in (B, ≤ FUSED_CHUNK) chunks from the C++ ``decode_loop``
+        """The tokens of n steps in (B, ≤ chunk) chunks from the C++ ``decode_loop``
         (sampling, embedding, the SRU++ stack and the output layer in one call), the very
         tokens :meth:`_step_chunks` gives; None where :meth:`fused_decoder` says it can't
-        run this model, or the generator is not a CPU one. When streaming (``on_tokens``),
-        chunks start at one token and double."""
+        run this model, or the generator is not a CPU one. The chunk is
+        ``srupp.ops.settings.tuning().decode_chunk`` (0: None, the Python loop); when
+        streaming (``on_tokens``), chunks start at one token and double up to it."""
         generator = sampling["generator"]
-        if self.FUSED_CHUNK < 1 or (generator is not None and generator.device.type != "cpu"):
+        most = tuning().decode_chunk
+        if most < 1 or (generator is not None and generator.device.type != "cpu"):
             return None
         like = self.embedding.weight.new_empty(logits.shape[0], self.embedding.embedding_dim)
-        chunk = self.FUSED_CHUNK if on_tokens is None else 1
+        chunk = most if on_tokens is None else 1
         decoder = self.fused_decoder(state, min(n, chunk), like)
         if decoder is None:
             return None
-        return self._run_fused(decoder, like, logits, n, eos_id, sampling, chunk)
+        return self._run_fused(decoder, like, logits, n, eos_id, sampling, chunk, most)
 
     def _run_fused(self, decoder: tuple, like: Tensor, logits: Tensor, n: int,
-                   eos_id: Optional[int], sampling: dict, chunk: int) -> Iterator[Tensor]:
+                   eos_id: Optional[int], sampling: dict, chunk: int,
+                   most: int) -> Iterator[Tensor]:
         done = torch.zeros(like.shape[0], dtype=torch.bool)       # rows that sampled eos_id
         steps, output = decoder
         while True:
@@ -260,7 +259,7 @@ class CausalLM(SavedModel):
             if tokens.shape[1] < t or t == n or bool(done.all()):  # all rows ended, or n ran
                 return
             n -= t
-            chunk = min(2 * chunk, self.FUSED_CHUNK)  # streaming: the first tokens come soon
+            chunk = min(2 * chunk, most)  # streaming: the first tokens come soon
             decoder = self.fused_decoder(state, min(n, chunk), like)
             if decoder is None:  # the model changed under us (in on_tokens, say): step on
                 yield from self._step_chunks(logits, state, n, sampling)

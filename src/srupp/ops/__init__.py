@@ -36,7 +36,8 @@ fast paths with plain references beside them: :mod:`srupp.ops.matmul`
 :mod:`srupp.ops.quant` (``linear_int8``: int8 weights for decoding), and
 :mod:`srupp.ops.layer_step` runs one SRU++ layer's decoding step as one C++ op
 (``layer_step``, beside its plain reference). One settings object,
-:func:`backends`, holds the four choices (:mod:`srupp.ops.settings`).
+:func:`backends`, holds the four choices, and its sibling :func:`tuning` the
+kernels' and the decoding loop's numbers (:mod:`srupp.ops.settings`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from .recurrence import (BACKENDS, get_backend, set_backend, sru_bwd, sru_fwd, s
 from .reference import compute_dtype, sru_recurrence_reference
 from .attention import (attend, attention_causal_matmul, attention_matmul, attention_reference,
                         get_attention_backend, set_attention_backend, use_attention_backend)
-from .settings import Backends, backends, cpu_has_native_bf16
+from .settings import Backends, Tuning, backends, cpu_has_native_bf16, tuning
 from .quant import dequantize, linear_int8, linear_int8_reference, quantize_per_channel
 from .layer_step import (get_step_backend, layer_step, layer_step_reference, set_step_backend,
                          use_step_backend)
@@ -57,6 +58,7 @@ from .layer_step import (get_step_backend, layer_step, layer_step_reference, set
 __all__ = [
     "sru_recurrence", "sru_recurrence_reference", "compute_dtype", "warm_up",
     "set_backend", "get_backend", "use_backend", "BACKENDS", "backends", "Backends",
+    "tuning", "Tuning",
     "linear", "linear_reference", "linear_onednn",
     "set_matmul_backend", "get_matmul_backend", "use_matmul_backend",
     "attend", "attention_reference", "attention_matmul", "attention_causal_matmul",

@@ -37,6 +37,10 @@ written with streaming stores.
 
 Debugging: ``SRUPP_DEBUG_NAN_FILL=1`` fills every output with NaN before the kernel
 writes it, so the tests catch an element it forgets.
+
+Settings: ``srupp.ops.settings.tuning().layer_step_team`` reaches the extension's one
+mutable global (the layer step's one-region path) when :func:`load` loads it, and on
+every change after.
 """
 
 from __future__ import annotations
@@ -204,7 +208,11 @@ def load():
     with _lock:
         if _module is None and _error is None:
             try:
-                _module = build()
+                module = build()
+                from .settings import attach_extension
+
+                attach_extension(module)  # the tuning fields it keeps (layer_step_team)
+                _module = module
             except Exception as e:  # compiler or ninja missing, compile error, ...
                 _error = _summarise(e)
                 warnings.warn(

@@ -1,7 +1,12 @@
-"""What the ops' dispatchers share: which backend each op runs, and when to step aside.
+"""What the ops' dispatchers share: which backend each op runs, how the kernels are
+tuned, and when to step aside.
 
-One typed object, :func:`backends`, holds the choice for each op ("auto", the
-default, picks by the tensors):
+Two typed objects hold every knob; assigning a field checks it, and ``use`` changes
+fields for a ``with`` block. Both are the process's: change them while no other
+thread runs the ops. docs/environment.md lists every field.
+
+:func:`backends` holds the choice for each op ("auto", the default, picks by the
+tensors):
 
 ==============  ===============================  =================
 field           choices                          default from
@@ -19,7 +24,28 @@ the path everything else takes.
 
 The environment variables choose for a whole process (a ``srupp`` command, a
 benchmark script); they are read when a dispatcher first asks, unless a
-``set_*_backend`` ran before. docs/environment.md lists every variable.
+``set_*_backend`` ran before.
+
+:func:`tuning` holds the numbers the kernels and the decoding loop run by (no
+environment variable sets them):
+
+=================== ======= ==================================================
+field               default what
+=================== ======= ==================================================
+``decode_chunk``    64      tokens per call of the C++ token loop
+                            (``CausalLM.generate``); 0: the Python loop
+``layer_step_team`` True    the C++ layer step at few rows in one parallel
+                            region (False: a region per piece; tests compare)
+``triton_block``    None    units per Triton program (a power of two); None
+                            picks by size
+``triton_warps``    None    warps per Triton program; None follows the block
+``triton_stages``   None    software-pipeline depth of the Triton time loop
+``triton_steps``    None    time steps per explicit block in the Triton loop
+=================== ======= ==================================================
+
+``layer_step_team`` lives in the C++ extension too: :mod:`srupp.ops.cpu_kernels`
+hands the extension over when it loads it (:func:`attach_extension`), and from then
+on every change of the field reaches it.
 """
 
 from __future__ import annotations
@@ -28,7 +54,7 @@ import contextlib
 import dataclasses
 import functools
 import os
-from typing import Iterator, Optional
+from typing import Any, Dict, Iterator, Optional
 
 import torch
 
@@ -45,8 +71,29 @@ RECURRENCE_DTYPES = {"cpu": (torch.float32, torch.bfloat16),
                      "triton": (torch.float32, torch.bfloat16, torch.float16)}
 
 
+class _Settings:
+    """What both settings objects share: a ``with`` block that changes fields, then
+    restores them."""
+
+    def _restore(self, field: str, value: Any) -> None:
+        object.__setattr__(self, field, value)  # (a value the field held: checked already)
+
+    @contextlib.contextmanager
+    def _using(self, changes: Dict[str, Any]) -> Iterator[None]:
+        previous = {}
+        try:
+            for field, value in changes.items():
+                before = getattr(self, field, None)
+                setattr(self, field, value)  # checks it
+                previous[field] = before
+            yield
+        finally:
+            for field, value in reversed(list(previous.items())):
+                self._restore(field, value)
+
+
 @dataclasses.dataclass
-class Backends:
+class Backends(_Settings):
     """The backend of each op; assigning a field checks the name."""
 
     recurrence: str = "auto"
@@ -63,18 +110,90 @@ class Backends:
                              f"{ENV[op]}); choose one of {CHOICES[op]}")
         object.__setattr__(self, op, name)
 
-    @contextlib.contextmanager
-    def use(self, op: str, name: str) -> Iterator[None]:
+    def use(self, op: str, name: str):
         """Run the enclosed code with ``op`` on backend ``name``, then restore the choice."""
-        previous = getattr(self, op)
-        setattr(self, op, name)
-        try:
-            yield
-        finally:
-            object.__setattr__(self, op, previous)
+        return self._using({op: name})
+
+
+def _power_of_two(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1 and not v & (v - 1)
+
+
+def _positive(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+# Each tuning field's rule: (whether a value passes, what it must be)
+_TUNING_RULES: Dict[str, tuple] = {
+    "decode_chunk": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                     "an integer >= 0 (0: the Python loop)"),
+    "layer_step_team": (lambda v: isinstance(v, bool), "True or False"),
+    "triton_block": (lambda v: v is None or _power_of_two(v), "None or a power of two"),
+    "triton_warps": (lambda v: v is None or _power_of_two(v), "None or a power of two"),
+    "triton_stages": (lambda v: v is None or _positive(v), "None (off) or an integer >= 1"),
+    "triton_steps": (lambda v: v is None or _positive(v), "None (off) or an integer >= 1"),
+}
+
+# The tuning fields the C++ extension keeps a copy of, and its function that sets it.
+_CPP_SETTERS = {"layer_step_team": "set_layer_step_team"}
+
+
+@dataclasses.dataclass
+class Tuning(_Settings):
+    """How the kernels and the decoding loop run (module docstring); assigning a field
+    checks the value, and a field the C++ extension keeps reaches it."""
+
+    #: Tokens per call of the C++ token loop that ``CausalLM.generate`` runs on the CPU
+    #: (read by srupp/models/lm.py): enough to amortise the call and the buffer rows
+    #: reserved for it, few enough that streaming keeps up. 0: the Python loop, one
+    #: ``model.step`` per token.
+    decode_chunk: int = 64
+    #: Whether the C++ layer step (csrc/layer_step.cpp) runs a layer at few rows with float
+    #: weights in one parallel region; False: one region per piece (the path int8 weights
+    #: and larger batches take). Both give the same bits; the tests compare them.
+    layer_step_team: bool = True
+    #: Units per Triton program (a power of two; read by srupp/ops/triton_kernel.py). None
+    #: picks by size; the tests set small blocks, so that D is not a multiple of the block
+    #: and blocks straddle the directions.
+    triton_block: Optional[int] = None
+    #: Warps per Triton program (a power of two). None: block // 32, between 1 and 4, for a
+    #: set ``triton_block``; else the size's choice.
+    triton_warps: Optional[int] = None
+    #: Software-pipeline depth of the Triton time loop (``tl.range(num_stages=...)``): the
+    #: loads of later steps in flight while a step computes, so that a step need not wait
+    #: for a DRAM round trip. None: the plain loop. Not the default until a GPU has timed
+    #: it (triton_kernel.SWEEP_CONFIGS).
+    triton_stages: Optional[int] = None
+    #: Time steps per explicit block (K) of the Triton time loop: the loads of K steps
+    #: issued before their K dependent updates, one DRAM round trip per block. None: no
+    #: blocks. Not the default until a GPU has timed it.
+    triton_steps: Optional[int] = None
+
+    def __setattr__(self, field: str, value: Any) -> None:
+        if field not in _TUNING_RULES:
+            raise AttributeError(f"srupp has no tuning field {field!r}; fields: "
+                                 f"{tuple(_TUNING_RULES)}")
+        ok, what = _TUNING_RULES[field]
+        if not ok(value):
+            raise ValueError(f"srupp tuning: {field} must be {what}, got {value!r}")
+        self._restore(field, value)
+
+    def _restore(self, field: str, value: Any) -> None:
+        object.__setattr__(self, field, value)
+        if field in _CPP_SETTERS and self is _tuning:  # (not a copy, or the defaults)
+            _push_to_extension(field)
+
+    def use(self, **fields: Any):
+        """Run the enclosed code with these fields set (``tuning().use(decode_chunk=0)``),
+        then restore them."""
+        return self._using(fields)
 
 
 _backends: Optional[Backends] = None
+_tuning: Optional[Tuning] = None
+_extension: Any = None  # the C++ extension, once srupp.ops.cpu_kernels has loaded it
+
+
 
 
 def accessors(op: str):
@@ -99,6 +218,32 @@ def backends() -> Backends:
     if _backends is None:
         _backends = Backends(**{op: os.environ.get(var) or "auto" for op, var in ENV.items()})
     return _backends
+
+
+def tuning() -> Tuning:
+    """The process's tuning settings (the defaults until something changes them)."""
+    global _tuning
+    if _tuning is None:
+        _tuning = Tuning()
+        for field in _CPP_SETTERS:
+            _push_to_extension(field)
+    return _tuning
+
+
+def attach_extension(module: Any) -> None:
+    """Hand over the loaded C++ extension (:func:`srupp.ops.cpu_kernels.load` does): the
+    tuning fields it keeps a copy of are set in it now, and on every change from then on."""
+    global _extension
+    _extension = module
+    tuning()
+    for field in _CPP_SETTERS:
+        _push_to_extension(field)
+
+
+def _push_to_extension(field: str) -> None:
+    """The process's value of the tuning field ``field`` into the C++ extension, if loaded."""
+    if _extension is not None and _tuning is not None:
+        getattr(_extension, _CPP_SETTERS[field])(getattr(_tuning, field))
 
 
 def tracing() -> bool:

@@ -42,8 +42,7 @@ import torch
 import triton
 from torch import Tensor
 
-from . import triton_kernel
-from .settings import RECURRENCE_DTYPES
+from .settings import RECURRENCE_DTYPES, tuning
 from .triton_kernel import (_DROPOUT_DTYPE, _LAUNCH_CONFIGS, SWEEP_CONFIGS, Launch,
                             LaunchConfig, _bwd_constexprs, _bwd_setup, _config, _fwd_constexprs,
                             _fwd_setup, _param_dtype, _x_dtype)
@@ -90,8 +89,8 @@ class Specialization:
     store_c: bool = False
     grad_c_last: bool = False
     grad_x: bool = False
-    stages: Optional[int] = None   # PIPELINE_STAGES
-    steps: Optional[int] = None    # STEPS_PER_BLOCK
+    stages: Optional[int] = None   # tuning().triton_stages
+    steps: Optional[int] = None    # tuning().triton_steps
 
     @property
     def config(self) -> LaunchConfig:
@@ -140,7 +139,7 @@ class Specialization:
 def specializations(configs: Optional[Sequence[LaunchConfig]] = None,
                     dtypes: Optional[Sequence[torch.dtype]] = None) -> List[Specialization]:
     """Every variant of the two kernels that ``triton_kernel.sru_fwd`` / ``sru_bwd`` can
-    launch (with ``BLOCK_SIZE`` None, as in production).
+    launch (with ``tuning().triton_block`` and ``triton_warps`` None, as in production).
 
     The dtypes are those the dispatcher sends to Triton (U in fp32, bf16 or fp16),
     mapped through the host's own rules for what the kernels read weight_c, bias
@@ -154,9 +153,9 @@ def specializations(configs: Optional[Sequence[LaunchConfig]] = None,
     all_dtypes = RECURRENCE_DTYPES["triton"]
     both = (False, True)
     if configs is None:
-        # (the module's settings as they are now, as _launch_config reads them)
-        configs = [LaunchConfig(block, num_warps, triton_kernel.PIPELINE_STAGES,
-                                triton_kernel.STEPS_PER_BLOCK)
+        # (the stages and steps set now, as _launch_config reads them)
+        configs = [LaunchConfig(block, num_warps, tuning().triton_stages,
+                                tuning().triton_steps)
                    for _, block, num_warps in _LAUNCH_CONFIGS]
     configs = [_config(c) for c in configs]
     out = []

@@ -15,7 +15,7 @@ al. 2018, section 2), and so are the argument conventions:
 / ``srupp::sru_bwd`` custom ops (:mod:`srupp.ops.recurrence`), which call them;
 they don't check them (:func:`srupp.ops.sru_recurrence` does).
 
-Work split: one program per (batch row, block of :data:`BLOCK_SIZE` units),
+Work split: one program per (batch row, block of units: :func:`_launch_config`),
 looping over time.  With ``bidirectional`` each lane picks its own direction
 from its unit index (units >= D/2 run t = L-1 .. 0), so a block may straddle the
 two halves.  State and all accumulation are fp32 whatever the input dtype; h
@@ -25,8 +25,10 @@ How a program walks time is a launch configuration (:class:`LaunchConfig`: units
 warps a program, Triton's software pipelining, explicit blocks of time steps; the
 comment above the kernels says how each works); all of them compute the same
 results to the last bit. :data:`SWEEP_CONFIGS` lists those a GPU should time before
-one replaces today's default (:data:`PIPELINE_STAGES` and :data:`STEPS_PER_BLOCK`
-None).
+one becomes the default. The settings object ``srupp.ops.settings.tuning()`` holds the
+launch's knobs (``triton_block``, ``triton_warps``, ``triton_stages``, ``triton_steps``;
+all None by default: the size picks the block, no pipelining, no blocks of steps), and
+:func:`use_launch_config` sets all four for a ``with`` block.
 
 The peephole/bias gradients are reduced deterministically: every program
 writes its per-batch-row partial sums into a (B, 4, D) fp32 buffer, which is
@@ -47,7 +49,6 @@ the kernels run on CPU tensors.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -55,29 +56,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .settings import debug_nan_fill
+from .settings import debug_nan_fill, tuning
 
-__all__ = ["sru_fwd", "sru_bwd", "use_launch_config", "BLOCK_SIZE", "PIPELINE_STAGES",
-           "STEPS_PER_BLOCK", "LaunchConfig", "SWEEP_CONFIGS", "Launch"]
-
-#: Units per program (a power of two); None picks by size. The tests set small
-#: blocks, so that D is not a multiple of the block and blocks straddle directions.
-BLOCK_SIZE: Optional[int] = None
-
-#: Software-pipeline depth of the time loop (``tl.range(num_stages=...)``): with
-#: S stages the loads of steps t+1 .. t+S-1 are in flight while step t computes.
-#: None: the plain loop, one step's loads at a time. Each step of the plain loop
-#: waits for a DRAM round trip, which held it to 0.09-0.18 of an H200's copy
-#: bandwidth (docs/performance.md, "On a GPU"). Not yet the default: no GPU has
-#: timed the pipelined loop (benchmarks/gpu_check.py times both).
-PIPELINE_STAGES: Optional[int] = None
-
-#: Time steps per explicit block (K): the kernels issue the loads of K steps, then run
-#: their K dependent updates, so that a program waits for one DRAM round trip per K
-#: steps rather than per step; L % K steps left over run the plain loop. With
-#: PIPELINE_STAGES too, the loop over blocks is software-pipelined. None: no blocks.
-#: Not yet the default: no GPU has timed it (:data:`SWEEP_CONFIGS`).
-STEPS_PER_BLOCK: Optional[int] = None
+__all__ = ["sru_fwd", "sru_bwd", "use_launch_config", "LaunchConfig", "SWEEP_CONFIGS",
+           "Launch"]
 
 
 # --------------------------------------------------------------------------- #
@@ -432,8 +414,8 @@ def _sru_bwd_kernel(
 class LaunchConfig(NamedTuple):
     """How the kernels are launched: ``block`` units per program (a power of two, one
     lane each), ``num_warps`` warps per program, ``stages`` (software pipelining of the
-    time loop, :data:`PIPELINE_STAGES`; None: off) and ``steps`` (explicit blocks of K
-    time steps, :data:`STEPS_PER_BLOCK`; None: off)."""
+    time loop, ``tuning().triton_stages``; None: off) and ``steps`` (explicit blocks of K
+    time steps, ``tuning().triton_steps``; None: off)."""
     block: int
     num_warps: int
     stages: Optional[int] = None
@@ -473,35 +455,29 @@ def _config(config) -> LaunchConfig:
 _LAUNCH_CONFIGS = ((1 << 16, 64, 2), (0, 32, 1))
 
 
-_forced_config: Optional[LaunchConfig] = None
-
-
-@contextlib.contextmanager
 def use_launch_config(config):
     """Launch every call inside with ``config`` (a LaunchConfig or a tuple, as ``config=``
     takes), whatever the shape: how benchmarks/gpu_check.py trains a whole model on one
-    of SWEEP_CONFIGS. Restores the previous choice on exit."""
-    global _forced_config
-    previous, _forced_config = _forced_config, _config(config)
-    try:
-        yield
-    finally:
-        _forced_config = previous
+    of SWEEP_CONFIGS. Sets the four ``triton_*`` fields of ``tuning()`` for the ``with``
+    block, then restores them."""
+    block, num_warps, stages, steps = _config(config)
+    return tuning().use(triton_block=block, triton_warps=num_warps, triton_stages=stages,
+                        triton_steps=steps)
 
 
 def _launch_config(B: int, D: int) -> LaunchConfig:
-    """The launch configuration for a (B, ·, ·, D) problem: :func:`use_launch_config`'s,
-    else ``BLOCK_SIZE``, ``PIPELINE_STAGES`` and ``STEPS_PER_BLOCK`` as the module sets
-    them."""
-    if _forced_config is not None:
-        return _forced_config
-    if BLOCK_SIZE is not None:
-        return LaunchConfig(BLOCK_SIZE, max(1, min(4, BLOCK_SIZE // 32)), PIPELINE_STAGES,
-                            STEPS_PER_BLOCK)
-    for least, block, num_warps in _LAUNCH_CONFIGS:
-        if B * D >= least:
-            return LaunchConfig(block, num_warps, PIPELINE_STAGES, STEPS_PER_BLOCK)
-    raise AssertionError("the last launch configuration takes every size")
+    """The launch configuration for a (B, ·, ·, D) problem, from the ``triton_*`` fields of
+    ``tuning()``: the block and warps set there, else by size (:data:`_LAUNCH_CONFIGS`;
+    a block set alone takes block // 32 warps, 1 to 4), and the stages and steps."""
+    t = tuning()
+    if t.triton_block is not None:
+        block, num_warps = t.triton_block, max(1, min(4, t.triton_block // 32))
+    else:
+        block, num_warps = next((block, warps) for least, block, warps in _LAUNCH_CONFIGS
+                                if B * D >= least)  # (the last takes every size)
+    if t.triton_warps is not None:
+        num_warps = t.triton_warps
+    return LaunchConfig(block, num_warps, t.triton_stages, t.triton_steps)
 
 
 #: The launch configurations a GPU should time (benchmarks/gpu_check.py) before one of
