@@ -102,6 +102,22 @@ def _lane_step(s, L, rev, BIDIR: tl.constexpr):
 
 
 @triton.jit
+def _load_lane_constants(WC_ptr, BIAS_ptr, C0_ptr, DM_ptr, b, j, jm, sWr, sWd, sBr, sBd,
+                         sC0b, sC0d, sDb, sDd, HAS_DROP: tl.constexpr):
+    """What each lane (unit j of batch row b) holds for the whole walk, in fp32: v_f, v_r,
+    b_f, b_r, c0 and the dropout mask (without dropout a placeholder, never used)."""
+    vf = tl.load(WC_ptr + j * sWd, mask=jm, other=0.0).to(tl.float32)
+    vr = tl.load(WC_ptr + sWr + j * sWd, mask=jm, other=0.0).to(tl.float32)
+    bf = tl.load(BIAS_ptr + j * sBd, mask=jm, other=0.0).to(tl.float32)
+    br = tl.load(BIAS_ptr + sBr + j * sBd, mask=jm, other=0.0).to(tl.float32)
+    c0 = tl.load(C0_ptr + b * sC0b + j * sC0d, mask=jm, other=0.0).to(tl.float32)
+    m = vf
+    if HAS_DROP:
+        m = tl.load(DM_ptr + b * sDb + j * sDd, mask=jm, other=0.0).to(tl.float32)
+    return vf, vr, bf, br, c0, m
+
+
+@triton.jit
 def _load_step(t, u_row, x_row, m_row, jm, sUl, sUk, sXl, sMl,
                K4: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_MASK: tl.constexpr,
                BIDIR: tl.constexpr):
@@ -193,14 +209,9 @@ def _sru_fwd_kernel(
     jm = j < D
     j = j.to(tl.int64)
 
-    vf = tl.load(WC_ptr + j * sWd, mask=jm, other=0.0).to(tl.float32)
-    vr = tl.load(WC_ptr + sWr + j * sWd, mask=jm, other=0.0).to(tl.float32)
-    bf = tl.load(BIAS_ptr + j * sBd, mask=jm, other=0.0).to(tl.float32)
-    br = tl.load(BIAS_ptr + sBr + j * sBd, mask=jm, other=0.0).to(tl.float32)
-    c = tl.load(C0_ptr + b * sC0b + j * sC0d, mask=jm, other=0.0).to(tl.float32)
-    m = vf  # placeholder without dropout
-    if HAS_DROP:
-        m = tl.load(DM_ptr + b * sDb + j * sDd, mask=jm, other=0.0).to(tl.float32)
+    vf, vr, bf, br, c, m = _load_lane_constants(WC_ptr, BIAS_ptr, C0_ptr, DM_ptr, b, j, jm,
+                                                sWr, sWd, sBr, sBd, sC0b, sC0d, sDb, sDd,
+                                                HAS_DROP)
     rev = j >= d_half  # (used only when BIDIR)
 
     u_row = U_ptr + b * sUb + j * sUd
@@ -314,6 +325,23 @@ def _bwd_update(carry, c_cur, s, L, rev, c0, c_prev, gh, u0, u1, u2, sk, pad,
 
 
 @triton.jit
+def _add_param_grads(dvf, dvr, dbf, dbr, gf, gr, c_prev):
+    """The peephole and bias gradients with one more step's terms: gf and gr are the step's
+    gradients by the gate pre-activations, c_prev its c_{t-1}."""
+    return dvf + gf * c_prev, dvr + gr * c_prev, dbf + gf, dbr + gr
+
+
+@triton.jit
+def _store_param_grads(row, D, jm, dvf, dvr, dbf, dbr):
+    """A batch row's partial sums of the four (D,) gradients, at row + 0, D, 2D, 3D (the
+    host sums them over the batch: no atomics, the same result every run)."""
+    tl.store(row, dvf, mask=jm)
+    tl.store(row + D, dvr, mask=jm)
+    tl.store(row + 2 * D, dbf, mask=jm)
+    tl.store(row + 3 * D, dbr, mask=jm)
+
+
+@triton.jit
 def _sru_bwd_kernel(
     GH_ptr, GCL_ptr, U_ptr, X_ptr, WC_ptr, BIAS_ptr, C0_ptr, CALL_ptr, MP_ptr, DM_ptr,
     GU_ptr, GX_ptr, GC0_ptr, PART_ptr,
@@ -338,14 +366,9 @@ def _sru_bwd_kernel(
     jm = j < D
     j = j.to(tl.int64)
 
-    vf = tl.load(WC_ptr + j * sWd, mask=jm, other=0.0).to(tl.float32)
-    vr = tl.load(WC_ptr + sWr + j * sWd, mask=jm, other=0.0).to(tl.float32)
-    bf = tl.load(BIAS_ptr + j * sBd, mask=jm, other=0.0).to(tl.float32)
-    br = tl.load(BIAS_ptr + sBr + j * sBd, mask=jm, other=0.0).to(tl.float32)
-    c0 = tl.load(C0_ptr + b * sC0b + j * sC0d, mask=jm, other=0.0).to(tl.float32)
-    m = vf  # placeholder without dropout
-    if HAS_DROP:
-        m = tl.load(DM_ptr + b * sDb + j * sDd, mask=jm, other=0.0).to(tl.float32)
+    vf, vr, bf, br, c0, m = _load_lane_constants(WC_ptr, BIAS_ptr, C0_ptr, DM_ptr, b, j, jm,
+                                                 sWr, sWd, sBr, sBd, sC0b, sC0d, sDb, sDd,
+                                                 HAS_DROP)
     if HAS_GCL:
         carry = tl.load(GCL_ptr + b * sGCb + j * sGCd, mask=jm, other=0.0).to(tl.float32)
     else:
@@ -382,10 +405,8 @@ def _sru_bwd_kernel(
                     carry, c_cur, s0 + i, L, rev, c0, c_prev, gh, u0, u1, u2, sk, pad, vf, vr,
                     bf, br, m, scale_x, gu_row, gx_row, jm, sGUl, sGUk, sGXl,
                     K4, HAS_SKIP, STORE_GX, HAS_MASK, HAS_DROP, BIDIR)
-                dvf += gf * c_cur  # (c_cur is now this step's c_{t-1})
-                dvr += gr * c_cur
-                dbf += gf
-                dbr += gr
+                # (c_cur is now this step's c_{t-1})
+                dvf, dvr, dbf, dbr = _add_param_grads(dvf, dvr, dbf, dbr, gf, gr, c_cur)
     for s in tl.range(s_tail, L, num_stages=STAGES if STEPS is None else None):
         c_prev, gh, u0, u1, u2, sk, pad = _bwd_load_step(s, L, rev, c_row, g_row, u_row, x_row,
                                                          m_row, jm, sCl, sGl, sUl, sUk, sXl,
@@ -394,17 +415,10 @@ def _sru_bwd_kernel(
             carry, c_cur, s, L, rev, c0, c_prev, gh, u0, u1, u2, sk, pad, vf, vr, bf, br, m,
             scale_x, gu_row, gx_row, jm, sGUl, sGUk, sGXl,
             K4, HAS_SKIP, STORE_GX, HAS_MASK, HAS_DROP, BIDIR)
-        dvf += gf * c_cur
-        dvr += gr * c_cur
-        dbf += gf
-        dbr += gr
+        dvf, dvr, dbf, dbr = _add_param_grads(dvf, dvr, dbf, dbr, gf, gr, c_cur)
 
     tl.store(GC0_ptr + b * D + j, carry, mask=jm)
-    pp = PART_ptr + b * 4 * D + j
-    tl.store(pp, dvf, mask=jm)
-    tl.store(pp + D, dvr, mask=jm)
-    tl.store(pp + 2 * D, dbf, mask=jm)
-    tl.store(pp + 3 * D, dbr, mask=jm)
+    _store_param_grads(PART_ptr + b * 4 * D + j, D, jm, dvf, dvr, dbf, dbr)
 
 
 # --------------------------------------------------------------------------- #
