@@ -381,11 +381,8 @@ def _add_set(parser: argparse.ArgumentParser, help: Optional[str] = None) -> Non
                         help=help)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="srupp", description="SRU++ sequence models: language models, "
-                                          "translation, classification")
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _train_parser(sub) -> None:
+    """``srupp train``'s arguments."""
     t = sub.add_parser("train", help="train a model (task lm, translate or classify)")
     t.add_argument("recipe", nargs="?", help="a TOML recipe (default: built-in defaults)")
     t.add_argument("--data", help="lm: corpus name, text file or split directory; "
@@ -396,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=cmd_train)
 
+
+def _eval_parser(sub) -> None:
+    """``srupp eval``'s arguments."""
     e = sub.add_parser("eval", help="evaluate a checkpoint; prints one JSON object")
     e.add_argument("--checkpoint", required=True, help="run directory or checkpoint folder")
     e.add_argument("--data", help="corpus (default: the run's)")
@@ -408,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
                 "eval.no_repeat_ngram_size=3")
     e.set_defaults(func=cmd_eval)
 
+
+def _translate_parser(sub) -> None:
+    """``srupp translate``'s arguments."""
     tr = sub.add_parser("translate", help="translate stdin line by line to stdout")
     tr.add_argument("--checkpoint", required=True, help="run directory or checkpoint folder")
     tr.add_argument("--beam", type=_AT_LEAST_1, default=5, help="beam size (1: greedy)")
@@ -424,6 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--threads", type=_AT_LEAST_1, help="torch threads")
     tr.set_defaults(func=cmd_translate)
 
+
+def _classify_parser(sub) -> None:
+    """``srupp classify``'s arguments."""
     cl = sub.add_parser("classify", help="label each line of stdin; one JSON line each")
     cl.add_argument("--checkpoint", required=True, help="run directory or checkpoint folder")
     cl.add_argument("--top-k", type=_AT_LEAST_1, help="also list the k most likely labels")
@@ -432,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--threads", type=_AT_LEAST_1, help="torch threads")
     cl.set_defaults(func=cmd_classify)
 
+
+def _generate_parser(sub) -> None:
+    """``srupp generate``'s arguments."""
     g = sub.add_parser("generate", help="generate text from a checkpoint")
     g.add_argument("--checkpoint", required=True)
     g.add_argument("--prompt", required=True)
@@ -455,6 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the CPU has it)")
     g.set_defaults(func=cmd_generate)
 
+
+def _serve_parser(sub) -> None:
+    """``srupp serve``'s arguments."""
     sv = sub.add_parser("serve", help="serve a language model over HTTP (OpenAI's completions "
                                       "API); needs pip install 'srupp[serve]'")
     sv.add_argument("--checkpoint", required=True, help="run directory or checkpoint folder")
@@ -478,6 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--threads", type=_AT_LEAST_1, help="torch threads")
     sv.set_defaults(func=cmd_serve)
 
+
+def _export_parser(sub) -> None:
+    """``srupp export``'s arguments."""
     ex = sub.add_parser("export", help="write a language model as ONNX graphs (or for "
                                        "Hugging Face transformers)")
     ex.add_argument("--checkpoint", required=True, help="run directory or checkpoint folder")
@@ -492,11 +507,17 @@ def build_parser() -> argparse.ArgumentParser:
                          "Runtime's quantize_dynamic (needs onnxruntime)")
     ex.set_defaults(func=cmd_export)
 
+
+def _params_parser(sub) -> None:
+    """``srupp params``'s arguments."""
     pa = sub.add_parser("params", help="count a recipe's parameters; prints JSON")
     pa.add_argument("recipe", nargs="?")
     _add_set(pa)
     pa.set_defaults(func=cmd_params)
 
+
+def _compare_parser(sub) -> None:
+    """``srupp compare``'s arguments."""
     c = sub.add_parser("compare", help="train SRU++ and baselines at equal size and time; "
                                        "writes results.json, results.md, curves.png")
     c.add_argument("recipe", nargs="?",
@@ -523,8 +544,25 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-progress", action="store_true", help="no progress bars")
     c.set_defaults(func=cmd_compare)
 
+
+def _demo_parser(sub) -> None:
+    """``srupp demo``'s arguments."""
     d = sub.add_parser("demo", help="a small SRU++ forward/backward timing demo")
     d.set_defaults(func=cmd_demo)
+
+
+# Each command's parser, in the order `srupp --help` lists them.
+_COMMAND_PARSERS = (_train_parser, _eval_parser, _translate_parser, _classify_parser,
+                    _generate_parser, _serve_parser, _export_parser, _params_parser,
+                    _compare_parser, _demo_parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="srupp", description="SRU++ sequence models: language models, "
+                                          "translation, classification")
+    sub = p.add_subparsers(dest="command", required=True)
+    for add in _COMMAND_PARSERS:
+        add(sub)
 
     debug = "print the traceback of an error too (also SRUPP_DEBUG=1)"
     p.add_argument("--debug", action="store_true", help=debug)
