@@ -353,8 +353,6 @@ class SRUpp(StackBase):
         attention_every_n_layers: layer i has attention when (i + 1) % n == 0.
         attention_last_n_layers: only the last n layers have attention (-1: off).
         proj_input_to_hidden_first: a bias-free linear n_in → D before layer 0.
-        nn_rnn_compatible_return: accepted for the reference's signature; the
-            state is an :class:`SRUppState`, so only False is supported.
         causal: build the causal mask (over memory too). Not with bidirectional.
         mem_len: past inputs each layer keeps in the returned state (None: all).
         batch_first, device, dtype: as ``nn.LSTM``.
@@ -371,15 +369,11 @@ class SRUpp(StackBase):
                  normalize_after: bool = False, attn_layer_norm: bool = True,
                  highway_bias: float = -2.0, attention_every_n_layers: int = 1,
                  attention_last_n_layers: int = -1, rescale: bool = False,
-                 nn_rnn_compatible_return: bool = False,
                  proj_input_to_hidden_first: bool = False, weight_c_init: float = 1.0,
                  causal: bool = False, mem_len: Optional[int] = None,
                  batch_first: bool = False, device=None, dtype=None):
         super().__init__()
         check_attention_layout(num_layers, attention_every_n_layers, attention_last_n_layers)
-        if nn_rnn_compatible_return:
-            raise ValueError("nn_rnn_compatible_return=True is not supported by SRUpp: it returns "
-                             "an SRUppState; reshape state.c yourself if you need nn.LSTM's layout")
         _check_stack_options(proj_size, dropout, attn_dropout, num_heads, bidirectional,
                              causal, mem_len)
         factory = {"device": device, "dtype": dtype}
