@@ -268,7 +268,8 @@ class SRUppForCausalLM(PreTrainedModel, GenerationMixin):
                                     output_hidden_states)
         B, L = tokens.shape
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        # later transformers releases renamed past_key_values to cache; both are accepted
+        # generate() passes the state as past_key_values up to transformers 5.23 and as
+        # cache from 5.24 (pyproject.toml allows both): both are accepted
         if cache is not None and past_key_values is not None:
             raise ValueError("pass the state as cache or as past_key_values, not both")
         cache = past_key_values if cache is None else cache
