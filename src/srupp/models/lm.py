@@ -231,9 +231,9 @@ class CausalLM(SavedModel):
         """The tokens of n steps in (B, ≤ chunk) chunks from the C++ ``decode_loop``
         (sampling, embedding, the SRU++ stack and the output layer in one call), the very
         tokens :meth:`_step_chunks` gives; None where :meth:`fused_decoder` says it can't
-        run this model, or the generator is not a CPU one. The chunk is
-        ``srupp.ops.settings.tuning().decode_chunk`` (0: None, the Python loop); when
-        streaming (``on_tokens``), chunks start at one token and double up to it."""
+        run this model, the generator is not a CPU one, or the chunk,
+        ``srupp.ops.settings.tuning().decode_chunk``, is 0. When streaming (``on_tokens``),
+        chunks start at one token and double up to it."""
         generator = sampling["generator"]
         most = tuning().decode_chunk
         if most < 1 or (generator is not None and generator.device.type != "cpu"):

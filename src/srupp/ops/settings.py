@@ -194,8 +194,6 @@ _tuning: Optional[Tuning] = None
 _extension: Any = None  # the C++ extension, once srupp.ops.cpu_kernels has loaded it
 
 
-
-
 def accessors(op: str):
     """The ``set_*``, ``get_*`` and ``use_*`` functions of ``op``'s backend: force one of
     ``CHOICES[op]`` ("auto" is the default), read the choice (the environment the first
