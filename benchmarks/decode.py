@@ -206,11 +206,10 @@ def timed_rate(model, prompts, n):
 @contextlib.contextmanager
 def token_loop(model, cpp):
     """``model.generate`` through its C++ token loop (``cpp``) or the Python one."""
-    model.FUSED_CHUNK = type(model).FUSED_CHUNK if cpp else 0
-    try:
+    from srupp.ops.settings import tuning
+
+    with tuning().use(decode_chunk=tuning().decode_chunk if cpp else 0):
         yield
-    finally:
-        del model.FUSED_CHUNK
 
 
 def generate_rate(model, prompt, n, cpp):
