@@ -19,18 +19,21 @@ is saved; the process exits 0.
 
 
 import asyncio
+import contextlib
 import json
 import math
+import signal
 import socket
 import threading
 import time
+import traceback
 import uuid
 from pathlib import Path
 from typing import Any, Dict, Optional
 
 from ._extras import require
 from .engine import (Engine, EngineClosed, QueueFull, Sampling, SessionBusy,
-                     SessionStore, model_fingerprint)
+                     SessionStore, check_session_id, model_fingerprint)
 
 #: OpenAI allows at most this many stop strings.
 MAX_STOPS = 4
@@ -75,8 +78,8 @@ def parse_completion(body: Any, tokenizer, engine: Engine) -> Dict[str, Any]:
         prompt = prompt[0]  # OpenAI's batch form with one prompt
     if not isinstance(prompt, str):
         raise BadRequest("prompt must be a string (one prompt per request)", field="prompt")
-    n = body.get("n", 1)
-    if n != 1:
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
         raise BadRequest("n must be 1: send one request per completion", field="n")
     max_tokens = _field(body, "max_tokens", (int,), 16, "an integer >= 0")
     temperature = _field(body, "temperature", (int, float), 1.0, "a number")
@@ -85,11 +88,22 @@ def parse_completion(body: Any, tokenizer, engine: Engine) -> Dict[str, Any]:
     seed = _field(body, "seed", (int,), None, "an integer")
     stream = _field(body, "stream", (bool,), False, "true or false")
     session = _field(body, "session", (str,), None, "a string")
+    if session is not None:
+        try:
+            check_session_id(session)
+        except ValueError as e:
+            raise BadRequest(str(e), field="session") from None
     stop = body.get("stop")
     if isinstance(stop, list) and len(stop) > MAX_STOPS:
         raise BadRequest(f"stop takes at most {MAX_STOPS} strings", field="stop")
-    if isinstance(temperature, float) and not math.isfinite(temperature):
-        raise BadRequest("temperature must be a finite number >= 0", field="temperature")
+    # JSON's Infinity, NaN and 1e999 parse as floats; an integer may be too large for one
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        try:
+            finite = value is None or math.isfinite(float(value))
+        except OverflowError:
+            finite = False
+        if not finite:
+            raise BadRequest(f"{name} must be a finite number", field=name)
     try:
         sampling = Sampling(max_tokens=max_tokens, temperature=float(temperature),
                             top_k=top_k, top_p=None if top_p is None else float(top_p),
@@ -124,6 +138,7 @@ class Server:
         self.grace = grace
         self.created = int(time.time())
         self.draining = False
+        self.failed = False
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._metrics()
@@ -136,7 +151,16 @@ class Server:
             self._thread.start()
 
     def _run(self) -> None:
-        self.engine.run(self._stop, grace=self.grace)
+        try:
+            self.engine.run(self._stop, grace=self.grace)
+        except Exception:
+            # an engine that failed decodes nothing more: /health and new requests get 503,
+            # and the streams in flight end (ABORT) rather than leave their clients waiting
+            traceback.print_exc()
+            self.draining = self.failed = True
+            self.engine.close()
+            with contextlib.suppress(Exception):
+                self.engine.abort_all()
 
     def drain(self) -> None:
         """Refuse new requests (503), and end the engine within the grace period."""
@@ -199,7 +223,8 @@ class Server:
         @app.get("/health")
         async def health():
             if server.draining:
-                return _error(503, "the server is shutting down", "unavailable")
+                why = "its engine failed" if server.failed else "the server is shutting down"
+                return _error(503, why, "unavailable")
             return {"status": "ok", "model": server.model_name}
 
         @app.get("/v1/models")
@@ -246,6 +271,12 @@ class Server:
                 if req["model"] is not None and req["model"] != server.model_name:
                     raise BadRequest(f"model {req['model']!r} is not served here; this server "
                                      f"serves {server.model_name!r}", 404, "model")
+                if req["session"] is not None and server.engine.sessions is not None:
+                    try:  # a session the engine could not continue (saved for another model,
+                        # or a damaged file) is refused here, not met on the engine's thread
+                        server.engine.sessions.get(req["session"])
+                    except ValueError as e:
+                        raise BadRequest(f"session: {e}", field="session") from None
             except BadRequest as e:
                 server.requests.labels(str(e.status)).inc()
                 kind = "not_found" if e.status == 404 else "invalid_request_error"
@@ -306,17 +337,21 @@ class Server:
                 return StreamingResponse(sse(), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"})
 
-            text, finish = [], None
+            # the client may go away while it waits: look every quarter second, whether
+            # or not events came meanwhile (they come all the time from a long stream)
+            text, finish, look_at = [], None, loop.time() + 0.25
             while finish is None:
                 try:
                     ev = await asyncio.wait_for(events.get(), timeout=0.25)
+                    text.append(ev.text)
+                    finish = ev.finish_reason
                 except asyncio.TimeoutError:
+                    pass
+                if finish is None and loop.time() >= look_at:
+                    look_at = loop.time() + 0.25
                     if await request.is_disconnected():
                         stream.cancel()
                         return Response(status_code=499)
-                    continue
-                text.append(ev.text)
-                finish = ev.finish_reason
             return JSONResponse(chunk("".join(text), finish, usage()))
 
         return app
@@ -354,15 +389,19 @@ def serve(run, *, host: str = "127.0.0.1", port: int = 8000,
     server.start()
 
     class _Uvicorn(uvicorn.Server):
+        # Not uvicorn's handle_exit: it records the signal and raises it again once the
+        # server has stopped, so that the process would end by SIGTERM, not exit 0.
         def handle_exit(self, sig, frame):  # drain first: 503s, streams end, sessions saved
-            if server.draining:
-                return super().handle_exit(sig, frame)
+            if server.draining:  # a second signal: stop serving now (Ctrl-C twice: at once)
+                self.should_exit = True
+                self.force_exit = self.force_exit or sig == signal.SIGINT
+                return
             server.drain()
-            threading.Thread(target=self._after_drain, args=(sig, frame), daemon=True).start()
+            threading.Thread(target=self._after_drain, daemon=True).start()
 
-        def _after_drain(self, sig, frame):
+        def _after_drain(self):
             server.join(grace + 10)
-            super().handle_exit(sig, frame)
+            self.should_exit = True
 
     config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=5)
@@ -385,7 +424,7 @@ def serve(run, *, host: str = "127.0.0.1", port: int = 8000,
     _Uvicorn(config).run(sockets=[sock])
     if not server.draining:
         server.drain()
-        server.join(grace + 10)
+    server.join(grace + 10)  # at once if drained already; a second signal cut it short
     return 0
 
 
