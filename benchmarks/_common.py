@@ -3,34 +3,89 @@ by being run as ``python benchmarks/<script>.py``)."""
 
 from __future__ import annotations
 
+import platform
+import re
 import statistics
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
 
-def seconds_per_call(fn: Callable[[], object], reps: int, warmup: int = 1) -> float:
+def _is_cuda(device) -> bool:
+    return device is not None and str(device).startswith("cuda")
+
+
+def synchronize(device=None) -> None:
+    """Wait for the work queued on ``device``: CUDA runs asynchronously, so a clock
+    read before this measures the launches only. Nothing to wait for elsewhere."""
+    if _is_cuda(device):
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def seconds_per_call(fn: Callable[[], object], reps: int, warmup: int = 1,
+                     device=None) -> float:
     """Mean wall seconds of ``fn()`` over ``reps`` calls, after ``warmup`` untimed calls
-    (first-use compilation, allocator)."""
+    (first-use compilation, allocator); on a CUDA ``device``, its work included."""
     for _ in range(warmup):
         fn()
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(reps):
         fn()
+    synchronize(device)
     return (time.perf_counter() - start) / reps
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    """Median wall seconds of one ``fn()`` call over ``repeats`` timed calls, after
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1,
+                   device=None) -> float:
+    """Median seconds of one ``fn()`` call over ``repeats`` timed calls, after
     ``warmup`` untimed ones: for short calls whose outliers (a page fault, another
-    process) a mean would absorb."""
+    process) a mean would absorb. The host's clock, or on a CUDA ``device`` CUDA
+    events around each call (the device's time for the work the call queued)."""
     for _ in range(warmup):
         fn()
     times = []
+    if _is_cuda(device):
+        import torch
+
+        torch.cuda.synchronize(device)
+        for _ in range(repeats):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)  # (elapsed_time: milliseconds)
+        return statistics.median(times)
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else the machine's architecture."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def compiler_errors(message: str, most: int = 12) -> str:
+    """The lines of a failed build's log that say why (nvcc's and g++'s ``error``
+    lines), and its last line; the log's tail alone is ninja's "build stopped"."""
+    lines = message.splitlines()
+    why = [ln.strip()[:400] for ln in lines if re.search(r"\berror\b", ln, re.I)
+           and "build stopped" not in ln][:most]
+    last = [ln.strip() for ln in lines[-1:] if ln.strip() not in why]
+    return "\n".join(why + last)[:4000]
 
 
 def bare_training_step(trainer, grad_clip: Optional[float] = None) -> Callable[[], None]:
@@ -70,72 +125,82 @@ def add_layer_shape_args(ap) -> None:
     ap.add_argument("--proj", type=int, default=128, help="proj_size d′")
 
 
-def layer_model_and_input(args):
+def layer_model_and_input(args, device="cpu", num_layers: int = 2):
     """The layer benchmark's model and input, from ``add_layer_shape_args``'s arguments:
-    a seeded 2-layer causal SRU++ and a time-major input x (L, B, d)."""
+    a seeded causal SRU++ of ``num_layers`` and a time-major input x (L, B, d), made
+    on the CPU (the same numbers on every device) and moved to ``device``."""
     import torch
 
     from srupp.nn import SRUpp
 
     torch.manual_seed(0)
-    model = SRUpp(args.d, args.d, args.proj, num_layers=2, causal=True)
-    return model, torch.randn(args.L, args.B, args.d)
+    model = SRUpp(args.d, args.d, args.proj, num_layers=num_layers, causal=True)
+    return model.to(device), torch.randn(args.L, args.B, args.d).to(device)
 
 
 def layer_training_step(model, x, bf16: bool) -> Callable[[], None]:
-    """One forward and backward of ``model`` on ``x`` (fp32, or under bf16 autocast);
-    the loss is the output's sum."""
+    """One forward and backward of ``model`` on ``x`` (fp32, or under bf16 autocast on
+    x's device); the loss is the output's sum."""
     import torch
 
     def run():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
             out, _ = model(x)
         out.float().sum().backward()
     return run
 
 
-def causal_mask(L: int):
+def causal_mask(L: int, device="cpu"):
     """The additive causal mask (L, L) that the reference and ``nn.TransformerEncoder``
     are called with (srupp builds its own from ``causal=True``: same computation)."""
     import torch
 
-    return torch.triu(torch.full((L, L), float("-inf")), diagonal=1)
+    return torch.triu(torch.full((L, L), float("-inf"), device=device), diagonal=1)
 
 
-def reference_layer(args):
-    """``sru==3.0.0.dev6``'s SRUpp at the layer benchmark's shape; raises ImportError
-    when it is not installed."""
+def reference_layer(args, device="cpu", num_layers: int = 2):
+    """``sru==3.0.0.dev6``'s SRUpp at the layer benchmark's shape on ``device``; raises
+    ImportError when it is not installed, and RuntimeError with the compiler's errors
+    when the CUDA kernel it builds on import did not compile for a CUDA ``device``."""
     import warnings
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         import sru
-    return sru.SRUpp(args.d, args.d, args.proj, num_layers=2)
+    failed = [str(w.message) for w in caught if "unsuccessful" in str(w.message)]
+    if failed and _is_cuda(device):
+        raise RuntimeError("the reference's CUDA kernel did not compile:\n"
+                           + compiler_errors(failed[0]))
+    return sru.SRUpp(args.d, args.d, args.proj, num_layers=num_layers).to(device)
 
 
-def reference_call(ref, x, causal, train: bool) -> Callable[[], None]:
+def reference_call(ref, x, causal, train: bool, bf16: bool = False) -> Callable[[], None]:
     """The reference's training step (forward and backward of the output's sum) or,
-    with ``train=False``, its inference under ``no_grad``; its warnings silenced."""
+    with ``train=False``, its inference under ``no_grad``; fp32, or under bf16
+    autocast; its warnings silenced."""
     import warnings
 
     import torch
 
     def run():
-        with warnings.catch_warnings(), torch.set_grad_enabled(train):
+        with warnings.catch_warnings(), torch.set_grad_enabled(train), \
+                torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
             warnings.simplefilter("ignore")
-            h, _, _ = ref(x, attn_mask=causal)
+            h = ref(x, attn_mask=causal)[0]
         if train:
-            h.sum().backward()
+            h.float().sum().backward()
     return run
 
 
 def lm_training_step(cfg, vocab: int, bf16: bool, *, compiled: bool = False,
-                     optimizer_range: Optional[str] = None):
+                     optimizer_range: Optional[str] = None, device="cpu"):
     """(step, model): ``cfg``'s language model on random tokens: forward under the
     precision, backward, clip, RAdam step, state carried from step to step.
 
     ``compiled`` runs the forward through ``torch.compile``; ``optimizer_range``
-    names a profiler range around the clip and the optimizer step.
+    names a profiler range around the clip and the optimizer step. The model and
+    the tokens are made on the CPU (the same on every device), then moved to
+    ``device``.
     """
     import contextlib
 
@@ -145,7 +210,7 @@ def lm_training_step(cfg, vocab: int, bf16: bool, *, compiled: bool = False,
     from srupp.models import build_model
 
     torch.manual_seed(0)
-    model = build_model(cfg.model_config(vocab))
+    model = build_model(cfg.model_config(vocab)).to(device)
     model.train()
     t = cfg.train
     opt = torch.optim.RAdam(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
@@ -153,14 +218,14 @@ def lm_training_step(cfg, vocab: int, bf16: bool, *, compiled: bool = False,
     forward = torch.compile(model) if compiled else model
     B, L = t.batch_size, t.unroll
     g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, vocab, (B, L + 1), generator=g) for _ in range(4)]
+    batches = [torch.randint(0, vocab, (B, L + 1), generator=g).to(device) for _ in range(4)]
     state, i = None, 0
 
     def step():
         nonlocal state, i
         b = batches[i % len(batches)]
         i += 1
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
             out = forward(b[:, :-1], state, targets=b[:, 1:])
         out.loss.backward()
         state = out.state.detach()

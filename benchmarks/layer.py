@@ -2,13 +2,18 @@
 
 Prints one JSON object. All contenders run in this one process, alternating
 round by round, and the medians are reported with ratios to the reference
-package (``sru==3.0.0.dev6``, always fp32). Run it with nothing else on the
-machine:
+package (``sru==3.0.0.dev6`` in fp32; ``--reference-precisions fp32,bf16`` adds
+it under bf16 autocast). Run it with nothing else on the machine:
 
     .venv/bin/python benchmarks/layer.py [--rounds 5] [--L 256 --B 16 --d 512 --proj 128]
         [--ablate-recurrence] [--compile]
 
-By default the process first calls ``srupp.tune_cpu_allocator()`` (as the
+On a GPU, ``--device cuda`` runs every contender there (each timing waits for
+the device's work); gpu_check.py's layer step is
+``--device cuda --num-layers 1 --contenders srupp,reference`` at the
+``enwik8-base`` layer's shape.
+
+On the CPU the process first calls ``srupp.tune_cpu_allocator()`` (as the
 ``srupp`` CLI does), which applies to all contenders alike; ``--no-tune-allocator``
 measures with glibc's defaults.
 """
@@ -26,9 +31,19 @@ from _common import (add_layer_shape_args, causal_mask, layer_model_and_input,
 from torch import nn
 
 
-def main():
-    ap = argparse.ArgumentParser()
+CONTENDERS = ("srupp", "reference", "lstm", "transformer")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_layer_shape_args(ap)
+    ap.add_argument("--num-layers", type=int, default=2, help="layers of every contender")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda: where every contender runs")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS),
+                    help=f"which of {', '.join(CONTENDERS)} to time")
+    ap.add_argument("--reference-precisions", default="fp32",
+                    help="the reference's precisions, fp32 and/or bf16 (autocast); a mode "
+                         "that fails is reported under errors")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-tune-allocator", action="store_true",
@@ -40,24 +55,40 @@ def main():
     ap.add_argument("--compile", action="store_true",
                     help="also time the srupp stack under torch.compile (its compilation, "
                          "the first calls, is reported apart as compile_s)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    unknown = set(args.contenders.split(",")) - set(CONTENDERS)
+    if unknown:
+        ap.error(f"unknown contenders {sorted(unknown)}; choose from {', '.join(CONTENDERS)}")
+    return args
+
+
+def measure(args) -> dict:
+    """The JSON object: tokens/s of every contender's training and inference step,
+    and their ratios to the reference. ``args``: :func:`parse_args`'s namespace."""
+    dev = torch.device(args.device)
+    wanted = args.contenders.split(",")
     tuned = False
-    if not args.no_tune_allocator:
+    if not args.no_tune_allocator and dev.type == "cpu":  # (glibc's malloc: the host's)
         from srupp import tune_cpu_allocator
         tuned = tune_cpu_allocator()
     L, B, d, P = args.L, args.B, args.d, args.proj
-    mine, x = layer_model_and_input(args)
-    contenders = {}
+    mine, x = layer_model_and_input(args, device=dev, num_layers=args.num_layers)
+    contenders = {}  # name -> {"train": step, "infer": step}
+    errors = {}
 
     def srupp_infer(model, bf16: bool):
         def run():
-            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            with torch.no_grad(), torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
                 model(x)
         return run
 
-    for dt in ("fp32", "bf16"):
-        contenders[f"srupp_{dt}"] = (layer_training_step(mine, x, dt == "bf16"),
-                                     srupp_infer(mine, dt == "bf16"))
+    def srupp_modes(model, dt):
+        return {"train": layer_training_step(model, x, dt == "bf16"),
+                "infer": srupp_infer(model, dt == "bf16")}
+
+    if "srupp" in wanted:
+        for dt in ("fp32", "bf16"):
+            contenders[f"srupp_{dt}"] = srupp_modes(mine, dt)
 
     compile_s = {}
     if args.compile:
@@ -66,10 +97,9 @@ def main():
         compiled = torch.compile(mine)
         for dt in ("fp32", "bf16"):
             name = f"srupp_{dt}_compiled"
-            contenders[name] = (layer_training_step(compiled, x, dt == "bf16"),
-                                srupp_infer(compiled, dt == "bf16"))
+            contenders[name] = srupp_modes(compiled, dt)
             t0 = time.perf_counter()
-            for run in contenders[name]:
+            for run in contenders[name].values():
                 run()
             compile_s[name] = round(time.perf_counter() - t0, 1)
 
@@ -87,49 +117,64 @@ def main():
             layer.recur = types.MethodType(no_recurrence, layer)
 
         for dt in ("fp32", "bf16"):
-            contenders[f"srupp_{dt}_no_recurrence"] = (
-                layer_training_step(lean_model, x, dt == "bf16"),
-                srupp_infer(lean_model, dt == "bf16"))
+            contenders[f"srupp_{dt}_no_recurrence"] = srupp_modes(lean_model, dt)
 
-    have_ref = False
-    causal = causal_mask(L)
-    try:
-        ref = reference_layer(args)
-        contenders["reference_fp32"] = (reference_call(ref, x, causal, train=True),
-                                        reference_call(ref, x, causal, train=False))
-        have_ref = True
-    except Exception as e:  # noqa: BLE001 - report why and go on
-        print(json.dumps({"note": f"reference package unavailable: {e}"}))
+    causal = causal_mask(L, dev)
+    if "reference" in wanted:
+        try:
+            ref = reference_layer(args, device=dev, num_layers=args.num_layers)
+        except Exception as e:  # noqa: BLE001 - report why and go on
+            errors["reference_import"] = f"{type(e).__name__}: {e}"[:4000]
+        else:
+            for prec in args.reference_precisions.split(","):
+                modes = {mode: reference_call(ref, x, causal, train=mode == "train",
+                                              bf16=prec == "bf16")
+                         for mode in ("train", "infer")}
+                # each mode may fail on its own (its CPU path takes no bf16, say):
+                # tried once here, and left out with its error
+                for mode, run in list(modes.items()):
+                    try:
+                        run()
+                    except Exception as e:  # noqa: BLE001
+                        errors[f"reference_{prec}_{mode}"] = f"{type(e).__name__}: {e}"[-2000:]
+                        del modes[mode]
+                if modes:
+                    contenders[f"reference_{prec}"] = modes
 
-    lstm = nn.LSTM(d, d, num_layers=2)
-    contenders["lstm_fp32"] = (lambda: lstm(x)[0].sum().backward(),
-                               lambda: torch.no_grad()(lambda: lstm(x))())
-    enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, 8, 4 * d, dropout=0.0),
-                                num_layers=2, enable_nested_tensor=False)
-    contenders["transformer_fp32"] = (
-        lambda: enc(x, mask=causal, is_causal=True).sum().backward(),
-        lambda: torch.no_grad()(lambda: enc(x, mask=causal, is_causal=True))())
+    if "lstm" in wanted:
+        lstm = nn.LSTM(d, d, num_layers=args.num_layers).to(dev)
+        contenders["lstm_fp32"] = {"train": lambda: lstm(x)[0].sum().backward(),
+                                   "infer": lambda: torch.no_grad()(lambda: lstm(x))()}
+    if "transformer" in wanted:
+        enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, 8, 4 * d, dropout=0.0),
+                                    num_layers=args.num_layers,
+                                    enable_nested_tensor=False).to(dev)
+        contenders["transformer_fp32"] = {
+            "train": lambda: enc(x, mask=causal, is_causal=True).sum().backward(),
+            "infer": lambda: torch.no_grad()(lambda: enc(x, mask=causal, is_causal=True))()}
 
-    times = {name: {"train": [], "infer": []} for name in contenders}
+    times = {name: {mode: [] for mode in modes} for name, modes in contenders.items()}
     for _ in range(args.rounds):
-        for name, (train, infer) in contenders.items():
-            times[name]["train"].append(seconds_per_call(train, args.reps))
-            times[name]["infer"].append(seconds_per_call(infer, args.reps))
+        for name, modes in contenders.items():
+            for mode, run in modes.items():
+                times[name][mode].append(seconds_per_call(run, args.reps, device=dev))
 
     tokens = L * B
-    result = {"config": {"L": L, "B": B, "d": d, "proj_size": P, "num_layers": 2,
-                         "threads": torch.get_num_threads(), "torch": torch.__version__,
-                         "rounds": args.rounds, "reps": args.reps,
+    result = {"config": {"L": L, "B": B, "d": d, "proj_size": P, "num_layers": args.num_layers,
+                         "device": str(dev), "threads": torch.get_num_threads(),
+                         "torch": torch.__version__, "rounds": args.rounds, "reps": args.reps,
                          "allocator_tuned": tuned},
-              "loadavg_1m": os.getloadavg()[0], "tokens_per_s": {}, "ratio_to_reference": {}}
+              "loadavg_1m": os.getloadavg()[0], "tokens_per_s": {}, "ratio_to_reference": {},
+              "errors": errors}
     if compile_s:
         result["compile_s"] = compile_s
     for name, t in times.items():
         result["tokens_per_s"][name] = {k: tokens / statistics.median(v) for k, v in t.items()}
-    if have_ref:
+    if "reference_fp32" in times:
         refs = result["tokens_per_s"]["reference_fp32"]
         for name, v in result["tokens_per_s"].items():
-            result["ratio_to_reference"][name] = {k: round(v[k] / refs[k], 2) for k in v}
+            result["ratio_to_reference"][name] = {k: round(v[k] / refs[k], 2)
+                                                  for k in v if k in refs}
         # The reference's speed drifts between rounds on a shared machine, so also
         # give the ratio within each round (contenders alternate, so a round's
         # figures were taken close together): median and range over rounds.
@@ -140,6 +185,8 @@ def main():
                 continue
             result["ratio_per_round"][name] = {}
             for k in t:
+                if k not in ref_t:
+                    continue
                 r = sorted(a / b for a, b in zip(ref_t[k], t[k]))
                 result["ratio_per_round"][name][k] = {
                     "median": round(statistics.median(r), 2), "min": round(r[0], 2),
@@ -151,7 +198,11 @@ def main():
         result["config"]["srupp_attention"] = get_attention_backend()
     except ImportError:
         pass
-    print(json.dumps(result, indent=2))
+    return result
+
+
+def main(argv=None):
+    print(json.dumps(measure(parse_args(argv)), indent=2))
 
 
 if __name__ == "__main__":

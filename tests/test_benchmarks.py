@@ -38,9 +38,16 @@ def run_benchmark(script: str, *args: str, timeout: float = 300) -> dict:
 
 def test_recurrence():
     r = run_benchmark("recurrence.py", "--quick", "--no-reference", "--repeats", "1",
-                      "--copy-mb", "4")
+                      "--copy-mb", "4", "--dtype", "float32", "float16")
     assert r["copy"]["GBps"] > 0
     assert set(r["cpu_kernel"]) >= {"forward", "backward", "forward_inference"}
+    # a row per dtype: the C++ kernel where it computes the dtype, skipped where not
+    fp32, fp16 = r["rows"]
+    assert (fp32["dtype"], fp32["kernel"], fp16["dtype"], fp16["kernel"]) == (
+        "fp32", "cpu", "fp16", "reference") and "skipped" in fp16
+    assert fp32["forward_share"] > 0 and r["worst_share"] == min(fp32["forward_share"],
+                                                                 fp32["backward_share"])
+    assert r["cpu_kernel"]["forward"]["MB_moved"] == round(fp32["forward_bytes"] / 1e6, 1)
 
 
 def test_layer_with_ablation():
@@ -48,6 +55,21 @@ def test_layer_with_ablation():
                       "--rounds", "1", "--reps", "1", "--ablate-recurrence")
     assert {"srupp_fp32", "srupp_bf16", "srupp_fp32_no_recurrence", "lstm_fp32",
             "transformer_fp32"} <= set(r["tokens_per_s"])
+
+
+def test_layer_as_gpu_checks_layer_step():
+    """One layer, srupp and the reference only, the reference in both precisions: a mode
+    of the reference that fails (its CPU path takes no bf16) is an error, not a crash."""
+    r = run_benchmark("layer.py", "--L", "8", "--B", "2", "--d", "16", "--proj", "8",
+                      "--rounds", "1", "--reps", "1", "--num-layers", "1", "--contenders",
+                      "srupp,reference", "--reference-precisions", "fp32,bf16")
+    assert r["config"]["num_layers"] == 1 and r["config"]["device"] == "cpu"
+    timed = {f"{name}_{mode}" for name, modes in r["tokens_per_s"].items() for mode in modes}
+    assert {"srupp_fp32_train", "srupp_bf16_infer", "reference_fp32_train"} <= timed
+    assert not any(k.startswith(("lstm", "transformer")) for k in timed)
+    # every reference mode either timed or reported
+    assert {f"reference_{p}_{m}" for p in ("fp32", "bf16") for m in ("train", "infer")} \
+        == timed - {k for k in timed if k.startswith("srupp")} | set(r["errors"])
 
 
 def test_layer_floor():
@@ -104,6 +126,16 @@ def test_recipe_step_benchmarks(script, corpus):
         assert len(r["tokens_per_s"]) == 2 and min(r["tokens_per_s"].values()) > 0
     else:
         assert r["trainer_s_per_step"] > 0 and r["bare_s_per_step"] > 0
+
+
+def test_step_profile_of_the_trainer(corpus):
+    r = run_benchmark("step_profile.py", "--tiny", "--shapes", "trainer", "--precisions", "fp32",
+                      "--set", f"data.corpus={corpus}")
+    prof = r["shapes"]["trainer"]["fp32"]
+    assert prof["steps_profiled"] == 1 and prof["steps_timed"] == 2 and prof["step_ms"] > 0
+    assert {"gemm", "recurrence", "optimizer"} <= set(prof["by_kind_ms"])
+    assert prof["device_busy_ms"] == pytest.approx(sum(prof["by_kind_ms"].values()), abs=0.1)
+    assert prof["top"][0]["ms_per_step"] >= prof["top"][-1]["ms_per_step"] > 0
 
 
 def test_step_profile():
