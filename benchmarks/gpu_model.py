@@ -988,11 +988,11 @@ def _build_config(spec: dict):
     from srupp.train import build_config
 
     if spec.get("calibration"):
-        import gpu_check
+        from _gpu_training import enwik8_config
 
         work = Path(tempfile.mkdtemp(prefix="gpu_model_"))
         try:  # (it writes a synthetic corpus, which the step does not read)
-            return gpu_check._enwik8_config(
+            return enwik8_config(
                 argparse.Namespace(dry_run=False, enwik8_batch=spec["batch"]), work, 200)
         finally:
             shutil.rmtree(work, ignore_errors=True)
@@ -1132,7 +1132,7 @@ def _trace_lm(spec: dict, recorder, patches: _Patches) -> dict:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import gpu_check
+    from _common import model_flops_per_token
     from srupp.data.batching import Batch
     from srupp.models import build_model
     from srupp.train.distributed import SINGLE
@@ -1148,8 +1148,7 @@ def _trace_lm(spec: dict, recorder, patches: _Patches) -> dict:
     capability = tuple(spec.get("capability", (9, 0)))
     model_cfg = cfg.model_config(_vocab_size(cfg))
     model = build_model(model_cfg, device="meta")
-    flops_per_token = gpu_check.model_flops_per_token(model, model_cfg.mem_len or 0,
-                                                      cfg.train.unroll)
+    flops_per_token = model_flops_per_token(model, model_cfg.mem_len or 0, cfg.train.unroll)
     params = model.num_parameters()
     task = cfg.task_class(cfg)
     sdpa = _attention_stand_in(recorder, capability)
@@ -1226,10 +1225,10 @@ def _trace_layer(spec: dict, recorder, patches: _Patches) -> dict:
             recorder.on, recorder.phase = True, "forward"
             run()
             recorder.on = False
-    import gpu_check
+    from _common import model_flops_per_token
 
     return {"workload": "layer", "params": params,
-            "flops_per_token": gpu_check.model_flops_per_token(model, 0, L),
+            "flops_per_token": model_flops_per_token(model, 0, L),
             "tokens_per_step": L * B,
             "batch": B, "unroll": L, "mem_len": 0, "grad_accum": 1, "precision": precision,
             "optimizer": None, "optimizer_impl": None, "recipe_compile": "off",
@@ -1310,12 +1309,12 @@ def measure_host(spec: dict, steps: int = 7) -> dict:
             step()
     finally:
         torch.set_num_threads(threads)
-    import gpu_check
+    from _common import cpu_name
 
     seconds = statistics.median(times)
     return {"workload": "host", "call_us": round(seconds / Count.calls * 1e6, 2),
             "step_ms": round(seconds * 1e3, 2), "calls": Count.calls,
-            "cpu": gpu_check._cpu_name(),
+            "cpu": cpu_name(),
             "widths": list(HOST_WIDTHS)}
 
 

@@ -275,9 +275,9 @@ def test_gpu_check_dry_run(tmp_path):
     _check_side_by_side(steps["side_by_side"]["result"])
     # every launch configuration of the sweep computes what the default does, to the bit
     sweep = steps["sweep"]["result"]
-    gpu_check = _gpu_check()
     assert [(x["dtype"], x["config"]) for x in sweep["rows"]] == [
-        (d, c) for d in ("bf16", "fp32") for c in (sweep["default_config"], *gpu_check.DRY_SWEEP)]
+        (d, c) for d in ("bf16", "fp32") for c in (sweep["default_config"],
+                                                     *_bench("_gpu_steps").DRY_SWEEP)]
     assert all(x["max_abs_diff_to_first"] == 0 and x["forward_ms"] > 0 for x in sweep["rows"])
     assert [x["default"] for x in sweep["rows"]] == [True, False, False] * 2
     assert not sweep["cut_short"] and set(sweep["best_config"]) == {"fp32", "bf16"}
@@ -301,7 +301,7 @@ def _check_side_by_side(side):
     """Every SIDE_BY_SIDE row trained (CUDA graphs, CUDA-only, skipped with its reason),
     at the same batch and length, with SRU++ and the Transformer within 10% in size."""
     names = [r["name"] for r in side["rows"]]
-    assert names == [row[0] for row in _gpu_check().SIDE_BY_SIDE]
+    assert names == [row[0] for row in _bench("_gpu_training").SIDE_BY_SIDE]
     for r in side["rows"]:
         if "cudagraphs" in " ".join(r["settings"]):
             assert r["skipped"] == "CUDA graphs need a CUDA device"
@@ -312,17 +312,19 @@ def _check_side_by_side(side):
     assert side["best"]["srupp"].startswith("srupp") and side["srupp_mfu"] > 0
 
 
-def _gpu_check():
+def _bench(module: str):
+    """benchmarks/<module>.py, imported as the scripts import each other."""
+    import importlib
+
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import gpu_check
+        return importlib.import_module(module)
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    return gpu_check
 
 
 def test_gpu_check_quick_runs_the_four_steps_in_its_budget():
-    gpu_check = _gpu_check()
+    gpu_check = _bench("gpu_check")
     names, budget = gpu_check.plan(gpu_check.parse_args(["--quick"]))
     assert [n for n, _, _ in names] == ["environment", "bounds", "sweep", "side_by_side"]
     assert budget == gpu_check.QUICK_BUDGET <= 240  # two calls fit a 15-minute GPU loan
@@ -333,20 +335,16 @@ def test_gpu_check_quick_runs_the_four_steps_in_its_budget():
 
 
 def test_gpu_check_reads_why_a_build_failed_and_names_kernel_kinds():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import gpu_check
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    common, step_profile = _bench("_common"), _bench("step_profile")
     log = ("[1/3] nvcc -c sru_cuda_kernel.cu\nFAILED: sru_cuda_kernel.cuda.o\n"
            "sru_cuda_kernel.cu(12): error: identifier \"THCState\" is undefined\n"
            "1 error detected in the compilation of \"sru_cuda_kernel.cu\".\n"
            "[2/3] g++ -c sru_cuda_impl.cpp\nninja: build stopped: subcommand failed.")
-    assert gpu_check.compiler_errors(log).splitlines() == [
+    assert common.compiler_errors(log).splitlines() == [
         'sru_cuda_kernel.cu(12): error: identifier "THCState" is undefined',
         '1 error detected in the compilation of "sru_cuda_kernel.cu".',
         "ninja: build stopped: subcommand failed."]
-    kinds = {name: gpu_check.kernel_kind(name) for name in (
+    kinds = {name: step_profile.kernel_kind(name) for name in (
         "_sru_fwd_kernel", "nvjet_tst_128x256_64x4_2x1_v_bz_coopB_TNT",
         "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm>",
         "pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>",

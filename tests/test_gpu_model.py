@@ -21,8 +21,8 @@ TINY = ["model.d_model=64", "model.proj_size=16", "model.num_layers=2", "train.b
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 try:
-    import gpu_check
     import gpu_model as gm
+    import step_profile  # gpu_check's profile step: its KERNEL_KINDS
 finally:
     sys.path.remove(str(ROOT / "benchmarks"))
 
@@ -216,7 +216,7 @@ def test_the_timeline_waits_for_the_slower_of_host_and_device():
 
 
 def test_profile_kinds_are_gpu_checks_and_name_the_kernels_it_would_see():
-    theirs = {k for k, _ in gpu_check.KERNEL_KINDS} | {"other element-wise"}
+    theirs = {k for k, _ in step_profile.KERNEL_KINDS} | {"other element-wise"}
     assert set(gm.PROFILE_KINDS) == theirs
     assert set(gm.PROFILE_KIND_OF_OP.values()) <= theirs
     # the kernels each op launches on CUDA, and the kind gpu_check gives their names
@@ -238,7 +238,7 @@ def test_profile_kinds_are_gpu_checks_and_name_the_kernels_it_would_see():
         "add": "void at::native::vectorized_elementwise_kernel<4, CUDAFunctor_add<float>>",
     }
     for op, kernel in kernels.items():
-        assert gm.profile_kind({"name": op}) == gpu_check.kernel_kind(kernel), op
+        assert gm.profile_kind({"name": op}) == step_profile.kernel_kind(kernel), op
 
 
 def test_compare_to_profile_pairs_the_kinds_and_the_step():
