@@ -56,6 +56,30 @@ def test_batched_left_padded_generation_matches_single(device):
         assert got == m.generate([p], 6, temperature=0)[0]
 
 
+@pytest.mark.parametrize("adaptive", [False, True], ids=["plain", "adaptive"])
+def test_prefill_reads_a_chunk_as_forward_does(adaptive, device):
+    """prefill = forward without the logits of all but the last position (adaptive:
+    log-probabilities, as forward gives); decoding goes on from its state the same."""
+    extra = dict(vocab_size=20, adaptive_cutoffs=[6, 12], div_val=2) if adaptive else {}
+    m = make(device, **extra)
+    V = m.config.vocab_size
+    t = torch.randint(0, V, (2, 6)).to(device)
+    head = t[:, :5].contiguous()
+    with torch.no_grad():
+        out = m(head, m.initial_state(2, mem_len=4))
+        last, state = m.prefill(head, m.initial_state(2, mem_len=4))
+        assert last.shape == (2, V)
+        torch.testing.assert_close(last, out.logits[:, -1], **TOL)
+        torch.testing.assert_close(state.c, out.state.c, **TOL)
+        assert state.memory_length == out.state.memory_length == 4
+        after, _ = m.step(t[:, 5].contiguous(), state)
+        torch.testing.assert_close(after, m(t[:, 5:].contiguous(), out.state).logits[:, -1],
+                                   **TOL)
+    for bad in (t[0], t[:, :0]):
+        with pytest.raises(ValueError, match="prefill takes tokens"):
+            m.prefill(bad, None)
+
+
 def test_seeded_sampling_repeats(device):
     m = make(device)
     # a CPU generator samples a model on any device; on a GPU, so does one of the GPU's

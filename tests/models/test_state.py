@@ -241,3 +241,40 @@ def test_save_refuses_what_it_cannot_keep(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         save_state(state, tmp_path / "no" / "s.safetensors")
     assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------ joining states
+@pytest.mark.parametrize("kind", ["transformer", "lstm"])
+def test_tensor_states_join_rows_as_index_select_splits_them(kind, device):
+    m = make(kind, device)
+    tokens = torch.tensor([[3, 1, 4, 1, 5], [0, 0, 2, 6, 5], [0, 0, 0, 9, 2]], device=device)
+    pad = (torch.arange(5) < torch.tensor([[0], [2], [3]])).to(device)
+    with torch.no_grad():
+        state = m(tokens, m.generation_state(3, mem_len=4), mask_pad=pad).state
+    order = [2, 0, 1]
+    joined = TensorState.cat([state.index_select([2]), state.index_select([0, 1])])
+    want = state.index_select(order)
+    assert joined.batch_dims == want.batch_dims and joined.tensors.keys() == want.tensors.keys()
+    for k, t in want.tensors.items():
+        assert torch.equal(joined[k], t), k
+    if kind == "transformer":  # the window is shared, not batched: one copy
+        assert joined.batch_dims["window"] is None and int(joined["window"]) == 4
+    assert TensorState.cat([state]).tensors.keys() == state.tensors.keys()
+    nxt = torch.tensor([[7], [8], [9]], device=device)
+    with torch.no_grad():
+        torch.testing.assert_close(m(nxt, joined).logits, m(nxt, want).logits, **TOL)
+
+
+def test_tensor_state_cat_refuses_states_made_differently():
+    a = TensorState({"h": torch.zeros(2, 1, 3), "pad": torch.ones(1, 4, dtype=torch.bool),
+                     "n": torch.tensor(4)}, {"h": 1, "pad": 0, "n": None})
+    no_pad = TensorState({"h": torch.zeros(2, 1, 3), "n": torch.tensor(4)}, {"h": 1, "n": None})
+    other_n = TensorState(dict(a.tensors, n=torch.tensor(5)), dict(a.batch_dims))
+    joined = TensorState.cat([a, a])
+    assert joined["h"].shape == (2, 2, 3) and joined["pad"].shape == (2, 4)
+    with pytest.raises(ValueError, match="different tensors"):
+        TensorState.cat([a, no_pad])
+    with pytest.raises(ValueError, match="shared tensor 'n' differs"):
+        TensorState.cat([a, other_n])
+    with pytest.raises(ValueError, match="at least one"):
+        TensorState.cat([])

@@ -580,3 +580,98 @@ def test_step_bad_input():
         m.step(torch.randn(3, 6), m.initial_state(2))
     with pytest.raises(ValueError, match="unidirectional"):
         make(bidirectional=True).step(torch.randn(2, 6))
+
+
+# ------------------------------------------------------ padded states and joins
+
+def assert_same_state_bits(a: SRUppState, b: SRUppState):
+    """Equal tensors (c, memory, mask, cached K/V) and mem_len."""
+    assert a.mem_len == b.mem_len and torch.equal(a.c, b.c)
+    for x, y in zip(a.memory + [a.memory_mask_pad], b.memory + [b.memory_mask_pad]):
+        assert (x is None) == (y is None) and (x is None or torch.equal(x, y))
+    for x, y in zip(a.kv_cache, b.kv_cache):
+        assert (x is None) == (y is None) and (x is None or torch.equal(x.kv, y.kv))
+
+
+@pytest.mark.parametrize("case", ["plain", "heads_mem2", "attention_every_2"])
+def test_padded_state_decodes_as_the_initial_state_and_keeps_its_window(case, device):
+    m = make(device, **STEP_CASES[case])  # the layers' mem_len: the padded state's overrides
+    x = torch.randn(7, 2, 6).to(device)
+    with torch.no_grad():
+        padded = m.padded_state(2, 5)
+        assert padded.memory_length == 5 and padded.mem_len == 5
+        assert padded.memory_mask_pad.shape == (2, 5) and bool(padded.memory_mask_pad.all())
+        assert not padded.c.any() and padded.c.dtype == torch.float32
+        assert [mem is not None for mem in padded.memory] == [la.use_attention for la in m.layers]
+        want, st_want = run_chunks(m, x, [3, 1], m.initial_state(2, mem_len=5))
+        outs, st = [], padded
+        for t, n in ((0, 3), (3, 1), (4, 1), (5, 2)):  # chunks, then steps
+            if n == 1:
+                h, st = m.step(x[t], st)
+                outs.append(h.unsqueeze(0))
+            else:
+                o, st = m(x[t:t + n], st)
+                outs.append(o)
+            assert st.memory_length == 5 and st.memory_mask_pad.shape == (2, 5)  # always
+        close(torch.cat(outs), want, **fp32_tol(device))
+        close(st.c, st_want.c, **fp32_tol(device))
+        assert not st.memory_mask_pad.any()  # 7 tokens: the padding has slid out
+        for a, b in zip(st.memory, st_want.memory):
+            assert (a is None) == (b is None)
+            if a is not None:
+                close(a, b, **fp32_tol(device))
+
+
+def test_padded_state_without_memory_is_the_initial_state(device):
+    m = make(device, causal=True)
+    for state in (m.padded_state(3, 0), make(device, causal=True, attention_last_n_layers=0)
+                  .padded_state(3, 4)):
+        assert state.memory_length == 0 and state.memory_mask_pad is None
+        assert state.c.shape == (2, 3, 4) and not state.c.any()
+    half = m.padded_state(1, 4, dtype=torch.bfloat16)
+    assert half.memory[0].dtype == torch.bfloat16 and half.c.dtype == torch.float32
+    assert half.memory[0].device == half.c.device == m.layers[0].weight_c.device
+
+
+def test_state_cat_joins_rows_as_index_select_splits_them(device):
+    m = make(device, causal=True, num_heads=2, mem_len=4)
+    x = torch.randn(6, 3, 6).to(device)
+    with torch.no_grad():
+        _, st = m(x, m.padded_state(3, 4))  # under no_grad: with cached keys and values
+        assert all(kv is not None for kv in st.kv_cache)
+        order = [0, 2, 1]
+        joined = SRUppState.cat([st.index_select([0, 2]), st.index_select([1])])
+        assert_same_state_bits(joined, st.index_select(order))
+        assert all(kv.valid_for(layer.transform.kv_weights, 4)  # kept: same weights
+                   for kv, layer in zip(joined.kv_cache, m.layers))
+        assert SRUppState.cat([st]) is st
+        nxt = torch.randn(3, 6).to(device)
+        h, _ = m.step(nxt, joined)
+        for i, row in enumerate(order):  # each row decodes as it would alone
+            alone, _ = m.step(nxt[i:i + 1], st.index_select([row]))
+            close(h[i], alone[0], **fp32_tol(device))
+        # a state without cached keys: the join keeps none (the next call recomputes them)
+        bare = SRUppState.cat([st.index_select([0]), st.index_select([1]).drop_kv_cache()])
+        assert all(kv is None for kv in bare.kv_cache)
+        close(m.step(nxt[:2], bare)[0], m.step(nxt[:2], st.index_select([0, 1]))[0],
+              **fp32_tol(device))
+
+
+def test_state_cat_fills_a_missing_padding_mask_and_refuses_other_lengths():
+    g = torch.Generator().manual_seed(0)
+    mem = lambda b, n: [torch.randn(b, n, 6, generator=g), None]  # noqa: E731
+    masked = SRUppState(c=torch.randn(2, 1, 4, generator=g), memory=mem(1, 3),
+                        memory_mask_pad=torch.tensor([[True, False, False]]), mem_len=3)
+    plain = SRUppState(c=torch.randn(2, 2, 4, generator=g), memory=mem(2, 3), mem_len=3)
+    joined = SRUppState.cat([plain, masked])
+    assert joined.batch_size == 3 and joined.memory[1] is None
+    assert joined.memory_mask_pad.tolist() == [[False] * 3, [False] * 3, [True, False, False]]
+    assert torch.equal(joined.memory[0], torch.cat([plain.memory[0], masked.memory[0]]))
+    assert torch.equal(joined.c, torch.cat([plain.c, masked.c], 1))
+    longer = SRUppState(c=torch.randn(2, 1, 4), memory=mem(1, 4), mem_len=3)
+    other_len = SRUppState(c=torch.randn(2, 1, 4), memory=mem(1, 3), mem_len=5)
+    for states in ([plain, longer], [plain, other_len]):
+        with pytest.raises(ValueError, match="memory length"):
+            SRUppState.cat(states)
+    with pytest.raises(ValueError, match="at least one"):
+        SRUppState.cat([])

@@ -47,6 +47,7 @@ import torch
 
 from .._ranges import check
 from ..models.lm import check_sampling, sample
+from ..nn.state import SRUppState
 from ..ops.matmul import batch_invariant
 from .sessions import Session, SessionStore, check_session_id
 from .text import StopMatcher, TextDecoder, check_stops
@@ -204,6 +205,7 @@ class Engine:
         self._queue: Deque[Stream] = collections.deque()
         self._reading: Deque[Stream] = collections.deque()   # reading their prompts
         self._active: List[Stream] = []                      # rows of self._batch, in order
+        self._apart: List[Stream] = []       # read their prompts; first step alone (_batch_join)
         self._batch: Any = None
         self._busy_sessions: set = set()
 
@@ -234,7 +236,8 @@ class Engine:
         with self._lock:
             if self.closed:
                 raise EngineClosed("the engine is shutting down")
-            if len(self._queue) >= self.max_queue and self._free_slots() == 0:
+            # the free slots take the first of the queue at the next step; the rest wait
+            if len(self._queue) >= self.max_queue + max(0, self._free_slots()):
                 raise QueueFull(f"{len(self._queue)} streams are waiting (max_queue)")
             if session is not None:
                 if session in self._busy_sessions:
@@ -253,7 +256,7 @@ class Engine:
 
     @property
     def active_streams(self) -> int:
-        return len(self._active) + len(self._reading)
+        return len(self._active) + len(self._apart) + len(self._reading)
 
     @property
     def queue_depth(self) -> int:
@@ -261,21 +264,21 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return not (self._queue or self._reading or self._active)
+        return not (self._queue or self._reading or self._active or self._apart)
 
     # ------------------------------------------------------------ the model thread
     def step(self) -> bool:
         """One engine step: admit waiting streams to free slots, read one prompt chunk,
         then decode one token for every active stream. False when there was nothing to do."""
+        worked = self._drop_cancelled()  # first: their slots go to waiting streams now
         with self._lock:
-            while self._queue and self._free_slots():
+            while self._queue and self._free_slots() > 0:
                 self._reading.append(self._queue.popleft())
-        worked = self._drop_cancelled()
         with torch.no_grad():
             if self._reading:
                 self._read_chunk(self._reading[0])
                 worked = True
-            if self._active:
+            if self._active or self._apart:
                 self._decode()
                 worked = True
         return worked
@@ -301,6 +304,10 @@ class Engine:
             self._reading = collections.deque()
         for s in waiting:
             self._finish(s, ABORT)
+        apart, self._apart = self._apart, []
+        for s in apart:
+            self._keep_session(s, s.state)
+            self._finish(s, ABORT)
         self._leave(list(range(len(self._active))), ABORT)
 
     def generate(self, prompt: Sequence[int], sampling: Sampling = Sampling(), *,
@@ -315,7 +322,7 @@ class Engine:
 
     # ------------------------------------------------------------------ internals
     def _free_slots(self) -> int:
-        return self.max_streams - len(self._active) - len(self._reading)
+        return self.max_streams - len(self._active) - len(self._apart) - len(self._reading)
 
     def _new_state(self):
         return self.model.backbone.padded_state(1, self.window)
@@ -325,10 +332,15 @@ class Engine:
         for s in gone:
             self._reading.remove(s)
             self._finish(s, ABORT)
+        apart = [s for s in self._apart if s.cancelled]
+        for s in apart:
+            self._apart.remove(s)
+            self._keep_session(s, s.state)
+            self._finish(s, ABORT)
         rows = [i for i, s in enumerate(self._active) if s.cancelled]
         if rows:
             self._leave(rows, ABORT)
-        return bool(gone or rows)
+        return bool(gone or apart or rows)
 
     def _read_chunk(self, s: Stream) -> None:
         """Read the next chunk of s's prompt; once all but its last token are read, s joins
@@ -349,9 +361,10 @@ class Engine:
             return
         self._reading.popleft()
         s.pending = s.todo[-1]
-        if s.sampling.max_tokens == 0:
-            self._batch_join(s)
-            self._leave([len(self._active) - 1], LENGTH)
+        if s.sampling.max_tokens == 0:  # done: its state never joins the batch
+            self._keep_session(s, s.state)
+            s.state = None
+            self._finish(s, LENGTH)
             return
         self._batch_join(s)
 
@@ -364,6 +377,15 @@ class Engine:
         return self._new_state(), None, 0
 
     def _batch_join(self, s: Stream) -> None:
+        """s, its prompt read, becomes a row of the batch. A state without the cached keys
+        and values of its memory (a fresh one that read no prompt, a session loaded from
+        disk) waits apart and takes its first step alone (:meth:`_decode`), as it would
+        with no other stream: joined as it is, it would make the batch drop every row's
+        cache (``SRUppState.cat``) and the step recompute them all, from memory, in bits
+        other than the cached ones, changing the other streams' tokens."""
+        if _lacks_kv_cache(s.state):
+            self._apart.append(s)
+            return
         state, s.state = s.state, None
         self._batch = state if self._batch is None else type(state).cat([self._batch, state])
         self._active.append(s)
@@ -372,10 +394,23 @@ class Engine:
         """One token for every active stream: feed the pending tokens, sample the next. A
         stream alone (nothing else active or waiting) runs on for a chunk of tokens in one
         C++ call (:meth:`_run_alone`): the very tokens these steps would give."""
-        active = self._active
-        tokens = torch.tensor([s.pending for s in active], device=self.model.device)
         with batch_invariant(self.max_streams):
-            logits, self._batch = self.model.step(tokens, self._batch)   # (B, V)
+            rows = []                                                     # logits (b, V)
+            if self._active:
+                tokens = torch.tensor([s.pending for s in self._active], device=self.model.device)
+                logits, self._batch = self.model.step(tokens, self._batch)  # (B, V)
+                rows.append(logits)
+            apart, self._apart = self._apart, []
+            for s in apart:  # their first step alone, then they join (see _batch_join)
+                token = torch.tensor([s.pending], device=self.model.device)
+                logits, state = self.model.step(token, s.state)           # (1, V)
+                s.state = None
+                self._batch = state if self._batch is None else type(state).cat(
+                    [self._batch, state])
+                self._active.append(s)
+                rows.append(logits)
+            logits = rows[0] if len(rows) == 1 else torch.cat(rows)       # (B, V)
+            active = self._active
             alone = self._run_alone(active[0], logits) if len(active) == 1 else None
         produced = [alone] if alone is not None else [[t] for t in self._sample(logits, active)]
         now = time.perf_counter()
@@ -462,17 +497,22 @@ class Engine:
             return
         leaving = [self._active[i] for i in rows]
         for i, s in zip(rows, leaving):
-            if s.session is not None and self.sessions is not None:
-                row = self._batch.index_select(torch.tensor([i]))
-                self.sessions.put(s.session, Session(
-                    state=row, pending=s.pending,
-                    tokens=s.session_tokens + len(s.prompt) + len(s.generated),
-                    model_id=self.sessions.model_id, updated=time.time()), persist=True)
+            if s.session is not None:
+                self._keep_session(s, self._batch.index_select(torch.tensor([i])))
         keep = [i for i in range(len(self._active)) if i not in set(rows)]
         self._batch = self._batch.index_select(torch.tensor(keep)) if keep else None
         self._active = [self._active[i] for i in keep]
         for s in leaving:
             self._finish(s, reason)
+
+    def _keep_session(self, s: Stream, state) -> None:
+        """Keep s's session (if it names one): ``state`` (batch size 1) and its pending token."""
+        if s.session is None or self.sessions is None or state is None:
+            return
+        self.sessions.put(s.session, Session(
+            state=state, pending=s.pending,
+            tokens=s.session_tokens + len(s.prompt) + len(s.generated),
+            model_id=self.sessions.model_id, updated=time.time()), persist=True)
 
     def _finish(self, s: Stream, reason: Optional[str]) -> None:
         """End s: the text held back (unless a stop string cut it) and the finish reason."""
@@ -490,6 +530,13 @@ class Engine:
         with self._lock:
             self._busy_sessions.discard(s.session)
         s._emit(Event(rest, [], reason))
+
+
+def _lacks_kv_cache(state) -> bool:
+    """Whether an SRU++ state holds memory without its cached keys and values."""
+    return isinstance(state, SRUppState) and any(
+        m is not None and m.shape[1] > 0 and kv is None
+        for m, kv in zip(state.memory, state.kv_cache))
 
 
 def _nbytes(state) -> int:
