@@ -386,6 +386,22 @@ def test_gpu_check_pytest_cut_short_keeps_what_ran(tmp_path):
     assert r["seconds"] < 60  # the sleeping test was killed, with its process group
 
 
+def test_serve_load():
+    """Two load levels and one context on tiny models, through real servers."""
+    r = run_benchmark("serve_load.py", "--tiny", "--levels", "1,2", "--tokens", "6",
+                      "--prompt", "8", "--contexts", "24", "--context-streams", "2",
+                      "--dtype", "fp32")
+    assert r["bf16_gemm_peak_gflops"] > 0
+    levels = r["load"][0]["levels"]
+    assert [x["streams"] for x in levels] == [1, 2]
+    for x in levels:
+        assert x["tokens"] == 6 * x["streams"] and x["tokens_per_s_overall"] > 0
+        assert 0 < x["share_of_compute_bound"] and x["itl_ms"]["p50"] <= x["itl_ms"]["p99"]
+    ctx = r["contexts"][0]
+    assert ctx["context"] == 24 and ctx["srupp_over_transformer_tokens_per_s"] > 0
+    assert ctx["transformer"]["window"] == 24 and ctx["srupp"]["state_bytes_per_stream"] > 0
+
+
 def test_every_script_is_smoke_tested_and_listed():
     """A script added to benchmarks/ gets a smoke test above and a row in its README."""
     scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_")}

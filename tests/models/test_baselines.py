@@ -120,12 +120,7 @@ def test_padded_state_decodes_as_the_generation_state(kind, device):
         assert state["k.0"].shape[2] == state["v.1"].shape[2] == 4
 
 
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.xfail(
-    strict=True, raises=ValueError,
-    reason="the Transformer's state drops key_pad once the padding has slid out of its "
-           "window, so it no longer joins a state that has one (TransformerBackbone.forward "
-           "should keep key_pad when the incoming state had one)"))
-    if k == "transformer" else k for k in CLASSES])
+@pytest.mark.parametrize("kind", CLASSES)
 def test_padded_states_at_different_points_join(kind, device):
     """Two streams' states, one past its padding and one just started, keep the same
     tensors and sizes, join into one batch, and each row decodes as it would alone."""

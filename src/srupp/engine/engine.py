@@ -49,6 +49,7 @@ from .._ranges import check
 from ..models.lm import check_sampling, sample
 from ..nn.state import SRUppState
 from ..ops.matmul import batch_invariant
+from ..ops.settings import tuning
 from .sessions import Session, SessionStore, check_session_id
 from .text import StopMatcher, TextDecoder, check_stops
 
@@ -119,6 +120,7 @@ class Stream:
         self.generated: List[int] = []
         self.text = ""                      # the text handed on so far
         self.finish_reason: Optional[str] = None
+        self.error: Optional[str] = None    # why the engine ended it (ABORT), if not asked to
         self.cancelled = False
         self.state: Any = None              # while reading the prompt; then a batch row
         self.todo: List[int] = []           # tokens to read: a session's pending + prompt
@@ -346,7 +348,13 @@ class Engine:
         """Read the next chunk of s's prompt; once all but its last token are read, s joins
         the batch with that token pending."""
         if s.state is None:
-            s.state, pending, s.session_tokens = self._start_state(s)
+            try:
+                s.state, pending, s.session_tokens = self._start_state(s)
+            except ValueError as e:  # a damaged session file, or one of another model
+                self._reading.popleft()
+                s.error = str(e)
+                self._finish(s, ABORT)
+                return
             s.todo = ([pending] if pending is not None else []) + s.prompt
             if not s.todo:  # a session with nothing pending and an empty prompt
                 self._reading.popleft()
@@ -431,22 +439,19 @@ class Engine:
         if ended:
             self._leave(ended, None)
 
-    #: The most tokens a lone stream runs in one C++ call: enough to amortise the call,
-    #: few enough that a new request waits at most a few milliseconds to join.
-    ALONE_CHUNK = 64
-
     def _run_alone(self, s: Stream, logits: torch.Tensor) -> Optional[List[int]]:
         """The tokens of a stream decoding alone, from ``logits``, in one call of the C++
-        loop (:meth:`CausalLM.fused_decoder`): up to :attr:`ALONE_CHUNK`, starting at 2 and
-        doubling, so that the first tokens stream soon. The last is left pending. None
+        loop (:meth:`CausalLM.fused_decoder`): up to ``srupp.ops.tuning().decode_chunk`` (64:
+        enough to amortise the call, few enough that a new request waits a few milliseconds
+        to join), starting at 2 and doubling, so that the first tokens stream soon. The last is left pending. None
         (nothing run) where the loop does not apply: other streams waiting, stop strings
         or an end token (which could end the stream inside the chunk), or a model the loop
         can't run."""
-        left = s.sampling.max_tokens - len(s.generated)
-        if self._queue or self._reading or s.cancelled or left < 2 or s.sampling.stop \
-                or self.eos_id is not None:
+        left, most = s.sampling.max_tokens - len(s.generated), tuning().decode_chunk
+        if self._queue or self._reading or s.cancelled or left < 2 or most < 2 \
+                or s.sampling.stop or self.eos_id is not None:
             return None
-        n = min(left, s.chunk)
+        n = min(left, s.chunk, most)
         emb = self.model.embedding
         like = emb.weight.new_empty(1, getattr(emb, "embedding_dim", 0))
         decoder = self.model.fused_decoder(self._batch, n, like)
@@ -459,7 +464,7 @@ class Engine:
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, generator=s.generator,
             eos_id=None)                                                  # (1, n)
         self._batch = state
-        s.chunk = min(2 * s.chunk, self.ALONE_CHUNK)
+        s.chunk = min(2 * s.chunk, most)
         return tokens[0].tolist()
 
     def _sample(self, logits: torch.Tensor, active: List[Stream]) -> List[int]:

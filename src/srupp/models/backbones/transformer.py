@@ -304,7 +304,9 @@ class TransformerBackbone(Backbone):
                 new[f"v.{i}"] = v if window is None else v[:, :, -window:]
         if keep:
             new["pos"] = pos0 + real.sum(1)
-            if key_pad is not None and bool(key_pad.any()):
+            # kept once the state had it: states of streams that join one batch hold the
+            # same tensors (the serving engine), and an unpadded window is all False
+            if key_pad is not None and (past_pad is not None or bool(key_pad.any())):
                 new["key_pad"] = key_pad if window is None else key_pad[:, -window:]
         else:  # no memory: the next segment starts again at position 0
             new["pos"] = torch.zeros_like(pos0)

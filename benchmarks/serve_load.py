@@ -1,0 +1,258 @@
+"""Load on `srupp serve`: concurrent SSE streams, against the compute bound, beside a Transformer.
+
+It starts the server itself (``python -m srupp serve``, one process per model), runs
+1, 8, 32 and 128 concurrent streaming requests with a fixed prompt and length
+(asyncio + httpx), and reports per level:
+
+- aggregate tokens/s while every stream decodes (tokens whose arrival falls between
+  the last stream's first token and the first stream's last), and over the whole run;
+- that rate's share of the compute bound: 2 FLOPs per weight per token (the weights
+  of every product: the embedding table is a lookup and is not counted) at the bf16
+  GEMM peak measured in this process before the servers start;
+- time to first token and inter-token latency, p50 and p99, from the client;
+- the server's RSS growth per stream (peak RSS during the level minus RSS idle before
+  it, over the stream count), beside the state bytes the server reports per stream.
+
+Models: the 5M ``shakespeare-cpu`` SRU++ (the recipe's shape, random weights: speed
+does not depend on the values) and the project's Transformer at about the same size
+with its KV cache, both with an output bias that keeps generation to ASCII (so that
+every token is one character and one SSE event, which the client times). Each stream
+reads ``--prompt`` tokens and generates ``--tokens``; ``--contexts`` adds runs where
+the prompt fills the context (256 and 2,048 tokens) for both models.
+
+    .venv/bin/python benchmarks/serve_load.py [--levels 1,8,32,128] [--tokens 128]
+        [--contexts 256,2048] [--dtype bf16] [--out docs/serve_load.json] [--tiny]
+
+Run it with nothing else on the machine. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east. "
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def bf16_gemm_peak(seconds: float = 2.0) -> float:
+    """GFLOP/s of a large bf16 matrix product on this CPU (the best of a few rounds)."""
+    n = 2048
+    a, b = torch.randn(n, n, dtype=torch.bfloat16), torch.randn(n, n, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    best, end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t) / 1e9)
+    return best
+
+
+def make_checkpoint(kind: str, folder: Path, tiny: bool = False) -> dict:
+    """A byte-level checkpoint of the shakespeare-cpu SRU++ or a Transformer of its size,
+    random weights, generation kept to ASCII; returns its sizes. ``tiny``: small ones, for
+    the smoke test."""
+    from srupp.models import build_model
+    from srupp.models.config import config_class
+
+    torch.manual_seed(0)
+    k = 8 if tiny else 1
+    if kind == "srupp":
+        cfg = config_class("lm", "srupp")(vocab_size=256, d_model=1024 // k, proj_size=256 // k,
+                                          num_layers=4, num_heads=1, dropout=0.0,
+                                          tie_embeddings=False, mem_len=128 // k)
+    else:  # 6 blocks of 256: 12·d² each, about the SRU++'s 4.7M in its layers
+        cfg = config_class("lm", "transformer")(vocab_size=256, d_model=256 // k, num_layers=6,
+                                                num_heads=4, dropout=0.0, tie_embeddings=False)
+    model = build_model(cfg)
+    with torch.no_grad():
+        model.output.bias[128:] = -1e4  # ASCII only: one character per token
+        model.output.bias[:32] = -1e4   # and printable
+        model.output.bias[10] = 0.0
+    model.save_pretrained(folder)
+    (folder / "tokenizer.json").write_text(json.dumps({"type": "byte"}))
+    weights = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("embedding"))
+    return {"params": sum(p.numel() for p in model.parameters()), "product_weights": weights}
+
+
+class ServerProcess:
+    def __init__(self, ckpt: Path, *, dtype: str, max_streams: int, mem_len=None):
+        cmd = [sys.executable, "-m", "srupp", "serve", "--checkpoint", str(ckpt), "--port", "0",
+               "--dtype", dtype, "--max-streams", str(max_streams), "--max-queue", "1024"]
+        if mem_len is not None:
+            cmd += ["--mem-len", str(mem_len)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+        self.info = json.loads(self.proc.stdout.readline())
+        self.url = self.info["url"]
+
+    def rss(self) -> int:
+        for line in open(f"/proc/{self.proc.pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+async def one_stream(client, url: str, prompt: str, tokens: int) -> dict:
+    t0 = time.perf_counter()
+    arrivals = []
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            text = json.loads(line[6:])["choices"][0]["text"]
+            now = time.perf_counter()
+            arrivals += [now] * len(text)  # ASCII: one character per token
+    return {"start": t0, "arrivals": arrivals}
+
+
+async def level(url: str, n: int, prompt: str, tokens: int, server: ServerProcess) -> dict:
+    import httpx
+
+    peak = [server.rss()]
+    idle = peak[0]
+    stop = threading.Event()
+
+    def sample_rss():
+        while not stop.wait(0.05):
+            peak[0] = max(peak[0], server.rss())
+
+    sampler = threading.Thread(target=sample_rss, daemon=True)
+    sampler.start()
+    limits = httpx.Limits(max_connections=n + 4, max_keepalive_connections=n + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        t0 = time.perf_counter()
+        runs = await asyncio.gather(*[one_stream(client, url, prompt, tokens) for _ in range(n)])
+        wall = time.perf_counter() - t0
+    stop.set()
+    sampler.join()
+    arrivals = [r["arrivals"] for r in runs]
+    total = sum(len(a) for a in arrivals)
+    all_decoding = max(a[0] for a in arrivals)
+    first_done = min(a[-1] for a in arrivals)
+    inside = sum(1 for a in arrivals for t in a if all_decoding < t <= first_done)
+    span = first_done - all_decoding
+    ttft = [r["arrivals"][0] - r["start"] for r in runs]
+    itl = [b - a for r in runs for a, b in zip(r["arrivals"], r["arrivals"][1:])]
+
+    def pct(xs, q):
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+    return {"streams": n, "tokens": total, "wall_s": round(wall, 3),
+            "tokens_per_s_all_decoding": round(inside / span, 1) if span > 0 and inside else None,
+            "tokens_per_s_overall": round(total / wall, 1),
+            "ttft_ms": {"p50": round(1e3 * pct(ttft, 0.5), 2), "p99": round(1e3 * pct(ttft, 0.99), 2)},
+            "itl_ms": {"p50": round(1e3 * pct(itl, 0.5), 3), "p99": round(1e3 * pct(itl, 0.99), 3)},
+            "rss_growth_per_stream_bytes": round((peak[0] - idle) / n)}
+
+
+def run_model(kind: str, ckpt: Path, sizes: dict, args, peak_gflops: float, levels, prompt_len,
+              mem_len=None) -> dict:
+    server = ServerProcess(ckpt, dtype=args.dtype, max_streams=max(levels), mem_len=mem_len)
+    try:
+        prompt = (TEXT * (prompt_len // len(TEXT) + 1))[:prompt_len]
+        asyncio.run(level(server.url, 1, prompt, 8, server))  # warm-up: kernels, allocator
+        out = {"model": kind, **sizes, "state_bytes_per_stream": server.info["state_bytes_per_stream"],
+               "window": server.info["window"], "prompt_tokens": prompt_len, "levels": []}
+        for n in levels:
+            r = asyncio.run(level(server.url, n, prompt, args.tokens, server))
+            rate = r["tokens_per_s_all_decoding"] or r["tokens_per_s_overall"]
+            r["share_of_compute_bound"] = round(
+                rate * 2 * sizes["product_weights"] / (peak_gflops * 1e9), 4)
+            r["rss_over_state"] = round(r["rss_growth_per_stream_bytes"]
+                                        / max(1, out["state_bytes_per_stream"]), 2)
+            out["levels"].append(r)
+            print(json.dumps({kind: r}), file=sys.stderr, flush=True)
+        return out
+    finally:
+        server.stop()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--levels", default="1,8,32,128")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens generated per stream")
+    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens per stream")
+    ap.add_argument("--contexts", default="256,2048",
+                    help="context lengths of the SRU++/Transformer comparison ('' to skip)")
+    ap.add_argument("--context-streams", type=int, default=32)
+    ap.add_argument("--dtype", default="bf16" if _native_bf16() else "fp32")
+    ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--tiny", action="store_true", help="small models (the smoke test)")
+    args = ap.parse_args()
+    levels = [int(x) for x in args.levels.split(",") if x]
+    peak = bf16_gemm_peak(0.2 if args.tiny else 2.0)
+    out = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "dtype": args.dtype, "bf16_gemm_peak_gflops": round(peak, 1),
+           "tokens_per_stream": args.tokens, "load": [], "contexts": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpts = {}
+        for kind in ("srupp", "transformer"):
+            ckpts[kind] = (Path(tmp) / kind, make_checkpoint(kind, Path(tmp) / kind, args.tiny))
+        ck, sizes = ckpts["srupp"]
+        out["load"].append(run_model("srupp", ck, sizes, args, peak, levels, args.prompt))
+        for ctx in [int(x) for x in args.contexts.split(",") if x]:
+            row = {"context": ctx}
+            for kind in ("srupp", "transformer"):
+                ck, sizes = ckpts[kind]
+                r = run_model(kind, ck, sizes, args, peak, [args.context_streams],
+                              ctx - args.tokens, mem_len=ctx if kind == "transformer" else None)
+                row[kind] = r
+            s, t = row["srupp"]["levels"][0], row["transformer"]["levels"][0]
+            rate = lambda r: r["tokens_per_s_all_decoding"] or r["tokens_per_s_overall"]  # noqa: E731
+            row["srupp_over_transformer_tokens_per_s"] = round(rate(s) / rate(t), 2)
+            row["srupp_over_transformer_state_bytes"] = round(
+                row["srupp"]["state_bytes_per_stream"]
+                / row["transformer"]["state_bytes_per_stream"], 3)
+            out["contexts"].append(row)
+    load = out["load"][0]["levels"]
+    by_n = {r["streams"]: r for r in load}
+    if 1 in by_n and 32 in by_n:
+        rate = lambda r: r["tokens_per_s_all_decoding"] or r["tokens_per_s_overall"]  # noqa: E731
+        out["speedup_32_over_1"] = round(rate(by_n[32]) / rate(by_n[1]), 2)
+        out["itl_p99_over_p50_at_32"] = round(by_n[32]["itl_ms"]["p99"] / by_n[32]["itl_ms"]["p50"], 2)
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+def _native_bf16() -> bool:
+    from srupp.ops.settings import cpu_has_native_bf16
+
+    return cpu_has_native_bf16()
+
+
+if __name__ == "__main__":
+    main()
