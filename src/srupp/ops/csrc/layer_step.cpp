@@ -185,6 +185,8 @@ inline void team_barrier() {
 // Set from Python only (srupp.ops.settings.tuning().layer_step_team, common.h); atomic, so
 // that a change while another thread steps is not a data race (that step takes either path).
 std::atomic<bool> team_enabled{true};
+// the most rows the one-region path takes (see layer_step_run)
+constexpr int64_t kTeamMaxRows = 4;
 
 template <typename T>
 const T* ptr_or_null(const std::optional<Tensor>& t) {
@@ -624,7 +626,11 @@ std::tuple<Tensor, Tensor> layer_step_run(
                     memory_start, cached, norm_eps, attn_norm_eps, scale_x, num_heads,
                     normalize_after, few_rows, quant, scales};
   const LayerShape s = check_layer(a);
-  if (quant == kFloatWeights && s.B <= few_rows && team_enabled.load(std::memory_order_relaxed))
+  // One region pays off at a handful of rows, where forks and joins weigh as much as the
+  // work; from 8 rows on the pieces' own parallel loops were as fast or faster (32 rows:
+  // 2.0 against 2.7 ms a step, docs/deploy.md). Both give the same bits.
+  if (quant == kFloatWeights && s.B <= std::min<int64_t>(few_rows, kTeamMaxRows) &&
+      team_enabled.load(std::memory_order_relaxed))
     return step_in_one_region(a, s);
   return step_by_pieces(a, s);
 }
