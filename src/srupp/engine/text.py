@@ -16,6 +16,7 @@ and hands on what the window's text adds to the anchor's.
 
 from __future__ import annotations
 
+import codecs
 import operator
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
@@ -76,6 +77,10 @@ class TextDecoder:
         self._skipped = 0        # pushes not decoded since the last decode (long windows)
         self._pieces: List[str] = []
         self._finished = False
+        # bytes: Python's incremental UTF-8 decoder gives decode's text exactly, a byte at
+        # a time (an incomplete character waits, an invalid byte is U+FFFD at once)
+        self._utf8 = (codecs.getincrementaldecoder("utf-8")(errors="replace")
+                      if getattr(tokenizer, "type_name", None) == "byte" else None)
 
     @property
     def ids(self) -> List[int]:
@@ -95,6 +100,8 @@ class TextDecoder:
             raise ValueError("this TextDecoder was flushed: the stream has ended; start a new "
                              "TextDecoder for a new stream")
         self._ids.append(self._check_id(token_id))
+        if self._utf8 is not None:
+            return self._emit(self._utf8.decode(bytes((self._ids[-1],))))
         width = len(self._ids) - self._start
         if width > self.WINDOW:
             self._skipped += 1
@@ -108,7 +115,8 @@ class TextDecoder:
         U+FFFD); the stream has ended and takes no more ids."""
         if self._finished:
             return ""
-        piece = self._advance(final=True)
+        piece = (self._emit(self._utf8.decode(b"", final=True)) if self._utf8 is not None
+                 else self._advance(final=True))
         self._finished = True
         return piece
 
