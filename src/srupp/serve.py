@@ -128,6 +128,37 @@ def parse_completion(body: Any, tokenizer, engine: Engine) -> Dict[str, Any]:
 
 # --------------------------------------------------------------------------- the app
 
+def _chunk_frame(empty: dict):
+    """An SSE event of ``empty`` (a chunk whose text is "") as the text before and after
+    the text's JSON string, so that each piece costs one ``json.dumps`` of its text."""
+    marker = "\u0000srupp-text\u0000"
+    frame = f"data: {json.dumps({**empty, 'choices': [{**empty['choices'][0], 'text': marker}]})}\n\n"
+    head, tail = frame.split(json.dumps(marker))
+    return head, tail
+
+
+class _Relay:
+    """Events from the engine's thread to the requests' queues on the event loop: one
+    wake-up of the loop per batch of events (an engine step's), not one per event."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self._lock = loop, threading.Lock()
+        self._pending: list = []
+
+    def send(self, queue: asyncio.Queue, event) -> None:
+        with self._lock:
+            self._pending.append((queue, event))
+            first = len(self._pending) == 1
+        if first:
+            self.loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, []
+        for queue, event in batch:
+            queue.put_nowait(event)
+
+
 class Server:
     """The engine, its thread, its metrics and the HTTP app around them."""
 
@@ -140,9 +171,16 @@ class Server:
         self.draining = False
         self.failed = False
         self._stop = threading.Event()
+        self._relay: Optional[_Relay] = None
         self._thread: Optional[threading.Thread] = None
         self._metrics()
         self.app = self._app()
+
+    def relay(self, loop: asyncio.AbstractEventLoop) -> "_Relay":
+        """The relay of engine events into ``loop`` (one per loop)."""
+        if self._relay is None or self._relay.loop is not loop:
+            self._relay = _Relay(loop)
+        return self._relay
 
     # -------------------------------------------------------------- engine thread
     def start(self) -> None:
@@ -283,10 +321,11 @@ class Server:
                 return _error(e.status, str(e), kind, e.field)
             loop = asyncio.get_running_loop()
             events: asyncio.Queue = asyncio.Queue()
+            relay = server.relay(loop)
             try:
                 stream = server.engine.submit(
                     req["ids"], req["sampling"], session=req["session"],
-                    on_event=lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+                    on_event=lambda ev: relay.send(events, ev))
             except QueueFull as e:
                 server.requests.labels("429").inc()
                 return _error(429, f"the server is busy ({e}); retry", "rate_limit_exceeded",
@@ -319,18 +358,19 @@ class Server:
                 return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
 
             if req["stream"]:
+                # every chunk but the last is this text around the piece's JSON string
+                head, tail = _chunk_frame(chunk("", None))
+
                 async def sse():
                     try:
                         while True:
                             ev = await events.get()
-                            if ev.finish_reason is None and not ev.text:
-                                continue
-                            last = ev.finish_reason is not None
-                            data = chunk(ev.text, ev.finish_reason, usage() if last else None)
-                            yield f"data: {json.dumps(data)}\n\n"
-                            if last:
+                            if ev.finish_reason is not None:
+                                data = chunk(ev.text, ev.finish_reason, usage())
+                                yield f"data: {json.dumps(data)}\n\ndata: [DONE]\n\n"
                                 break
-                        yield "data: [DONE]\n\n"
+                            if ev.text:
+                                yield f"{head}{json.dumps(ev.text)}{tail}"
                     finally:  # the client went away (or the stream ended): free the slot
                         stream.cancel()
 
