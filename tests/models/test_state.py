@@ -265,6 +265,26 @@ def test_tensor_states_join_rows_as_index_select_splits_them(kind, device):
         torch.testing.assert_close(m(nxt, joined).logits, m(nxt, want).logits, **TOL)
 
 
+@pytest.mark.parametrize("kind", ["transformer", "lstm"])
+def test_tensor_state_put_row_writes_one_row_in_place(kind, device):
+    m = make(kind, device)
+    tokens = torch.tensor([[3, 1, 4, 1, 5], [0, 0, 2, 6, 5], [0, 0, 0, 9, 2]], device=device)
+    with torch.no_grad():
+        batch = m(tokens, m.backbone.padded_state(3, 6)).state
+        new = m(tokens[:1, :2], m.backbone.padded_state(1, 6)).state
+    others = batch.index_select([0, 2])
+    batch.put_row(1, new)
+    for k, t in new.tensors.items():
+        d = batch.batch_dims[k]
+        row = batch[k] if d is None else batch[k].narrow(d, 1, 1)
+        assert torch.equal(row, t), k
+        if d is not None:
+            assert torch.equal(batch[k].index_select(d, torch.tensor([0, 2], device=device)),
+                               others[k]), k
+    with pytest.raises(ValueError, match="different tensors|not one row"):
+        batch.put_row(0, batch)
+
+
 def test_tensor_state_cat_refuses_states_made_differently():
     a = TensorState({"h": torch.zeros(2, 1, 3), "pad": torch.ones(1, 4, dtype=torch.bool),
                      "n": torch.tensor(4)}, {"h": 1, "pad": 0, "n": None})

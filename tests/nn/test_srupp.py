@@ -657,6 +657,32 @@ def test_state_cat_joins_rows_as_index_select_splits_them(device):
               **fp32_tol(device))
 
 
+def test_state_put_row_writes_one_row_in_place(device):
+    """put_row overwrites one row with another state's (a freed slot of a serving batch):
+    that row is then bit for bit the new state, the other rows and the tensors' identity
+    are untouched, and the row decodes as the new state would alone."""
+    m = make(device, causal=True, num_heads=2, mem_len=4)
+    with torch.no_grad():
+        _, batch = m(torch.randn(5, 3, 6).to(device), m.padded_state(3, 4))
+        _, new = m(torch.randn(2, 1, 6).to(device), m.padded_state(1, 4))
+    before = batch.index_select([0, 2])
+    tensors = [batch.c, *batch.memory, batch.memory_mask_pad, *(kv.kv for kv in batch.kv_cache)]
+    batch.put_row(1, new)
+    assert_same_state_bits(batch.index_select([1]), new)
+    assert_same_state_bits(batch.index_select([0, 2]), before)
+    assert [batch.c, *batch.memory, batch.memory_mask_pad,
+            *(kv.kv for kv in batch.kv_cache)] == tensors  # in place: the same objects
+    nxt = torch.randn(3, 6).to(device)
+    with torch.no_grad():
+        h, _ = m.step(nxt, batch)
+        alone, _ = m.step(nxt[1:2], new)
+    close(h[1], alone[0], **fp32_tol(device))
+    with pytest.raises(ValueError, match="keys and values are cached"):
+        batch.put_row(0, new.drop_kv_cache())
+    with pytest.raises(ValueError, match="batch size 1"):
+        batch.put_row(0, batch)
+
+
 def test_state_cat_fills_a_missing_padding_mask_and_refuses_other_lengths():
     g = torch.Generator().manual_seed(0)
     mem = lambda b, n: [torch.randn(b, n, 6, generator=g), None]  # noqa: E731

@@ -206,7 +206,7 @@ class Engine:
         self._lock = threading.Condition()
         self._queue: Deque[Stream] = collections.deque()
         self._reading: Deque[Stream] = collections.deque()   # reading their prompts
-        self._active: List[Stream] = []                      # rows of self._batch, in order
+        self._active: List[Optional[Stream]] = []  # rows of self._batch: a stream, or None (free)
         self._apart: List[Stream] = []       # read their prompts; first step alone (_batch_join)
         self._batch: Any = None
         self._busy_sessions: set = set()
@@ -258,7 +258,11 @@ class Engine:
 
     @property
     def active_streams(self) -> int:
-        return len(self._active) + len(self._apart) + len(self._reading)
+        return self._decoding() + len(self._apart) + len(self._reading)
+
+    def _decoding(self) -> int:
+        """Streams in the batch (its rows less the free ones)."""
+        return sum(s is not None for s in self._active)
 
     @property
     def queue_depth(self) -> int:
@@ -266,7 +270,7 @@ class Engine:
 
     @property
     def idle(self) -> bool:
-        return not (self._queue or self._reading or self._active or self._apart)
+        return not (self._queue or self._reading or self._apart or self._decoding())
 
     # ------------------------------------------------------------ the model thread
     def step(self) -> bool:
@@ -280,7 +284,7 @@ class Engine:
             if self._reading:
                 self._read_chunk(self._reading[0])
                 worked = True
-            if self._active or self._apart:
+            if self._apart or self._decoding():
                 self._decode()
                 worked = True
         return worked
@@ -310,7 +314,7 @@ class Engine:
         for s in apart:
             self._keep_session(s, s.state)
             self._finish(s, ABORT)
-        self._leave(list(range(len(self._active))), ABORT)
+        self._leave([s for s in self._active if s is not None], ABORT)
 
     def generate(self, prompt: Sequence[int], sampling: Sampling = Sampling(), *,
                  session: Optional[str] = None,
@@ -324,7 +328,7 @@ class Engine:
 
     # ------------------------------------------------------------------ internals
     def _free_slots(self) -> int:
-        return self.max_streams - len(self._active) - len(self._apart) - len(self._reading)
+        return self.max_streams - self._decoding() - len(self._apart) - len(self._reading)
 
     def _new_state(self):
         return self.model.backbone.padded_state(1, self.window)
@@ -339,7 +343,7 @@ class Engine:
             self._apart.remove(s)
             self._keep_session(s, s.state)
             self._finish(s, ABORT)
-        rows = [i for i, s in enumerate(self._active) if s.cancelled]
+        rows = [s for s in self._active if s is not None and s.cancelled]
         if rows:
             self._leave(rows, ABORT)
         return bool(gone or apart or rows)
@@ -385,45 +389,60 @@ class Engine:
         return self._new_state(), None, 0
 
     def _batch_join(self, s: Stream) -> None:
-        """s, its prompt read, becomes a row of the batch. A state without the cached keys
+        """s, its prompt read, takes a row of the batch. A state without the cached keys
         and values of its memory (a fresh one that read no prompt, a session loaded from
         disk) waits apart and takes its first step alone (:meth:`_decode`), as it would
-        with no other stream: joined as it is, it would make the batch drop every row's
-        cache (``SRUppState.cat``) and the step recompute them all, from memory, in bits
-        other than the cached ones, changing the other streams' tokens."""
+        with no other stream: in the batch, its row would disagree with the batch's cache."""
         if _lacks_kv_cache(s.state):
             self._apart.append(s)
             return
-        state, s.state = s.state, None
-        self._batch = state if self._batch is None else type(state).cat([self._batch, state])
-        self._active.append(s)
+        self._place(s, s.state)
+        s.state = None
+
+    def _place(self, s: Stream, state) -> None:
+        """Put s's state (batch size 1) into a free row of the batch, in place; with none
+        free, the batch grows: twice its rows (at most ``max_streams``), the new ones free.
+        A stream that joins or leaves thus copies its own row, not the batch."""
+        free = next((i for i, r in enumerate(self._active) if r is None), None)
+        if free is None:
+            grow = max(1, min(len(self._active), self.max_streams - len(self._active)))
+            rows = state if grow == 1 else state.index_select(torch.zeros(grow, dtype=torch.long))
+            self._batch = rows if self._batch is None else type(state).cat([self._batch, rows])
+            free = len(self._active)
+            self._active += [None] * grow
+        else:
+            self._batch.put_row(free, state)
+        self._active[free] = s
 
     def _decode(self) -> None:
-        """One token for every active stream: feed the pending tokens, sample the next. A
-        stream alone (nothing else active or waiting) runs on for a chunk of tokens in one
-        C++ call (:meth:`_run_alone`): the very tokens these steps would give."""
+        """One token for every active stream: feed the pending tokens, sample the next. Free
+        rows are computed too (token 0, results unused: rows do not mix). A stream alone
+        (nothing else active or waiting) runs on for a chunk of tokens in one C++ call
+        (:meth:`_run_alone`): the very tokens these steps would give."""
+        produced: List[Tuple[Stream, List[int]]] = []
         with batch_invariant(self.max_streams):
-            rows = []                                                     # logits (b, V)
-            if self._active:
-                tokens = torch.tensor([s.pending for s in self._active], device=self.model.device)
+            if self._decoding():
+                rows = self._active
+                tokens = torch.tensor([0 if s is None else s.pending for s in rows],
+                                      device=self.model.device)
                 logits, self._batch = self.model.step(tokens, self._batch)  # (B, V)
-                rows.append(logits)
+                live = [i for i, s in enumerate(rows) if s is not None]
+                alone = self._run_alone(rows[0], logits) if len(rows) == 1 else None
+                if alone is not None:
+                    produced.append((rows[0], alone))
+                else:
+                    streams = [rows[i] for i in live]
+                    ids = self._sample(logits if len(live) == len(rows) else logits[live],
+                                       streams)
+                    produced += [(st, [t]) for st, t in zip(streams, ids)]
             apart, self._apart = self._apart, []
-            for s in apart:  # their first step alone, then they join (see _batch_join)
+            for s in apart:  # their first step alone, then they take a row (_batch_join)
                 token = torch.tensor([s.pending], device=self.model.device)
-                logits, state = self.model.step(token, s.state)           # (1, V)
-                s.state = None
-                self._batch = state if self._batch is None else type(state).cat(
-                    [self._batch, state])
-                self._active.append(s)
-                rows.append(logits)
-            logits = rows[0] if len(rows) == 1 else torch.cat(rows)       # (B, V)
-            active = self._active
-            alone = self._run_alone(active[0], logits) if len(active) == 1 else None
-        produced = [alone] if alone is not None else [[t] for t in self._sample(logits, active)]
+                logits, s.state = self.model.step(token, s.state)         # (1, V)
+                produced.append((s, self._sample(logits, [s])))
         now = time.perf_counter()
-        ended: List[int] = []
-        for row, (s, ids) in enumerate(zip(active, produced)):
+        ended: List[Stream] = []
+        for s, ids in produced:
             text = []
             for t in ids:
                 s.generated.append(t)
@@ -431,11 +450,15 @@ class Engine:
                 piece, stopped = s.stopper.feed(s.decoder.push(t))
                 text.append(piece)
                 if stopped or t == self.eos_id or len(s.generated) >= s.sampling.max_tokens:
-                    ended.append(row)
+                    ended.append(s)
                     break
             self._time(s, now, len(ids))
             s._emit(Event("".join(text), list(ids)))
             self.tokens_generated += len(ids)
+        for s in apart:
+            if s not in ended:
+                self._place(s, s.state)
+                s.state = None
         if ended:
             self._leave(ended, None)
 
@@ -495,19 +518,27 @@ class Engine:
                 self.on_inter_token((now - since) / gaps)
         s.last_token_at = now
 
-    def _leave(self, rows: List[int], reason: Optional[str]) -> None:
-        """Streams at these batch rows leave it: sessions kept, the batch compacted, and
-        each stream ended (with ``reason``, or the one its last token gave)."""
-        if not rows:
-            return
-        leaving = [self._active[i] for i in rows]
-        for i, s in zip(rows, leaving):
+    def _leave(self, streams: List[Stream], reason: Optional[str]) -> None:
+        """These streams leave: sessions kept, their rows freed, and each ended (with
+        ``reason``, or the one its last token gave). When half the rows or more are free,
+        the batch is compacted (the free rows cost compute every step)."""
+        rows = {id(s): i for i, s in enumerate(self._active) if s is not None}
+        for s in streams:
+            i = rows.get(id(s))
+            if i is None:  # its first step was apart: its state is its own
+                self._keep_session(s, s.state)
+                s.state = None
+                continue
             if s.session is not None:
                 self._keep_session(s, self._batch.index_select(torch.tensor([i])))
-        keep = [i for i in range(len(self._active)) if i not in set(rows)]
-        self._batch = self._batch.index_select(torch.tensor(keep)) if keep else None
-        self._active = [self._active[i] for i in keep]
-        for s in leaving:
+            self._active[i] = None
+        live = [i for i, s in enumerate(self._active) if s is not None]
+        if not live:
+            self._batch, self._active = None, []
+        elif 2 * (len(self._active) - len(live)) >= len(self._active):
+            self._batch = self._batch.index_select(torch.tensor(live))
+            self._active = [self._active[i] for i in live]
+        for s in streams:
             self._finish(s, reason)
 
     def _keep_session(self, s: Stream, state) -> None:

@@ -112,6 +112,24 @@ class TensorState:
                 out[k] = ts[0] if len(ts) == 1 else torch.cat(ts, d)
         return cls(out, dict(first.batch_dims))
 
+    def put_row(self, row: int, other: "TensorState") -> None:
+        """Write ``other`` (batch size 1, the same tensors) over row ``row``, in place (a
+        serving engine's freed row); a shared tensor must be equal in both."""
+        if other.batch_dims != self.batch_dims:
+            raise ValueError("put_row: the states hold different tensors; join states of one "
+                             "model made the same way")
+        for k, d in self.batch_dims.items():
+            mine, theirs = self.tensors[k], other.tensors[k]
+            if d is None:
+                if not torch.equal(mine, theirs):
+                    raise ValueError(f"put_row: the shared tensor {k!r} differs")
+                continue
+            if theirs.shape[d] != 1 or mine.shape[:d] + mine.shape[d + 1:] \
+                    != theirs.shape[:d] + theirs.shape[d + 1:]:
+                raise ValueError(f"put_row: {k!r} is {tuple(theirs.shape)}, not one row of "
+                                 f"{tuple(mine.shape)}")
+            mine.select(d, row).copy_(theirs.select(d, 0))
+
     def to(self, *args, **kwargs) -> "TensorState":
         """Move to a device. Pass a device only: dtypes are part of the state."""
         return self._map(lambda t, d: t.to(*args, **kwargs))

@@ -222,6 +222,38 @@ class SRUppState:
         return cls(c=torch.cat([s.c for s in states], 1), memory=memory,
                    memory_mask_pad=masks, mem_len=first.mem_len, kv_cache=kv_cache)
 
+    def put_row(self, row: int, other: "SRUppState") -> None:
+        """Write ``other`` (batch size 1) over row ``row`` of this state, in place: a serving
+        engine hands a freed row to a new stream without copying the others. The memories
+        must have one length; cached keys and values are written where both states have
+        them for the same weights (else a ValueError: the row would disagree with its cache).
+        """
+        if other.batch_size != 1 or other.num_layers != self.num_layers \
+                or other.memory_length != self.memory_length:
+            raise ValueError(f"put_row takes a state of batch size 1 with {self.num_layers} "
+                             f"layers and memory length {self.memory_length}, got batch "
+                             f"{other.batch_size}, {other.num_layers} layers, memory length "
+                             f"{other.memory_length}")
+        for mine, theirs in zip(self.kv_cache, other.kv_cache):
+            if mine is not None and (theirs is None or theirs._weights != mine._weights):
+                raise ValueError("put_row: the state's keys and values are cached and the "
+                                 "new row's are not (or were made by other weights)")
+        self.c[:, row].copy_(other.c[:, 0])
+        for mine, theirs in zip(self.memory, other.memory):
+            if mine is not None:
+                mine[row].copy_(theirs[0])
+        M = self.memory_length
+        if M:
+            pad = other.memory_mask_pad
+            if self.memory_mask_pad is None and pad is not None and bool(pad.any()):
+                self.memory_mask_pad = torch.zeros(self.batch_size, M, dtype=torch.bool,
+                                                   device=self.c.device)
+            if self.memory_mask_pad is not None:
+                self.memory_mask_pad[row].copy_(pad[0] if pad is not None else False)
+        for mine, theirs in zip(self.kv_cache, other.kv_cache):
+            if mine is not None:
+                mine.kv[row].copy_(theirs.kv[0])
+
     def to(self, *args, **kwargs) -> "SRUppState":
         """Move to a device. Dtypes are kept (c stays fp32), so pass a device only."""
         return self._map(lambda t, dim: t.to(*args, **kwargs))
