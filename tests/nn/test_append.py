@@ -4,10 +4,12 @@ Every test takes the ``device`` fixture (``pytest --device cuda`` runs them on t
 GPU, where decoding appends to its caches): tensors are drawn on the CPU and moved.
 """
 
+import contextlib
+
 import pytest
 import torch
 
-from srupp.nn.append import append_steps
+from srupp.nn.append import append_steps, sliding_windows
 
 
 def test_repeated_appends_equal_cat_and_reuse_the_buffer(device):
@@ -142,3 +144,44 @@ def test_reserve_steps_with_known_rows_agrees_and_falls_back_when_they_are_stale
         conv, at4 = reserve_steps(kept, (2, 1, 4), like, known=(base, 2))
         assert conv.dtype == torch.float64 and at4 == 0
         torch.testing.assert_close(conv[:, :3], kept.double(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("window,step", [(8, 1), (8, 3), (5, 2), (40, 1)])
+def test_sliding_windows_slide_in_place(window, step, device):
+    """Under sliding_windows a window of steps that is appended to and cut to its last
+    ``window`` steps equals cat-then-cut at every step, slides back to its buffer's start
+    in place (one buffer, allocated once, 1.5× the rows), where the default moves to new,
+    twice as large buffers."""
+    from srupp.nn.srupp import _keep_last
+
+    torch.manual_seed(3)
+    for sliding in (True, False):
+        context = sliding_windows() if sliding else contextlib.nullcontext()
+        cache, want, buffers = None, None, set()
+        with torch.no_grad(), context:
+            for _ in range(40):
+                new = torch.randn(2, step, 3).to(device)
+                cache = _keep_last(append_steps(cache, new), window)
+                want = _keep_last(new if want is None else torch.cat([want, new], 1), window)
+                assert torch.equal(cache, want)
+                buffers.add(id(cache._base))
+        if sliding:
+            assert len(buffers) == 1  # allocated once, then slid in place
+            M = min(window, step * 40)
+            assert cache._base.shape[1] <= max(64, M + step + max(step, (M + step) // 2))
+        else:
+            assert len(buffers) >= 1
+
+
+def test_an_older_view_is_kept_by_default(device):
+    """The default keeps every view handed out; sliding is the engine's promise that it
+    reads only the newest (an older view may then change)."""
+    from srupp.nn.srupp import _keep_last
+
+    with torch.no_grad():
+        cache = _keep_last(append_steps(None, torch.randn(1, 70, 2).to(device)), 8)
+        first = cache.clone()
+        old = cache
+        for _ in range(200):
+            cache = _keep_last(append_steps(cache, torch.randn(1, 1, 2).to(device)), 8)
+        assert torch.equal(old, first)  # default: the old view never changed

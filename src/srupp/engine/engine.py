@@ -47,6 +47,7 @@ import torch
 
 from .._ranges import check
 from ..models.lm import check_sampling, sample
+from ..nn.append import sliding_windows
 from ..nn.state import SRUppState
 from ..ops.matmul import batch_invariant
 from ..ops.settings import tuning
@@ -280,7 +281,8 @@ class Engine:
         with self._lock:
             while self._queue and self._free_slots() > 0:
                 self._reading.append(self._queue.popleft())
-        with torch.no_grad():
+        # sliding windows: this engine keeps one state per stream and drops the one before
+        with torch.no_grad(), sliding_windows():
             if self._reading:
                 self._read_chunk(self._reading[0])
                 worked = True

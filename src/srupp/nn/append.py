@@ -12,16 +12,53 @@ an older state a second time (sampling two branches from one prefix) sees a
 mismatch and copies, so views handed out earlier never change.
 
 Only used when no gradient is recorded (in-place writes would break autograd).
+
+A serving engine, which never reads an older view again, decodes under
+:func:`sliding_windows`: a window of memory then slides back to its buffer's
+start in place, and buffers hold 1.5× their rows, not 2×.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 _MIN_CAPACITY = 64
+
+# Set by sliding_windows(): a full buffer moves its rows back to its start in place,
+# instead of being copied into a new one twice as large.
+_sliding = False
+
+
+@contextlib.contextmanager
+def sliding_windows():
+    """Within it, the caller promises that only the newest view of each buffer is read
+    again (a serving engine keeps one state per stream and drops the one before). A
+    full buffer then moves its last rows back to its start in place, and a new buffer
+    leaves half its rows spare, not as many as it holds: a window of memory costs 1.5×
+    its bytes and no buffer is allocated while it slides, where the default (views handed
+    out stay valid forever) holds 2× and allocates a new buffer each time one fills.
+    Process-wide: enter it from the thread that runs the model."""
+    global _sliding
+    before, _sliding = _sliding, True
+    try:
+        yield
+    finally:
+        _sliding = before
+
+
+def _slide(base: Tensor, dim: int, start: int, M: int) -> None:
+    """Move steps start .. start+M-1 of ``base`` (along ``dim``) to 0 .. M-1, in place: in
+    pieces of at most ``start`` steps, front to back, so that no piece overlaps its target
+    and every piece is read before it is written over."""
+    done = 0
+    while done < M:
+        n = min(start, M - done)
+        base.narrow(dim, done, n).copy_(base.narrow(dim, start + done, n))
+        done += n
 
 
 def append_steps(old: Optional[Tensor], new: Tensor, dim: int = 1) -> Tensor:
@@ -67,9 +104,12 @@ def reserve_steps(old: Optional[Tensor], steps_shape: Sequence[int], like: Tenso
     if known is not None and old is not None and old.dtype == like.dtype:
         base, start = known
         end, M = getattr(base, "_srupp_append_end", None), old.shape[dim]
-        if start + M == end and end + L <= base.shape[dim] and base.device == like.device:
-            base._srupp_append_end = end + L
-            return base, start
+        if start + M == end and base.device == like.device:
+            if end + L <= base.shape[dim]:
+                base._srupp_append_end = end + L
+                return base, start
+            if _sliding and M + L <= base.shape[dim]:
+                return _slid(base, dim, start, M, L)
     if old is not None and old.dtype != like.dtype:
         old = old.to(like.dtype)
     M = 0 if old is None else old.shape[dim]
@@ -80,15 +120,27 @@ def reserve_steps(old: Optional[Tensor], steps_shape: Sequence[int], like: Tenso
             start = (old.storage_offset() - base.storage_offset()) // max(old.stride(dim), 1)
             # old is base narrowed along dim only: same strides, and (as no other size
             # of a view can exceed base's) as many elements per step as base
-            if (start + M == end and end + L <= base.shape[dim] and old.stride() == base.stride()
+            if (start + M == end and old.stride() == base.stride()
                     and old.numel() * base.shape[dim] == base.numel() * M):
-                base._srupp_append_end = end + L
-                return base, start
-    # a fresh buffer with room to double
+                if end + L <= base.shape[dim]:
+                    base._srupp_append_end = end + L
+                    return base, start
+                if _sliding and M + L <= base.shape[dim]:
+                    return _slid(base, dim, start, M, L)
+    # a fresh buffer with room to double (sliding: to grow by half)
     shape = list(steps_shape)
-    shape[dim] = max(2 * (M + L), _MIN_CAPACITY)
+    room = max(L, (M + L) // 2) if _sliding else M + L
+    shape[dim] = max(M + L + room, _MIN_CAPACITY)
     base = like.new_empty(shape)
     if old is not None:
         base.narrow(dim, 0, M).copy_(old)
+    base._srupp_append_end = M + L
+    return base, 0
+
+
+def _slid(base: Tensor, dim: int, start: int, M: int, L: int) -> Tuple[Tensor, int]:
+    """reserve_steps' answer after sliding ``base``'s M steps at ``start`` to its start."""
+    if start:
+        _slide(base, dim, start, M)
     base._srupp_append_end = M + L
     return base, 0
