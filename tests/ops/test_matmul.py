@@ -214,7 +214,7 @@ FEW_ROWS_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,K,N", [(1, 1, 1), (1, 7, 3), (1, 256, 3072), (2, 1000, 129),
                                       (3, 33, 64), (8, 512, 40), (1, 64 + 15, 17),
-                                      (1, 248, 13), (3, 96, 10)])
+                                      (1, 248, 13), (3, 96, 10), (33, 100, 70), (40, 24, 256)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_few_rows_kernel_matches_reference(dtype, rows, K, N, bias):
     g = torch.Generator().manual_seed(rows * 1000 + K + N)
@@ -229,6 +229,28 @@ def test_few_rows_kernel_matches_reference(dtype, rows, K, N, bias):
     ref_err = (F.linear(x, w, b).double() - exact).abs().max()
     bound = ref_err + (exact.abs().max() * 2 ** -8 if dtype == torch.bfloat16 else 1e-5)
     assert (got.double() - exact).abs().max() <= bound
+
+
+@needs_extension
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K,N,strided", [(1000, 5, False), (1000, 256, False), (24, 256, False),
+                                         (7, 5, False), (24, 6, True)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_few_rows_kernel_rows_are_batch_invariant(dtype, K, N, strided, bias):
+    """A row of x gets the same bits alone as in a batch of any size (1 to 40 rows), at any
+    place in it: the kernel shares each load of W between blocks of rows, and the serving
+    engine relies on a stream's logits not depending on the others. K covers the main
+    loop's tails (1000 = 15 x 64 + 40 at AVX-512) and rows shorter than a vector (7)."""
+    g = torch.Generator().manual_seed(K + N)
+    x = (torch.randn(40, K, generator=g) / K ** 0.5).to(dtype)
+    w = torch.randn(N, 2 * K if strided else K, generator=g).to(dtype)
+    w = w[:, :K] if strided else w           # rows read in place at their stride
+    b = torch.randn(N, generator=g).to(dtype) if bias else None
+    alone = torch.cat([matmul.linear_few_rows(x[r:r + 1], w, b) for r in range(40)])  # (40, N)
+    for R in range(1, 41):
+        for rows in (slice(0, R), slice(40 - R, 40)):  # first and last rows: other places
+            got = matmul.linear_few_rows(x[rows], w, b)
+            assert torch.equal(got, alone[rows]), f"a batch of {R} rows ({rows}) differs"
 
 
 @needs_extension

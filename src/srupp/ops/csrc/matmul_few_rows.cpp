@@ -4,43 +4,142 @@
 // reading its weight once; BLAS's GEMM treats a 1-row product as a small GEMM and
 // reaches a fraction of the memory bandwidth. Here each task owns a range of output
 // features and walks their rows of W once, with one dot product per row of x (x is
-// converted to fp32 once; its rows stay in L1), four vector accumulators each. fp32 or
+// converted to fp32 once; its rows stay in cache), four vector accumulators each. fp32 or
 // bf16 (x, W and bias of one dtype); sums in fp32; the output rounds to the input dtype.
+// Several rows of x share each load of W (dot_rows, dot4_rows); a row's arithmetic is
+// the same in any block and at any R, so its result is too (batch invariance, which
+// the serving engine relies on: tests/ops/test_matmul.py checks it bit for bit).
 
 #include "common.h"
 
+// Unrolled, the small loops over a block's rows and features index their accumulator
+// arrays with constants, so the compiler keeps the arrays in registers (without, GCC
+// kept them on the stack outside the main loop, which short rows felt).
+#if defined(__clang__)
+#define SRUPP_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define SRUPP_UNROLL _Pragma("GCC unroll 16")
+#else
+#define SRUPP_UNROLL
+#endif
+
 namespace srupp_cpu {
 
+namespace {
+
+// sum[b] = v[b]'s lanes added one by one from 0.f, in lane order: a row's horizontal sum.
+// With AVX-512, four rows at once: the four vectors transposed (lane k of each in one
+// 128-bit vector) and those sixteen added in order, each lane the same additions as
+// the scalar loop; short rows (I of a few hundred) spent nearly half their time in it.
+template <int NR>
+inline void sum_lanes(const Vec (&v)[NR], float (&sum)[NR]) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (NR == 4) {
+    static_assert(kW == 16, "AVX-512's Vectorized<float> holds 16 lanes");
+    const __m512 t0 = _mm512_unpacklo_ps(v[0], v[1]), t1 = _mm512_unpackhi_ps(v[0], v[1]);
+    const __m512 t2 = _mm512_unpacklo_ps(v[2], v[3]), t3 = _mm512_unpackhi_ps(v[2], v[3]);
+    // (v0[k], v1[k], v2[k], v3[k]) for k = 4j + q in 128-bit lane j of column q
+    alignas(64) float col[4][16];
+    _mm512_store_ps(col[0], _mm512_shuffle_ps(t0, t2, 0x44));
+    _mm512_store_ps(col[1], _mm512_shuffle_ps(t0, t2, 0xEE));
+    _mm512_store_ps(col[2], _mm512_shuffle_ps(t1, t3, 0x44));
+    _mm512_store_ps(col[3], _mm512_shuffle_ps(t1, t3, 0xEE));
+    __m128 acc = _mm_setzero_ps();
+    for (int j = 0; j < 4; ++j)
+      for (int q = 0; q < 4; ++q) acc = _mm_add_ps(acc, _mm_load_ps(col[q] + 4 * j));
+    _mm_storeu_ps(sum, acc);
+    return;
+  }
+#endif
+  alignas(64) float lanes[kW];
+  for (int b = 0; b < NR; ++b) {
+    v[b].store(lanes);
+    float acc = 0.f;
+    for (int k = 0; k < kW; ++k) acc += lanes[k];
+    sum[b] = acc;
+  }
+}
+
+// Rows 0 .. NR - 1 of x (R, I) against one row wr of W: NR dot products, each with four
+// vector accumulators, into y[b * ldy] (y points at the first row's output feature).
+// Each chunk of W is loaded and widened once and multiplied into every row's
+// accumulators: at one row per pass, loading and widening W cost more than the FMAs.
+// Every row's arithmetic is that of a row alone (NR = 1): its own accumulators, the
+// same FMAs in the same order over i, the same tail, combination and horizontal sum.
+// So a row's result depends neither on R nor on its block (batch invariance).
+template <typename T, int NR>
+inline void dot_rows(const float* x, int64_t I, const T* wr, const T* bias_o, T* y, int64_t ldy) {
+  Vec a[NR][4];  // (row, accumulator): 16 registers at NR = 4
+  SRUPP_UNROLL
+  for (int b = 0; b < NR; ++b)
+    for (int q = 0; q < 4; ++q) a[b][q] = Vec(0.f);
+  int64_t i = 0;
+  for (; i + 4 * kW <= I; i += 4 * kW) {
+    const Vec w0 = IO<T>::load(wr + i), w1 = IO<T>::load(wr + i + kW),
+              w2 = IO<T>::load(wr + i + 2 * kW), w3 = IO<T>::load(wr + i + 3 * kW);
+    SRUPP_UNROLL
+    for (int b = 0; b < NR; ++b) {
+      const float* xr = x + b * I + i;
+      a[b][0] = at::vec::fmadd(w0, Vec::loadu(xr), a[b][0]);
+      a[b][1] = at::vec::fmadd(w1, Vec::loadu(xr + kW), a[b][1]);
+      a[b][2] = at::vec::fmadd(w2, Vec::loadu(xr + 2 * kW), a[b][2]);
+      a[b][3] = at::vec::fmadd(w3, Vec::loadu(xr + 3 * kW), a[b][3]);
+    }
+  }
+  for (; i + kW <= I; i += kW) {  // whole vectors left: into the first accumulator
+    const Vec w0 = IO<T>::load(wr + i);
+    SRUPP_UNROLL
+    for (int b = 0; b < NR; ++b) a[b][0] = at::vec::fmadd(w0, Vec::loadu(x + b * I + i), a[b][0]);
+  }
+  if (i < I) {  // the last I - i < kW: into the second (zeros beyond I add nothing)
+    const int n = static_cast<int>(I - i);
+    const Vec w0 = IO<T>::load(wr + i, n);
+    SRUPP_UNROLL
+    for (int b = 0; b < NR; ++b)
+      a[b][1] = at::vec::fmadd(w0, Vec::loadu(x + b * I + i, n), a[b][1]);
+  }
+  Vec v[NR];
+  SRUPP_UNROLL
+  for (int b = 0; b < NR; ++b) v[b] = (a[b][0] + a[b][1]) + (a[b][2] + a[b][3]);
+  float acc[NR];
+  sum_lanes<NR>(v, acc);
+  SRUPP_UNROLL
+  for (int b = 0; b < NR; ++b) {
+    if (bias_o != nullptr) acc[b] += static_cast<float>(*bias_o);
+    y[b * ldy] = static_cast<T>(acc[b]);
+  }
+}
+
+}  // namespace
+
 // Output features o0 .. o1 - 1 of the product (the range a task or a thread owns).
-// y's rows are ldy apart.
+// y's rows are ldy apart. x's rows (fp32) go by in blocks of 4, then 2, then 1 (dot_rows),
+// each block against a tile of W's rows: the block's 4 rows stay in L1 while the tile
+// (~128 KiB) stays in L2, so W comes from memory once and each FMA's operand from L2 is
+// a quarter of a W vector. (Row-block-outer over all of W, x would stream from L2 at a
+// vector per FMA: slower than one row at a time at 32 rows.)
 template <typename T>
 void linear_rows_range(const float* x, const T* w, int64_t ldw, const T* bias, T* y, int64_t ldy,
                        int64_t R, int64_t I, int64_t o0, int64_t o1) {
-    alignas(64) float lanes[kW];
-    for (int64_t o = o0; o < o1; ++o) {
-      const T* wr = w + o * ldw;
-      for (int64_t r = 0; r < R; ++r) {
-        const float* xr = x + r * I;
-        Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
-        int64_t i = 0;
-        for (; i + 4 * kW <= I; i += 4 * kW) {
-          a0 = at::vec::fmadd(IO<T>::load(wr + i), Vec::loadu(xr + i), a0);
-          a1 = at::vec::fmadd(IO<T>::load(wr + i + kW), Vec::loadu(xr + i + kW), a1);
-          a2 = at::vec::fmadd(IO<T>::load(wr + i + 2 * kW), Vec::loadu(xr + i + 2 * kW), a2);
-          a3 = at::vec::fmadd(IO<T>::load(wr + i + 3 * kW), Vec::loadu(xr + i + 3 * kW), a3);
-        }
-        for (; i + kW <= I; i += kW) a0 = at::vec::fmadd(IO<T>::load(wr + i), Vec::loadu(xr + i), a0);
-        if (i < I) {
-          const int n = static_cast<int>(I - i);
-          a1 = at::vec::fmadd(IO<T>::load(wr + i, n), Vec::loadu(xr + i, n), a1);
-        }
-        ((a0 + a1) + (a2 + a3)).store(lanes);
-        float acc = 0.f;
-        for (int k = 0; k < kW; ++k) acc += lanes[k];
-        if (bias != nullptr) acc += static_cast<float>(bias[o]);
-        y[r * ldy + o] = static_cast<T>(acc);
-      }
+  const int64_t row_bytes = static_cast<int64_t>(sizeof(T)) * std::max<int64_t>(I, 1);
+  const int64_t tile = std::max<int64_t>(1, (int64_t{128} << 10) / row_bytes);  // W's rows
+  for (int64_t t0 = o0; t0 < o1; t0 += tile) {
+    const int64_t t1 = std::min(o1, t0 + tile);
+    // the rows r .. r + NR - 1 against the tile's features
+    auto block = [&](auto nr, int64_t r) {
+      constexpr int NR = decltype(nr)::value;
+      for (int64_t o = t0; o < t1; ++o)
+        dot_rows<T, NR>(x + r * I, I, w + o * ldw, bias != nullptr ? bias + o : nullptr,
+                        y + r * ldy + o, ldy);
+    };
+    int64_t r = 0;
+    for (; r + 4 <= R; r += 4) block(std::integral_constant<int, 4>(), r);
+    if (r + 2 <= R) {
+      block(std::integral_constant<int, 2>(), r);
+      r += 2;
     }
+    if (r < R) block(std::integral_constant<int, 1>(), r);
+  }
 }
 
 template void linear_rows_range<float>(const float*, const float*, int64_t, const float*, float*,
@@ -50,15 +149,20 @@ template void linear_rows_range<BFloat16>(const float*, const BFloat16*, int64_t
 
 namespace {
 
-// a task reads at least ~64 KiB of W, so that 2 threads split a 256 x 256 product
-inline int64_t rows_grain(int64_t I, int64_t bytes) {
-  return std::max<int64_t>(4, (int64_t{1} << 16) / (bytes * std::max<int64_t>(I, 1)));
+// Output features per task (at least): a task works at least as long as reading ~64 KiB
+// of W takes at one row, so that 2 threads split a 256 x 256 product. With R rows each
+// element of W costs R multiply-adds as well: measured here, an element of W at R rows
+// takes about 1 + (R - 1) / 4 times as long as at one row (fp32 and bf16), so the grain
+// shrinks by that factor (bf16 rows of 256 at R = 32: 14 features, not 128).
+inline int64_t rows_grain(int64_t R, int64_t I, int64_t bytes) {
+  const int64_t cost = bytes * std::max<int64_t>(I, 1) * (3 + std::max<int64_t>(R, 1));  // x 4
+  return std::max<int64_t>(4, (int64_t{4} << 16) / cost);
 }
 
 template <typename T>
 void linear_rows_kernel(const float* x, const T* w, int64_t ldw, const T* bias, T* y, int64_t R,
                         int64_t I, int64_t O) {
-  at::parallel_for(0, O, rows_grain(I, sizeof(T)), [&](int64_t o0, int64_t o1) {
+  at::parallel_for(0, O, rows_grain(R, I, sizeof(T)), [&](int64_t o0, int64_t o1) {
     linear_rows_range<T>(x, w, ldw, bias, y, O, R, I, o0, o1);
   });
 }
@@ -75,7 +179,12 @@ void linear_rows_kernel(const float* x, const T* w, int64_t ldw, const T* bias, 
 // Four output features at a time: each load of x serves four rows of W, and the four
 // sums leave their vectors in one combined reduction. One row at a time, rows as short
 // as SRU++'s (d/4 wide) spent as long on reloading x and reducing as on reading W.
+// And two rows of x at a time (dot4_rows): each load of W serves both rows, so a
+// vdpbf16ps needs 0.75 loads instead of 1.25. (Tiling W as linear_rows_range does loses
+// here: W's four rows, not x's row, would come from L2, twice the traffic.)
 namespace {
+
+constexpr int64_t kB = 32;  // bf16 per 512-bit vector
 
 inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {  // (sum a0, .., sum a3)
   auto half = [](__m512 a) {
@@ -86,95 +195,125 @@ inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {  // (sum a0, ..
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+inline __m512bh load_bf16(const BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+
+// the last I % kB of a row; zeros beyond I multiply to zero
+inline __m512bh load_bf16_tail(const BFloat16* p, __mmask32 tail_mask) {
+  return (__m512bh)_mm512_maskz_loadu_epi16(tail_mask, p);
+}
+
+// Rows 0 .. NR - 1 of x (R, I) against W's four rows w, w + ldw, .., w + 3 ldw: y[r * ldy + q]
+// (y points at the first feature's output of row 0). Each (row, feature) has its own two
+// accumulators, the FMAs of a row alone in the same order, so NR changes no result.
+template <int NR>
+inline void dot4_rows(const BFloat16* x, int64_t I, const BFloat16* w, int64_t ldw,
+                      const BFloat16* bias, BFloat16* y, int64_t ldy, __mmask32 tail_mask) {
+  const BFloat16* wf[4] = {w, w + ldw, w + 2 * ldw, w + 3 * ldw};
+  // (row, feature): a the even vectors of the row, b the odd ones and the tail: 8 chains a row
+  __m512 a[NR][4], b[NR][4];
+  SRUPP_UNROLL
+  for (int r = 0; r < NR; ++r)
+    for (int q = 0; q < 4; ++q) a[r][q] = b[r][q] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 2 * kB <= I; i += 2 * kB) {
+    __m512bh xa[NR], xb[NR];
+    SRUPP_UNROLL
+    for (int r = 0; r < NR; ++r) {
+      xa[r] = load_bf16(x + r * I + i);
+      xb[r] = load_bf16(x + r * I + i + kB);
+    }
+    SRUPP_UNROLL
+    for (int q = 0; q < 4; ++q) {
+      const __m512bh wa = load_bf16(wf[q] + i), wb = load_bf16(wf[q] + i + kB);
+      SRUPP_UNROLL
+      for (int r = 0; r < NR; ++r) {
+        a[r][q] = _mm512_dpbf16_ps(a[r][q], wa, xa[r]);
+        b[r][q] = _mm512_dpbf16_ps(b[r][q], wb, xb[r]);
+      }
+    }
+  }
+  if (i + kB <= I) {
+    SRUPP_UNROLL
+    for (int q = 0; q < 4; ++q) {
+      const __m512bh wa = load_bf16(wf[q] + i);
+      SRUPP_UNROLL
+      for (int r = 0; r < NR; ++r)
+        a[r][q] = _mm512_dpbf16_ps(a[r][q], wa, load_bf16(x + r * I + i));
+    }
+    i += kB;
+  }
+  if (tail_mask) {
+    SRUPP_UNROLL
+    for (int q = 0; q < 4; ++q) {
+      const __m512bh wt = load_bf16_tail(wf[q] + i, tail_mask);
+      SRUPP_UNROLL
+      for (int r = 0; r < NR; ++r)
+        b[r][q] = _mm512_dpbf16_ps(b[r][q], wt, load_bf16_tail(x + r * I + i, tail_mask));
+    }
+  }
+  SRUPP_UNROLL
+  for (int r = 0; r < NR; ++r) {
+    alignas(16) float acc[4];
+    _mm_store_ps(acc, sum4(_mm512_add_ps(a[r][0], b[r][0]), _mm512_add_ps(a[r][1], b[r][1]),
+                           _mm512_add_ps(a[r][2], b[r][2]), _mm512_add_ps(a[r][3], b[r][3])));
+    SRUPP_UNROLL
+    for (int q = 0; q < 4; ++q) {
+      const float v = bias != nullptr ? acc[q] + static_cast<float>(bias[q]) : acc[q];
+      y[r * ldy + q] = static_cast<BFloat16>(v);
+    }
+  }
+}
+
+// One row xr against one feature wr (the last features of a range, fewer than four)
+inline BFloat16 dot1(const BFloat16* xr, int64_t I, const BFloat16* wr, const BFloat16* bias,
+                     __mmask32 tail_mask) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 2 * kB <= I; i += 2 * kB) {
+    a0 = _mm512_dpbf16_ps(a0, load_bf16(wr + i), load_bf16(xr + i));
+    a1 = _mm512_dpbf16_ps(a1, load_bf16(wr + i + kB), load_bf16(xr + i + kB));
+  }
+  if (i + kB <= I) {
+    a0 = _mm512_dpbf16_ps(a0, load_bf16(wr + i), load_bf16(xr + i));
+    i += kB;
+  }
+  if (tail_mask)
+    a1 = _mm512_dpbf16_ps(a1, load_bf16_tail(wr + i, tail_mask), load_bf16_tail(xr + i, tail_mask));
+  // reduced in sum4's order, so a feature's value does not depend on its group
+  const __m512 z = _mm512_setzero_ps();
+  float acc = _mm_cvtss_f32(sum4(_mm512_add_ps(a0, a1), z, z, z));
+  if (bias != nullptr) acc += static_cast<float>(*bias);
+  return static_cast<BFloat16>(acc);
+}
+
 }  // namespace
 
 void linear_rows_bf16_dot_range(const BFloat16* x, const BFloat16* w, int64_t ldw,
                                 const BFloat16* bias, BFloat16* y, int64_t ldy, int64_t R,
                                 int64_t I, int64_t o0, int64_t o1) {
-  constexpr int64_t kB = 32;    // bf16 per 512-bit vector
-  constexpr int64_t kRows = 4;  // output features per pass
   const int tail = static_cast<int>(I % kB);
   const __mmask32 tail_mask = tail ? static_cast<__mmask32>((uint64_t{1} << tail) - 1) : 0;
-  auto load = [](const BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); };
-  auto load_tail = [&](const BFloat16* p) {  // zeros beyond I multiply to zero
-    return (__m512bh)_mm512_maskz_loadu_epi16(tail_mask, p);
-  };
-    int64_t o = o0;
-    for (; o + kRows <= o1; o += kRows) {
-      const BFloat16* w0 = w + o * ldw;
-      const BFloat16* w1 = w0 + ldw;
-      const BFloat16* w2 = w1 + ldw;
-      const BFloat16* w3 = w2 + ldw;
-      for (int64_t r = 0; r < R; ++r) {
-        const BFloat16* xr = x + r * I;
-        // two accumulators per feature (even and odd vectors of the row): 8 chains
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        __m512 b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-        int64_t i = 0;
-        for (; i + 2 * kB <= I; i += 2 * kB) {
-          const __m512bh xa = load(xr + i), xb = load(xr + i + kB);
-          a0 = _mm512_dpbf16_ps(a0, load(w0 + i), xa);
-          a1 = _mm512_dpbf16_ps(a1, load(w1 + i), xa);
-          a2 = _mm512_dpbf16_ps(a2, load(w2 + i), xa);
-          a3 = _mm512_dpbf16_ps(a3, load(w3 + i), xa);
-          b0 = _mm512_dpbf16_ps(b0, load(w0 + i + kB), xb);
-          b1 = _mm512_dpbf16_ps(b1, load(w1 + i + kB), xb);
-          b2 = _mm512_dpbf16_ps(b2, load(w2 + i + kB), xb);
-          b3 = _mm512_dpbf16_ps(b3, load(w3 + i + kB), xb);
-        }
-        if (i + kB <= I) {
-          const __m512bh xa = load(xr + i);
-          a0 = _mm512_dpbf16_ps(a0, load(w0 + i), xa);
-          a1 = _mm512_dpbf16_ps(a1, load(w1 + i), xa);
-          a2 = _mm512_dpbf16_ps(a2, load(w2 + i), xa);
-          a3 = _mm512_dpbf16_ps(a3, load(w3 + i), xa);
-          i += kB;
-        }
-        if (tail) {
-          const __m512bh xa = load_tail(xr + i);
-          b0 = _mm512_dpbf16_ps(b0, load_tail(w0 + i), xa);
-          b1 = _mm512_dpbf16_ps(b1, load_tail(w1 + i), xa);
-          b2 = _mm512_dpbf16_ps(b2, load_tail(w2 + i), xa);
-          b3 = _mm512_dpbf16_ps(b3, load_tail(w3 + i), xa);
-        }
-        alignas(16) float acc[4];
-        _mm_store_ps(acc, sum4(_mm512_add_ps(a0, b0), _mm512_add_ps(a1, b1),
-                               _mm512_add_ps(a2, b2), _mm512_add_ps(a3, b3)));
-        for (int q = 0; q < 4; ++q) {
-          const float v = bias != nullptr ? acc[q] + static_cast<float>(bias[o + q]) : acc[q];
-          y[r * ldy + o + q] = static_cast<BFloat16>(v);
-        }
-      }
-    }
-    for (; o < o1; ++o) {  // the last features, one at a time
-      const BFloat16* wr = w + o * ldw;
-      for (int64_t r = 0; r < R; ++r) {
-        const BFloat16* xr = x + r * I;
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-        int64_t i = 0;
-        for (; i + 2 * kB <= I; i += 2 * kB) {
-          a0 = _mm512_dpbf16_ps(a0, load(wr + i), load(xr + i));
-          a1 = _mm512_dpbf16_ps(a1, load(wr + i + kB), load(xr + i + kB));
-        }
-        if (i + kB <= I) {
-          a0 = _mm512_dpbf16_ps(a0, load(wr + i), load(xr + i));
-          i += kB;
-        }
-        if (tail) a1 = _mm512_dpbf16_ps(a1, load_tail(wr + i), load_tail(xr + i));
-        // reduced in sum4's order, so a feature's value does not depend on its group
-        const __m512 z = _mm512_setzero_ps();
-        float acc = _mm_cvtss_f32(sum4(_mm512_add_ps(a0, a1), z, z, z));
-        if (bias != nullptr) acc += static_cast<float>(bias[o]);
-        y[r * ldy + o] = static_cast<BFloat16>(acc);
-      }
-    }
+  int64_t o = o0;
+  for (; o + 4 <= o1; o += 4) {  // the four features' rows of W stay in L1 while x goes by
+    const BFloat16* wo = w + o * ldw;
+    const BFloat16* bias_o = bias != nullptr ? bias + o : nullptr;
+    int64_t r = 0;
+    for (; r + 2 <= R; r += 2)
+      dot4_rows<2>(x + r * I, I, wo, ldw, bias_o, y + r * ldy + o, ldy, tail_mask);
+    if (r < R) dot4_rows<1>(x + r * I, I, wo, ldw, bias_o, y + r * ldy + o, ldy, tail_mask);
+  }
+  for (; o < o1; ++o) {  // the last features, one at a time
+    const BFloat16* bias_o = bias != nullptr ? bias + o : nullptr;
+    for (int64_t r = 0; r < R; ++r)
+      y[r * ldy + o] = dot1(x + r * I, I, w + o * ldw, bias_o, tail_mask);
+  }
 }
 
 namespace {
 
 void linear_rows_bf16_dot(const BFloat16* x, const BFloat16* w, int64_t ldw,
                           const BFloat16* bias, BFloat16* y, int64_t R, int64_t I, int64_t O) {
-  at::parallel_for(0, O, rows_grain(I, 2), [&](int64_t o0, int64_t o1) {
+  at::parallel_for(0, O, rows_grain(R, I, 2), [&](int64_t o0, int64_t o1) {
     linear_rows_bf16_dot_range(x, w, ldw, bias, y, O, R, I, o0, o1);
   });
 }
