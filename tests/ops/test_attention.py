@@ -340,7 +340,7 @@ def test_one_query_kernel_against_fp64(B, H, S, hd, dtype):
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_one_query_kernel_splits_keys_over_threads(threads, dtype):
-    # 300 keys are three blocks (44, 128 and 128 keys), run on the threads and merged;
+    # 300 keys are two blocks (44 and 256 keys), run on the threads and merged;
     # the result is the fp64 softmax's at any count
     g = torch.Generator().manual_seed(threads)
     q = (torch.randn(1, 1, 1, 40, generator=g) * 2).to(dtype)

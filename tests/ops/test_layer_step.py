@@ -129,12 +129,13 @@ def test_every_memory_key_padded_but_the_token_itself():
 @pytest.mark.parametrize("threads", [3, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_keys_split_over_threads(threads, dtype):
-    """One sequence, one head and more threads than that: the attention splits its 151
-    keys over the threads and merges the parts. The first 80 keys are padding: at 3 and
-    4 threads one or two parts have no key left (they must weigh nothing) and two parts
-    have keys (their merge is weighed), and the result is the reference's."""
-    args = make_args(dtype, B=1, n_in=64, D=64, dp=32, H=1, M=150, pad=True, seed=3)
-    args["memory_pad"][:, :80] = True
+    """One sequence, one head and more threads than that: the attention cuts its 601 keys
+    into blocks of 256 from the newest (89, 256 and 256 keys), runs them on the threads and
+    merges them. The first 200 keys are padding: the first block has no key left (it must
+    weigh nothing), the second some (its merge with the third is weighed), and the result
+    is the reference's."""
+    args = make_args(dtype, B=1, n_in=64, D=64, dp=32, H=1, M=600, pad=True, seed=3)
+    args["memory_pad"][:, :200] = True
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

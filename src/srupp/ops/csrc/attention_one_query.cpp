@@ -38,11 +38,12 @@ inline float hsum(const Vec& v) {
 #endif
 }
 
-// Keys per block. Each block costs one more merge (an exp and hd multiply-adds) against
-// 2 * 128 * hd multiply-adds of its own, well under 1%, and its scores (512 bytes) stay in
-// L1; smaller blocks would add merge work for every batch size (the cut may not depend on
-// it), larger ones would give batch-1 decoding fewer tasks (2 blocks at 300 keys at 256).
-constexpr int64_t kKeysPerBlock = 128;
+// Keys per block. Each block costs one more task and merge, paid at every batch size (the
+// cut may not depend on it); its scores (1 KiB) stay in L1. A window of w keys decodes over
+// w + 1 (the token's own): at 128 a 128-key window made blocks of 1 and 128 keys, and the
+// attention a quarter of a 32-stream step. At 256, batch 1 still splits longer windows
+// (1,024 keys: 5 blocks) over the threads.
+constexpr int64_t kKeysPerBlock = 256;
 
 // One query's softmax pieces over keys j0 .. j1 - 1: returns their max score m (-inf when
 // every one is padded) and writes l = sum exp(s - m) to *l and sum exp(s - m) v_j to acc
