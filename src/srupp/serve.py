@@ -19,6 +19,7 @@ is saved; the process exits 0.
 
 
 import asyncio
+import gc
 import contextlib
 import json
 import math
@@ -184,13 +185,18 @@ class Server:
 
     # -------------------------------------------------------------- engine thread
     def start(self) -> None:
+        """Run the engine on a thread of its own (for embedding the app in another server;
+        ``srupp serve`` runs it on the main thread: see :func:`serve`)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="srupp-engine", daemon=True)
+            self._thread = threading.Thread(target=self.run, name="srupp-engine", daemon=True)
             self._thread.start()
 
-    def _run(self) -> None:
+    def run(self) -> bool:
+        """Run the engine on this thread until :meth:`drain` and the grace period end;
+        False if it failed (its traceback printed)."""
         try:
             self.engine.run(self._stop, grace=self.grace)
+            return True
         except Exception:
             # an engine that failed decodes nothing more: /health and new requests get 503,
             # and the streams in flight end (ABORT) rather than leave their clients waiting
@@ -199,6 +205,7 @@ class Server:
             self.engine.close()
             with contextlib.suppress(Exception):
                 self.engine.abort_all()
+            return False
 
     def drain(self) -> None:
         """Refuse new requests (503), and end the engine within the grace period."""
@@ -404,7 +411,8 @@ def serve(run, *, host: str = "127.0.0.1", port: int = 8000,
           dtype: str = "fp32", mem_len: Optional[int] = None, grace: float = 30.0,
           threads: Optional[int] = None, log_level: str = "warning") -> int:
     """Serve a loaded run (:func:`srupp.inference.load_run` of a language model) until
-    SIGTERM or Ctrl-C (see the module's docstring); returns the exit status, 0."""
+    SIGTERM or Ctrl-C (see the module's docstring); returns the exit status: 0, or 1 when
+    the engine failed (its traceback printed; the server answered 503 until stopped)."""
     require("uvicorn", "serve", "srupp serve")
     require("fastapi", "serve", "srupp serve")
     import torch
@@ -426,29 +434,19 @@ def serve(run, *, host: str = "127.0.0.1", port: int = 8000,
     ckpt = Path(ckpt).resolve()
     name = ckpt.parent.name if ckpt.name.startswith("ckpt-") else ckpt.name
     server = Server(engine, tokenizer, name, grace=grace)
-    server.start()
-
-    class _Uvicorn(uvicorn.Server):
-        # Not uvicorn's handle_exit: it records the signal and raises it again once the
-        # server has stopped, so that the process would end by SIGTERM, not exit 0.
-        def handle_exit(self, sig, frame):  # drain first: 503s, streams end, sessions saved
-            if server.draining:  # a second signal: stop serving now (Ctrl-C twice: at once)
-                self.should_exit = True
-                self.force_exit = self.force_exit or sig == signal.SIGINT
-                return
-            server.drain()
-            threading.Thread(target=self._after_drain, daemon=True).start()
-
-        def _after_drain(self):
-            server.join(grace + 10)
-            self.should_exit = True
-
+    # the model and the libraries are loaded for good: keep the collector off them (it
+    # walked them at every full collection, a few % of each decoding step)
+    gc.collect()
+    gc.freeze()
     config = uvicorn.Config(server.app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=5)
     # bound here, so that port 0 (any free port) is known before serving, and printed
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # each SSE event is a small write: without this, Nagle's algorithm holds it until the
+    # client acknowledges the one before, which a client delays by up to 40 ms
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
@@ -461,11 +459,38 @@ def serve(run, *, host: str = "127.0.0.1", port: int = 8000,
                       "max_streams": max_streams, "window": engine.window,
                       "state_bytes_per_stream": engine.state_bytes,
                       "sessions": sessions}), flush=True)
-    _Uvicorn(config).run(sockets=[sock])
-    if not server.draining:
+    # The engine runs on the main thread and HTTP on another: PyTorch's OpenMP threads
+    # serve the thread that first ran a parallel region; from any other, every region put
+    # its threads to sleep and woke them (a stream decoded 6x slower). uvicorn installs no
+    # signal handlers off the main thread, so the drain is this thread's.
+    http = uvicorn.Server(config)
+    web = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="srupp-http",
+                           daemon=True)
+
+    def on_signal(sig, frame):  # drain first: 503s, streams end, sessions saved
+        if server._stop.is_set():  # a second signal: stop serving now (Ctrl-C twice: at once)
+            http.should_exit = True
+            http.force_exit = http.force_exit or sig == signal.SIGINT
+            server.engine.abort_all()
+            return
         server.drain()
-    server.join(grace + 10)  # at once if drained already; a second signal cut it short
-    return 0
+
+    handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    web.start()
+    ok = False
+    try:
+        ok = server.run()
+        if not ok:  # the engine failed: answer 503 until told to stop
+            while not server._stop.is_set():
+                server._stop.wait(0.5)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        http.should_exit = True
+        web.join(grace + 10)
+        if server.engine.sessions is not None:
+            server.engine.sessions.save_all()
+    return 0 if ok else 1
 
 
 __all__ = ["serve", "Server", "parse_completion", "BadRequest"]

@@ -295,10 +295,15 @@ class Engine:
         """Step until ``stop`` is set; then take no new streams, finish those in flight
         for up to ``grace`` seconds, end the rest with ABORT, and save their sessions."""
         while not stop.is_set():
-            if not self.step():
-                with self._lock:
-                    if self.idle and not stop.is_set():
-                        self._lock.wait(0.05)
+            if self.step():
+                # hand the interpreter to the threads that relay this step's tokens (a
+                # server's event loop): without a pause this loop would keep it, and they
+                # would stream nothing until every stream had ended
+                time.sleep(0)
+                continue
+            with self._lock:
+                if self.idle and not stop.is_set():
+                    self._lock.wait(0.05)
         self.close()
         deadline = time.monotonic() + grace
         while not self.idle and time.monotonic() < deadline:

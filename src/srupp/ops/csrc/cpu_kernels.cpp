@@ -35,23 +35,28 @@ TORCH_LIBRARY_IMPL(srupp, CPU, m) { m.impl("layer_step", &srupp_cpu::layer_step_
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace srupp_cpu;
   m.doc() = "srupp: fused multithreaded CPU kernels of the SRU recurrence";
-  m.def("sru_fwd", &sru_fwd_cpu, "SRU recurrence forward (CPU)");
-  m.def("sru_bwd", &sru_bwd_cpu, "SRU recurrence backward (CPU)");
-  m.def("linear_rows", &linear_rows_cpu, "x @ weight^T (+ bias) for a few rows (decoding)");
+  // The kernels touch no Python object: they let go of the GIL while they run, so that
+  // another Python thread (a server's event loop beside its decoding thread) runs then
+  // instead of waiting for the interpreter's switch interval.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("sru_fwd", &sru_fwd_cpu, "SRU recurrence forward (CPU)", nogil);
+  m.def("sru_bwd", &sru_bwd_cpu, "SRU recurrence backward (CPU)", nogil);
+  m.def("linear_rows", &linear_rows_cpu, "x @ weight^T (+ bias) for a few rows (decoding)",
+        nogil);
   m.def("stack_step", &stack_step_cpu,
-        "an SRU++ stack's decoding step: layer_step for each layer, in one call");
+        "an SRU++ stack's decoding step: layer_step for each layer, in one call", nogil);
   m.def("decode_loop", &decode_loop_cpu,
-        "up to n tokens of an LM with an SRU++ stack: sample, embed, stack_step, output");
+        "up to n tokens of an LM with an SRU++ stack: sample, embed, stack_step, output", nogil);
   m.def("attend_one_query", &attend_one_query_cpu,
-        "softmax(scale q K^T) V for one query per (batch, head) (decoding)");
+        "softmax(scale q K^T) V for one query per (batch, head) (decoding)", nogil);
   m.def("linear_rows_bf16_native", &linear_rows_bf16_native,
         "whether linear_rows' bf16 products use AVX512-BF16 dot products");
   m.def("linear_int8_rows", &linear_int8_rows_cpu,
-        "(x @ int8 weight^T) * scale (+ bias) for a few rows (decoding)");
+        "(x @ int8 weight^T) * scale (+ bias) for a few rows (decoding)", nogil);
   m.def("linear_int8_rows_avx512", &linear_int8_rows_avx512,
         "whether linear_int8_rows runs its AVX-512 loop");
   m.def("linear_w8a8_rows", &linear_w8a8_rows_cpu,
-        "(int8 x per row . int8 weight^T) * scales (+ bias) for a few rows (decoding)");
+        "(int8 x per row . int8 weight^T) * scales (+ bias) for a few rows (decoding)", nogil);
   m.def("linear_w8a8_rows_vnni", &linear_w8a8_rows_vnni,
         "whether linear_w8a8_rows runs its VNNI loop");
   m.def("empty_cache", []() { return static_cast<int64_t>(empty_cache()); },
