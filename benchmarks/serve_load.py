@@ -11,7 +11,9 @@ It starts the server itself (``python -m srupp serve``, one process per model), 
   GEMM peak measured in this process before the servers start;
 - time to first token and inter-token latency, p50 and p99, from the client;
 - the server's RSS growth per stream (peak RSS during the level minus RSS idle before
-  it, over the stream count), beside the state bytes the server reports per stream.
+  it, over the stream count), beside the state bytes the server reports per stream;
+- in this process, without HTTP (``in_process``): the bare batched step and the engine
+  alone at each level, with their shares of the bound: where the server's time goes.
 
 Models: the 5M ``shakespeare-cpu`` SRU++ (the recipe's shape, random weights: speed
 does not depend on the values) and the project's Transformer at about the same size
@@ -177,6 +179,45 @@ async def level(url: str, n: int, prompt: str, tokens: int, server: ServerProces
             "rss_growth_per_stream_bytes": round((peak[0] - idle) / n)}
 
 
+def in_process(ckpt: Path, dtype: str, levels, prompt_len: int, tokens: int) -> list:
+    """Per level, without HTTP: the bare batched step (``model.step`` on that many rows, as
+    the engine runs it) and the engine alone (streams submitted and stepped in this
+    process): where the server's time goes."""
+    from srupp.engine import Engine, Sampling
+    from srupp.inference import load_run, weights_for_decoding
+    from srupp.ops.matmul import batch_invariant
+
+    run = load_run(ckpt)
+    model, tok = run.model, run.tokenizer
+    weights_for_decoding(model, dtype)
+    prompt = tok.encode((TEXT * (prompt_len // len(TEXT) + 1))[:prompt_len]).tolist()
+    out = []
+    for n in levels:
+        with torch.no_grad(), batch_invariant(n):
+            state = model.backbone.padded_state(n, model.config.mem_len or 128)
+            _, state = model.prefill(torch.tensor([prompt] * n), state)
+            ids = torch.zeros(n, dtype=torch.long)
+            for _ in range(3):
+                _, state = model.step(ids, state)
+            reps, t = 20, time.perf_counter()
+            for _ in range(reps):
+                _, state = model.step(ids, state)
+            step_s = (time.perf_counter() - t) / reps
+        engine = Engine(model, tok, max_streams=max(levels))
+        streams = [engine.submit(prompt, Sampling(max_tokens=tokens, temperature=0))
+                   for _ in range(n)]
+        while not all(s.generated for s in streams):  # every stream decoding
+            engine.step()
+        done0, t = sum(len(s.generated) for s in streams), time.perf_counter()
+        while not all(s.done for s in streams):
+            engine.step()
+        rate = (sum(len(s.generated) for s in streams) - done0) / (time.perf_counter() - t)
+        out.append({"streams": n, "bare_step_ms": round(1e3 * step_s, 3),
+                    "bare_step_tokens_per_s": round(n / step_s, 1),
+                    "engine_tokens_per_s": round(rate, 1)})
+    return out
+
+
 def run_model(kind: str, ckpt: Path, sizes: dict, args, peak_gflops: float, levels, prompt_len,
               mem_len=None) -> dict:
     server = ServerProcess(ckpt, dtype=args.dtype, max_streams=max(levels), mem_len=mem_len)
@@ -222,6 +263,12 @@ def main():
             ckpts[kind] = (Path(tmp) / kind, make_checkpoint(kind, Path(tmp) / kind, args.tiny))
         ck, sizes = ckpts["srupp"]
         out["load"].append(run_model("srupp", ck, sizes, args, peak, levels, args.prompt))
+        inside = in_process(ck, args.dtype, levels, args.prompt, args.tokens)
+        for row in inside:
+            for key in ("bare_step_tokens_per_s", "engine_tokens_per_s"):
+                row[key.replace("tokens_per_s", "share_of_compute_bound")] = round(
+                    row[key] * 2 * sizes["product_weights"] / (peak * 1e9), 4)
+        out["in_process"] = inside
         for ctx in [int(x) for x in args.contexts.split(",") if x]:
             row = {"context": ctx}
             for kind in ("srupp", "transformer"):

@@ -397,6 +397,8 @@ def test_serve_load():
     for x in levels:
         assert x["tokens"] == 6 * x["streams"] and x["tokens_per_s_overall"] > 0
         assert 0 < x["share_of_compute_bound"] and x["itl_ms"]["p50"] <= x["itl_ms"]["p99"]
+    assert [x["streams"] for x in r["in_process"]] == [1, 2]
+    assert all(x["bare_step_ms"] > 0 and x["engine_tokens_per_s"] > 0 for x in r["in_process"])
     ctx = r["contexts"][0]
     assert ctx["context"] == 24 and ctx["srupp_over_transformer_tokens_per_s"] > 0
     assert ctx["transformer"]["window"] == 24 and ctx["srupp"]["state_bytes_per_stream"] > 0

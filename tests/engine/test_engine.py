@@ -530,3 +530,22 @@ def test_a_damaged_session_ends_its_stream_and_the_engine_goes_on(tmp_path):
         engine.step()
     assert bad.finish_reason == ABORT and bad.error and "bad" in bad.error
     assert good.finish_reason == LENGTH and len(good.generated) == 3
+
+
+def test_an_adaptive_softmax_model_decodes_through_the_engine():
+    """A model with an adaptive input and softmax (no C++ token loop for it) decodes alone
+    on the batched step, and gives the same tokens alone or beside another stream."""
+    from srupp.models import CausalLM, SRUppConfig
+
+    torch.manual_seed(0)
+    model = CausalLM(SRUppConfig(vocab_size=V, d_model=16, proj_size=8, num_layers=2,
+                                 dropout=0.0, mem_len=8, adaptive_cutoffs=[10, 20], div_val=2,
+                                 emb_dim=8, tie_embeddings=True)).eval()
+    perturb(model)
+    greedy = Sampling(max_tokens=12, temperature=0)
+    alone = Engine(model, TOK, max_streams=2).generate([3, 1, 4], greedy).generated
+    engine = Engine(model, TOK, max_streams=2)
+    a, b = engine.submit([3, 1, 4], greedy), engine.submit([2, 7], greedy)
+    while not (a.done and b.done):
+        engine.step()
+    assert a.generated == alone and len(alone) == 12

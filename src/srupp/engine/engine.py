@@ -483,7 +483,9 @@ class Engine:
             return None
         n = min(left, s.chunk, most)
         emb = self.model.embedding
-        like = emb.weight.new_empty(1, getattr(emb, "embedding_dim", 0))
+        if not isinstance(emb, torch.nn.Embedding):  # the C++ loop embeds by table lookup
+            return None
+        like = emb.weight.new_empty(1, emb.embedding_dim)
         decoder = self.model.fused_decoder(self._batch, n, like)
         if decoder is None:
             return None

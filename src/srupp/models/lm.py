@@ -236,7 +236,8 @@ class CausalLM(SavedModel):
         chunks start at one token and double up to it."""
         generator = sampling["generator"]
         most = tuning().decode_chunk
-        if most < 1 or (generator is not None and generator.device.type != "cpu"):
+        if most < 1 or (generator is not None and generator.device.type != "cpu") \
+                or type(self.embedding) is not nn.Embedding:  # the loop embeds by lookup
             return None
         like = self.embedding.weight.new_empty(logits.shape[0], self.embedding.embedding_dim)
         chunk = most if on_tokens is None else 1
