@@ -259,11 +259,11 @@ def token_parts(model, prompt, reps=500):
         logits, state = model.step(tok, state)
         tok = logits.argmax(-1)
     x = model.embedding(tok)                                                 # (1, d)
-    steps = model.backbone.fused_steps(state, 1, x)
-    if steps is None:
+    plan = model.backbone.decode_plan(state, 1, x)
+    if plan is None:
         return None
     kernel = stack_step_kernel()
-    args = stack_step_arguments(x, steps.stack_args(), first=0, kept=steps.M + 1)  # row M again
+    args = stack_step_arguments(x, plan.stack_args(), first=0, kept=plan.M + 1)  # row M again
     h = kernel(*args)[0]                                                     # (1, D)
     parts = {"stack_kernel": lambda: kernel(*args),
              "output_module": lambda: model.output(h),

@@ -203,12 +203,12 @@ def test_the_kernel_leaves_the_python_loops_logits_and_state(case, dtype):
         logits, state = m.step(logits.argmax(-1), state)
     start_logits, start = prefill()
     like = m.embedding.weight.new_empty(2, 8)
-    steps = m.backbone.fused_steps(start, 5, like)
+    plan = m.backbone.decode_plan(start, 5, like)
     tokens, c, got, memory, kvs, shift = decode_loop(
         start_logits, torch.zeros(2, dtype=torch.bool), m.embedding.weight,
-        output_args(m.output, like), steps.stack_args(), mem_len=steps.mem_len, n=5,
+        output_args(m.output, like), plan.stack_args(), mem_len=plan.mem_len, n=5,
         final=False, temperature=0.0, top_k=None, top_p=None, generator=None, eos_id=None)
-    after = steps.state_after(c, memory, kvs, shift)
+    after = plan.state_after(c, memory, kvs, shift)
     assert tokens.shape == (2, 5) and torch.equal(got, logits)
     assert torch.equal(after.c, state.c)
     for mine, theirs in zip(after.memory, state.memory):

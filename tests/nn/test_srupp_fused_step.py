@@ -2,7 +2,7 @@
 the modules' path.
 
 Under no_grad on CPU a one-token call runs each layer as one C++ op
-(``_step_fused`` in srupp/nn/stack_step.py); the step backend "modules" runs the
+(``_fused_step`` in srupp/nn/stack_step.py); the step backend "modules" runs the
 same token module by module. Both must give the same outputs and the same
 state (c, memory, cached keys and values, the padding mask), token by token,
 in fp32 and bf16, and the op must actually have run (counted). Where the op

@@ -210,7 +210,7 @@ class CausalLM(SavedModel):
                 logits, state = self.step(nxt, state)
 
     def fused_decoder(self, state, n: int, like: Tensor) -> Optional[tuple]:
-        """(steps, output) for :meth:`FusedSteps.decode <srupp.nn.stack_step.FusedSteps.decode>`:
+        """(plan, output) for :meth:`StepPlan.decode <srupp.nn.stack_step.StepPlan.decode>`:
         n tokens from ``state`` in one C++ call, rows like ``like`` (B, d); None where that call
         can't run this model (training, an adaptive or a non-plain embedding, an output layer
         it doesn't compute as the module does, a backbone other than an eval-mode causal
@@ -222,8 +222,8 @@ class CausalLM(SavedModel):
         output = output_args(self.output, like)
         if output is None:
             return None
-        steps = self.backbone.fused_steps(state, n, like)
-        return None if steps is None else (steps, output)
+        plan = self.backbone.decode_plan(state, n, like)
+        return None if plan is None else (plan, output)
 
     def _fused_chunks(self, logits: Tensor, state, n: int, eos_id: Optional[int],
                       sampling: dict, on_tokens: Optional[Callable]
@@ -250,10 +250,10 @@ class CausalLM(SavedModel):
                    eos_id: Optional[int], sampling: dict, chunk: int,
                    most: int) -> Iterator[Tensor]:
         done = torch.zeros(like.shape[0], dtype=torch.bool)       # rows that sampled eos_id
-        steps, output = decoder
+        plan, output = decoder
         while True:
-            t = steps.L
-            tokens, logits, state = steps.decode(
+            t = plan.L
+            tokens, logits, state = plan.decode(
                 logits, done, self.embedding.weight, output, final=t == n, eos_id=eos_id,
                 **sampling)                                       # tokens (B, ≤ t)
             yield tokens
@@ -265,7 +265,7 @@ class CausalLM(SavedModel):
             if decoder is None:  # the model changed under us (in on_tokens, say): step on
                 yield from self._step_chunks(logits, state, n, sampling)
                 return
-            steps, output = decoder
+            plan, output = decoder
 
     @torch.no_grad()
     def prefill(self, tokens: Tensor, state) -> Tuple[Tensor, Any]:

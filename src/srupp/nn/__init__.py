@@ -2,7 +2,7 @@
 
     sru.py         the recurrence every layer shares, and plain SRU (SRU, SRUCell)
     srupp.py       SRU++: the attention sub-layer, SRUppCell, SRUpp and its step()
-    stack_step.py  a stack's decoding steps in one C++ call (FusedSteps, fused_steps)
+    stack_step.py  a stack's decoding steps in one C++ call (StepPlan, plan_steps)
     state.py       SRUppState, the state carried between calls, and its K/V cache
     append.py      append_steps: growing a cache without copying it
     linear.py      nn.Linear whose bias-free products go through srupp.ops.linear

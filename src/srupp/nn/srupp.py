@@ -38,7 +38,7 @@ from ..ops.layer_step import layer_step_applies
 from .append import append_steps
 from .linear import Linear
 from .sru import RecurrentLayerBase, StackBase, check_c0, check_input, read_input, write_output
-from .stack_step import FusedSteps, _keep_last, _step_fused, fused_steps
+from .stack_step import StepPlan, _fused_step, _keep_last, plan_steps
 from .state import KVCache, SRUppState
 
 StateLike = Union[SRUppState, Tensor, None]
@@ -476,17 +476,17 @@ class SRUpp(StackBase):
         h, state = _run_stack(self, self.layers, self.input_to_hidden, x, None, state, None)
         return h.squeeze(1), state                                       # (B, D)
 
-    def fused_steps(self, state: StateLike, n: int, like: Tensor) -> Optional[FusedSteps]:
-        """n decoding steps from ``state`` set up for one C++ call (:class:`FusedSteps`,
+    def decode_plan(self, state: StateLike, n: int, like: Tensor) -> Optional[StepPlan]:
+        """n decoding steps from ``state`` planned for one C++ call (:class:`StepPlan`,
         for ``decode_loop``), with inputs like ``like`` (B, n_in); None where that call
-        can't run them and :meth:`step` must: see :func:`fused_steps`, and also a
+        can't run them and :meth:`step` must: see :func:`plan_steps`, and also a
         bidirectional stack, an input map n_in → D, or the step backend "modules"."""
         if self.bidirectional or self.input_to_hidden is not None or not layer_step_applies(like):
             return None
         check_input(like.unsqueeze(1), self.input_size, self.layers[0].weight_c.dtype)
         state, c0 = _incoming_state(state, self.layers, self.layers[0], like.shape[0], like)
         mem_len = self.mem_len if state.mem_len is None else state.mem_len
-        return fused_steps(self.layers, like, state, c0, state.memory_length, mem_len, n)
+        return plan_steps(self.layers, like, state, c0, state.memory_length, mem_len, n)
 
     def extra_repr(self) -> str:
         return (f"{self.input_size}, {self.hidden_size}, {self.proj_size}, "
@@ -593,7 +593,7 @@ def _run_stack(owner: nn.Module, layers: Sequence[SRUppCell], input_to_hidden: O
     mem_len = owner.mem_len if state.mem_len is None else state.mem_len
     any_attention = any(layer.use_attention for layer in layers)
     if L == 1 and mask is None and attn_mask is None and layer_step_applies(x):
-        fused = _step_fused(layers, input_to_hidden, x[:, 0], state, c0, M, mem_len)
+        fused = _fused_step(layers, input_to_hidden, x[:, 0], state, c0, M, mem_len)
         if fused is not None:
             return fused[0].unsqueeze(1), fused[1]
 

@@ -5,11 +5,12 @@ one-token call of :class:`~srupp.nn.SRUpp` runs all its layers in one call of th
 ``stack_step`` kernel (``srupp::layer_step`` for each layer in turn) instead of
 module by module; ``decode_loop`` runs many tokens the same way.
 
-    _step_plan    what the kernels read from one layer, looked up once (_StepPlan)
-    FusedSteps    L steps set up for the kernels: the rows reserved in each
-                  attention layer's memory and [K | V], and the state they leave
-    fused_steps   FusedSteps, or None where the kernels can't take the layers or state
-    _step_fused   one token through the layers (what SRUpp.step runs when it can)
+    _layer_plan   what the kernels read from one layer, looked up once (_LayerPlan)
+    StepPlan      L steps planned for the kernels: the layers' plans, the rows reserved
+                  in each attention layer's memory and [K | V], and the state they leave
+    plan_steps    a StepPlan, or None where the kernels can't take the layers or state
+    _fused_step   one token through the layers in one ``stack_step`` call (the step
+                  backend "fused": what SRUpp.step runs when it can)
 
 :mod:`srupp.nn.srupp` calls these and falls back to its modules on None; this
 module reads the layers only through their attributes, so it does not import that one.
@@ -44,7 +45,7 @@ def _keep_last(t: Optional[Tensor], n: Optional[int]) -> Optional[Tensor]:
 
 
 @dataclass(frozen=True)
-class _StepPlan:
+class _LayerPlan:
     """What ``srupp::layer_step`` reads from one layer, looked up once.
 
     A module attribute costs about a microsecond to look up, and a layer's fused
@@ -79,7 +80,7 @@ class _StepPlan:
         return True
 
 
-_PLANS: "weakref.WeakKeyDictionary[nn.Module, _StepPlan]" = weakref.WeakKeyDictionary()
+_PLANS: "weakref.WeakKeyDictionary[nn.Module, _LayerPlan]" = weakref.WeakKeyDictionary()
 
 
 _MISSING = object()
@@ -120,8 +121,8 @@ def _projection(get: "_Lookups", t: nn.Module, name: str):
     return get(m, "_parameters", "weight"), None, QUANT["float"]
 
 
-def _step_plan(layer: nn.Module) -> Optional[_StepPlan]:
-    """The :class:`_StepPlan` of an SRUppCell, made again when what it was read from changed;
+def _layer_plan(layer: nn.Module) -> Optional[_LayerPlan]:
+    """The :class:`_LayerPlan` of an SRUppCell, made again when what it was read from changed;
     None when a projection is neither a plain Linear nor an Int8Linear, or the three
     don't hold their weights the same way."""
     plan = _PLANS.get(layer)
@@ -147,7 +148,7 @@ def _step_plan(layer: nn.Module) -> Optional[_StepPlan]:
     quant = projections[0][2]
     weights = (w1, w2, w3, alpha, *norms, *gates)
     floats = (alpha, *norms, *gates) + (() if quant else (w1, w2, w3))
-    plan = _PLANS[layer] = _StepPlan(
+    plan = _PLANS[layer] = _LayerPlan(
         weights=weights, scales=scales, quant=quant,
         floats=tuple(w for w in floats if w is not None),
         norm_eps=1e-5 if ln is None else ln.eps, attn_norm_eps=1e-5 if tln is None else tln.eps,
@@ -157,7 +158,7 @@ def _step_plan(layer: nn.Module) -> Optional[_StepPlan]:
     return plan
 
 
-def _token_rows(state: SRUppState, i: int, plan: _StepPlan, M: int, B: int, like: Tensor,
+def _token_rows(state: SRUppState, i: int, plan: _LayerPlan, M: int, B: int, like: Tensor,
                 L: int = 1) -> Tuple[Tensor, int, Tensor, int]:
     """Layer i's memory and [K | V] buffers with L rows reserved for the tokens after the
     M cached steps: (memory, memory_start, kv, kv_start), as :func:`reserve_steps` gives."""
@@ -174,13 +175,13 @@ def _token_rows(state: SRUppState, i: int, plan: _StepPlan, M: int, B: int, like
     return mem, mem_start, kv, kv_start
 
 
-class FusedSteps:
-    """L decoding steps of a stack, set up for the C++ kernels (``stack_step``, one token;
+class StepPlan:
+    """L decoding steps of a stack, planned for the C++ kernels (``stack_step``, one token;
     ``decode_loop``, many): the layers' plans, and rows reserved for L tokens in each
-    attention layer's memory and [K | V] buffers. :meth:`buffers` and :meth:`layer_args`
-    are the arguments both kernels take; :meth:`state_after` is the state they leave.
+    attention layer's memory and [K | V] buffers. :meth:`stack_args` is what both kernels
+    take; :meth:`state_after` is the state they leave; :meth:`decode` runs ``decode_loop``.
 
-    Made by :func:`fused_steps`, which returns None where the kernels can't take the
+    Made by :func:`plan_steps`, which returns None where the kernels can't take the
     layers or the state.
     """
 
@@ -265,13 +266,13 @@ class FusedSteps:
         return SRUppState._from_step(c, memory, new_mask, state.mem_len, kv_cache, tuple(rows))
 
 
-def fused_steps(layers: Sequence[nn.Module], x: Tensor, state: SRUppState, c0: Tensor, M: int,
-                mem_len: Optional[int], L: int = 1) -> Optional[FusedSteps]:
-    """:class:`FusedSteps` for L tokens into the layers, x (B, n_in) like their input; None,
+def plan_steps(layers: Sequence[nn.Module], x: Tensor, state: SRUppState, c0: Tensor, M: int,
+               mem_len: Optional[int], L: int = 1) -> Optional[StepPlan]:
+    """:class:`StepPlan` for L tokens into the layers, x (B, n_in) like their input; None,
     with nothing reserved, where the kernels can't take the layers or the state: training
     mode, float weights not of x's dtype, a state that is not fp32, or an attention
     layer's memory without keys and values cached under the current weights."""
-    plans = [_step_plan(layer) for layer in layers]
+    plans = [_layer_plan(layer) for layer in layers]
     if None in plans:
         return None
     keep_memory = mem_len != 0 and any(p.use_attention for p in plans)
@@ -289,10 +290,10 @@ def fused_steps(layers: Sequence[nn.Module], x: Tensor, state: SRUppState, c0: T
             if mem is None or mem.dtype != dt or cached is None \
                     or not cached.valid_for(plan.kv_weights, M):
                 return None
-    return FusedSteps(plans, state, c0.contiguous(), M, mem_len, x.shape[0], L, x)
+    return StepPlan(plans, state, c0.contiguous(), M, mem_len, x.shape[0], L, x)
 
 
-def _step_fused(layers: Sequence[nn.Module], input_to_hidden: Optional[nn.Module], x: Tensor,
+def _fused_step(layers: Sequence[nn.Module], input_to_hidden: Optional[nn.Module], x: Tensor,
                 state: SRUppState, c0: Tensor, M: int, mem_len: Optional[int]
                 ) -> Optional[Tuple[Tensor, SRUppState]]:
     """One token, x (B, n_in), through the layers in one C++ call: ``stack_step``, the
@@ -301,11 +302,11 @@ def _step_fused(layers: Sequence[nn.Module], input_to_hidden: Optional[nn.Module
     The same result and state as the modules' path of :func:`srupp.nn.srupp._run_stack` (the
     memory and the K/V cache grow in place, into the rows :func:`reserve_steps`
     sets aside; the new state records where, for the next step). None, with
-    nothing run, where :func:`fused_steps` says the op can't take the layers or the
+    nothing run, where :func:`plan_steps` says the op can't take the layers or the
     state.
     """
-    steps = fused_steps(layers, x, state, c0, M, mem_len)
-    if steps is None:
+    plan = plan_steps(layers, x, state, c0, M, mem_len)
+    if plan is None:
         return None
     if input_to_hidden is not None:
         x = input_to_hidden(x)                                           # (B, D)
@@ -313,9 +314,9 @@ def _step_fused(layers: Sequence[nn.Module], input_to_hidden: Optional[nn.Module
     kept = M + 1 if mem_len is None else min(M + 1, mem_len)
     first = M + 1 - kept
     # (layer_step_applies ran: the extension is built)
-    h, c, memory, new_kvs = stack_step(x.contiguous(), steps.stack_args(), first=first,
+    h, c, memory, new_kvs = stack_step(x.contiguous(), plan.stack_args(), first=first,
                                        kept=kept)     # (B, D), (layers, B, D), views or None
-    return h, steps.state_after(c, memory, new_kvs, first)
+    return h, plan.state_after(c, memory, new_kvs, first)
 
 
 

@@ -135,7 +135,7 @@ DECODE_LOOP_PARAMS = ("logits", "done", "embedding", "out_weight", "out_bias", "
 @dataclass
 class StackArgs:
     """What ``stack_step`` and ``decode_loop`` read of a stack's layers (L of them) and
-    its state, by name; :class:`srupp.nn.stack_step.FusedSteps` fills it."""
+    its state, by name; :class:`srupp.nn.stack_step.StepPlan` fills it."""
 
     c: Tensor                          # (L, B, D) fp32: the recurrent state
     weights: List[Optional[Tensor]]    # 10 per layer: w1, w2, w3, α, norm w, b, attn norm w, b,

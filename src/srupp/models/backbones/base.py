@@ -85,9 +85,9 @@ class Backbone(nn.Module):
         h, state = self(x.unsqueeze(1), state)
         return h.squeeze(1), state
 
-    def fused_steps(self, state: Any, n: int, like: Tensor) -> Any:
-        """n decoding steps from ``state`` set up for one C++ call of ``decode_loop``
-        (:class:`srupp.nn.stack_step.FusedSteps`), for inputs like ``like`` (B, d); None where
+    def decode_plan(self, state: Any, n: int, like: Tensor) -> Any:
+        """n decoding steps from ``state`` planned for one C++ call of ``decode_loop``
+        (:class:`srupp.nn.stack_step.StepPlan`), for inputs like ``like`` (B, d); None where
         :meth:`step` must run them (every backbone but SRU++'s causal stack)."""
         return None
 

@@ -235,9 +235,9 @@ class SRUppBackbone(Backbone):
             return self.rnn.step(x, state)
         return super().step(x, state)
 
-    def fused_steps(self, state, n: int, like: Tensor):
+    def decode_plan(self, state, n: int, like: Tensor):
         if self.role == "causal" and self.cross is None and not self.training:
-            return self.rnn.fused_steps(state, n, like)
+            return self.rnn.decode_plan(state, n, like)
         return None
 
     def initial_state(self, batch_size: int, mem_len: Optional[int] = None) -> SRUppState:

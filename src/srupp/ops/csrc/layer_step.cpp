@@ -710,7 +710,7 @@ std::pair<OptTensors, OptTensors> Stack::views(const int64_t* kv_start,
 }  // namespace layer_step_impl
 
 // A whole stack's decoding step: layer_step_cpu for each layer in turn, h feeding the
-// next, in one call from Python (srupp/nn/stack_step.py, _step_fused), so that the Python
+// next, in one call from Python (srupp/nn/stack_step.py, _fused_step), so that the Python
 // loop over layers, its argument passing and the views of the rows kept are paid once per
 // step, not per layer. Layer l reads weights[10l .. 10l+9] (layer_step's w1, w2, w3,
 // alpha, norm_weight, norm_bias, attn_norm_weight, attn_norm_bias, weight_c, bias), its
