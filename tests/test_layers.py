@@ -28,7 +28,7 @@ LAYERS = [
     {"runs"},
     {"ops"},
     {"nn"},
-    {"models", "data", "compat", "demo"},
+    {"models", "data", "convert", "demo"},
     {"engine"},
     {"inference"},
     {"hf", "onnx", "serve"},

@@ -55,7 +55,7 @@ from ._files import atomic_path, atomic_write_json
 from .models import CausalLM
 from .nn.quant import Int8Linear, check_quantization
 from .nn.reference import attention_u, post_norm, pre_norm, projected_u, skip_term, sru_step
-from .nn.srupp import SRUppCell
+from .nn.srupp import SRUppLayer
 from .ops.reference import sru_recurrence_reference
 
 # The model types whose step the graphs below rebuild, and why the others are refused.
@@ -103,7 +103,7 @@ def _stack(model: nn.Module) -> nn.Module:
 
 
 def _attends(layer: nn.Module) -> bool:
-    return isinstance(layer, SRUppCell) and layer.use_attention
+    return isinstance(layer, SRUppLayer) and layer.use_attention
 
 
 def resolve_window(model: nn.Module, mem_len: Optional[int] = None) -> int:
@@ -135,7 +135,7 @@ def _norm(ln: Optional[nn.LayerNorm]):
 def _projected_u(layer: nn.Module, xin: Tensor) -> Tensor:
     """U of a layer without attention: SRU's W x (or W2 W1 x), SRU++'s W2 LN(W1 x)."""
     t = layer.transform
-    if isinstance(layer, SRUppCell):
+    if isinstance(layer, SRUppLayer):
         return projected_u(xin, t.linear1.weight, t.linear2.weight, _norm(t.layer_norm))
     return projected_u(xin, *(m.weight for m in t.modules() if isinstance(m, nn.Linear)))
 

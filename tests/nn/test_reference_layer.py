@@ -24,7 +24,7 @@ import torch
 from tolerances import half_dtypes, tol as layer_tol
 
 import srupp.ops
-from srupp.nn import SRUppCell, SRUppState
+from srupp.nn import SRUppLayer, SRUppState
 from srupp.nn.reference import srupp_layer_reference
 
 # Relative tolerance, and absolute tolerance as a fraction of the tensor's largest
@@ -82,7 +82,7 @@ def pytest_generate_tests(metafunc):
 
 def make_cell(kw, dtype):
     torch.manual_seed(0)
-    cell = SRUppCell(proj_size=4, dtype=dtype, **kw).train()  # train mode, dropout 0
+    cell = SRUppLayer(proj_size=4, dtype=dtype, **kw).train()  # train mode, dropout 0
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # off the initial values (α = 0, LN = 1/0) so every term matters
         for p in cell.parameters():
@@ -122,7 +122,7 @@ def test_fast_layer_matches_reference(case, dtype, backend, device):
                 causal=kw.get("causal", False), normalize_after=kw.get("normalize_after", False),
                 scale_x=scale_x)
 
-    # fast layer: SRUppCell, state (c and memory) carried from one call to the next
+    # fast layer: SRUppLayer, state (c and memory) carried from one call to the next
     with srupp.ops.use_backend(backend):
         state = SRUppState(c=c0.unsqueeze(0))
         outs, mems = [], []

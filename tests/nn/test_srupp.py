@@ -21,7 +21,7 @@ from torch.autograd import gradcheck
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from tolerances import half_dtypes, tol
 
-from srupp.nn import SRUpp, SRUppCell, SRUppState
+from srupp.nn import SRUpp, SRUppLayer, SRUppState
 
 close = torch.testing.assert_close  # fp32 defaults overridden per call: rtol=1e-5, atol=1e-6
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -253,7 +253,7 @@ def test_batch_first_matches_time_major(device):
 
 def test_cell_is_a_one_layer_stack(device):
     torch.manual_seed(1)
-    cell = randomize(SRUppCell(6, 4, 4, causal=True, num_heads=2)).to(device)
+    cell = randomize(SRUppLayer(6, 4, 4, causal=True, num_heads=2)).to(device)
     stack = SRUpp(6, 4, 4, num_layers=1, causal=True, num_heads=2).to(device)
     stack.layers[0].load_state_dict(cell.state_dict())
     x = torch.randn(5, 2, 6).to(device)

@@ -17,7 +17,7 @@ only: no srupp.ops kernels or dispatchers, no SDPA, no F.linear / F.layer_norm.
 They favour being obviously right over being fast. Two things are built on them:
 
 - :func:`srupp_layer_reference`, the independent check of the fast layer: tests
-  compare :class:`~srupp.nn.SRUppCell` against it (outputs, final state and all
+  compare :class:`~srupp.nn.SRUppLayer` against it (outputs, final state and all
   gradients; autograd gives every gradient);
 - the ONNX graphs (:mod:`srupp.onnx`), which trace them to torch-free graphs.
 

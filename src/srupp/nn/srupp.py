@@ -14,7 +14,7 @@ m the memory (the layer's past, pre-normed inputs, from the state)::
 Layers without attention (:class:`SRUppProjectedLinear`) take U = W2 dropout(LN(W1 x)).
 
 One function, :func:`_run_stack`, runs the layers for :meth:`SRUpp.forward`,
-:meth:`SRUpp.step` (one token, for decoding) and :meth:`SRUppCell.forward`.
+:meth:`SRUpp.step` (one token, for decoding) and :meth:`SRUppLayer.forward`.
 Decoding at batch 1 is bound by per-call overhead, not arithmetic, so its
 L = 1 case is kept cheap: no mask is built when a lone query may see every
 key, and under no_grad the keys and values of the memory are cached in the
@@ -241,12 +241,12 @@ class SRUppProjectedLinear(nn.Module):
 
 # --------------------------------------------------------------------------- layers
 
-class SRUppCell(RecurrentLayerBase):
-    """One SRU++ *layer*: it runs a whole sequence, not a single step.
+class SRUppLayer(RecurrentLayerBase):
+    """One SRU++ layer: it runs a whole sequence, not a single step.
 
-    As in the reference, a "cell" is a full layer. Stepping token by token is
-    done by feeding one-token inputs with the :class:`SRUppState` the last call
-    returned.
+    The reference package calls this class ``SRUppCell``; ``srupp.nn.SRUppCell``
+    is the same class under that name. Stepping token by token is done by
+    feeding one-token inputs with the :class:`SRUppState` the last call returned.
 
     Args:
         input_size: n_in.  hidden_size: d per direction.  proj_size: d′, the attention width.
@@ -349,7 +349,7 @@ class SRUpp(StackBase):
         dropout: dropout inside each attention sub-layer, and the variational
             highway dropout of every layer but the last.
         attn_dropout, num_heads, bidirectional, layer_norm, normalize_after,
-        attn_layer_norm, highway_bias, rescale, weight_c_init: see :class:`SRUppCell`.
+        attn_layer_norm, highway_bias, rescale, weight_c_init: see :class:`SRUppLayer`.
         attention_every_n_layers: layer i has attention when (i + 1) % n == 0.
         attention_last_n_layers: only the last n layers have attention (-1: off).
         proj_input_to_hidden_first: a bias-free linear n_in → D before layer 0.
@@ -384,16 +384,16 @@ class SRUpp(StackBase):
         self.mem_len = mem_len
 
         self.layers = nn.ModuleList(
-            SRUppCell(first_in if i == 0 else self.output_size, hidden_size, proj_size,
-                      dropout=dropout, attn_dropout=attn_dropout, num_heads=num_heads,
-                      bidirectional=bidirectional, layer_norm=layer_norm,
-                      normalize_after=normalize_after, attn_layer_norm=attn_layer_norm,
-                      highway_bias=highway_bias, rescale=rescale, weight_c_init=weight_c_init,
-                      use_attention=(num_layers - i <= attention_last_n_layers
-                                     if attention_last_n_layers != -1
-                                     else (i + 1) % attention_every_n_layers == 0),
-                      highway_dropout=dropout if i + 1 < num_layers else 0.0,
-                      batch_first=True, **factory)
+            SRUppLayer(first_in if i == 0 else self.output_size, hidden_size, proj_size,
+                       dropout=dropout, attn_dropout=attn_dropout, num_heads=num_heads,
+                       bidirectional=bidirectional, layer_norm=layer_norm,
+                       normalize_after=normalize_after, attn_layer_norm=attn_layer_norm,
+                       highway_bias=highway_bias, rescale=rescale, weight_c_init=weight_c_init,
+                       use_attention=(num_layers - i <= attention_last_n_layers
+                                      if attention_last_n_layers != -1
+                                      else (i + 1) % attention_every_n_layers == 0),
+                       highway_dropout=dropout if i + 1 < num_layers else 0.0,
+                       batch_first=True, **factory)
             for i in range(num_layers))
 
     def initial_state(self, batch_size: int, *, device=None,
@@ -547,7 +547,7 @@ def _append_keep_last(old: Optional[Tensor], new: Tensor, n: Optional[int]) -> T
     return append_steps(_keep_last(old, None if n is None else n - L), new)
 
 
-def _incoming_state(state: StateLike, layers, first: SRUppCell, B: int, x: Tensor
+def _incoming_state(state: StateLike, layers, first: SRUppLayer, B: int, x: Tensor
                     ) -> Tuple[SRUppState, Tensor]:
     """The state a call starts from, checked against the layers; and its c (num_layers, B, D)."""
     nL, D, sdt = len(layers), first.output_size, first.state_dtype
@@ -571,14 +571,14 @@ def _incoming_state(state: StateLike, layers, first: SRUppCell, B: int, x: Tenso
     return state, c0
 
 
-def _run_stack(owner: nn.Module, layers: Sequence[SRUppCell], input_to_hidden: Optional[nn.Module],
+def _run_stack(owner: nn.Module, layers: Sequence[SRUppLayer], input_to_hidden: Optional[nn.Module],
                x: Tensor, mask: Optional[Tensor], state: StateLike,
                attn_mask: Optional[Tensor]) -> Tuple[Tensor, SRUppState]:
     """Run SRU++ layers over a sequence, continuing from ``state``.
 
     Args:
         owner: the module whose ``causal`` and ``mem_len`` apply.
-        layers: the :class:`SRUppCell` layers, first to last.
+        layers: the :class:`SRUppLayer` layers, first to last.
         input_to_hidden: a map n_in → D before the first layer, or None.
         x: (B, L, n_in).  mask: (B, L) bool padding, or None.
         state: as for :meth:`SRUpp.forward`.  attn_mask: additive float (L, M + L), or None.

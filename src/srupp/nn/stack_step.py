@@ -122,7 +122,7 @@ def _projection(get: "_Lookups", t: nn.Module, name: str):
 
 
 def _layer_plan(layer: nn.Module) -> Optional[_LayerPlan]:
-    """The :class:`_LayerPlan` of an SRUppCell, made again when what it was read from changed;
+    """The :class:`_LayerPlan` of an SRUppLayer, made again when what it was read from changed;
     None when a projection is neither a plain Linear nor an Int8Linear, or the three
     don't hold their weights the same way."""
     plan = _PLANS.get(layer)

@@ -13,7 +13,7 @@
   cross-attention share it and the design adds no parameter. When decoding
   (no_grad), :meth:`SRUppBackbone.init_decoder` computes each layer's source
   keys and values once per sentence into the state's K/V cache.
-- ``"sublayer"``: after each SRU++ layer (an :class:`~srupp.nn.SRUppCell` with
+- ``"sublayer"``: after each SRU++ layer (an :class:`~srupp.nn.SRUppLayer` with
   its own state), a pre-norm cross-attention sub-layer
   h ← h + Wo·attn(q = Wq LN(h), K = Wk enc, V = Wv enc) of width d′ and
   ``num_heads`` heads (:class:`~.cross_attention.CrossAttention`); its K and V are computed once
@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Dict, List, Optional
 import torch
 from torch import Tensor, nn
 
-from ...nn import SRUpp, SRUppCell, SRUppState
+from ...nn import SRUpp, SRUppLayer, SRUppState
 from ...nn.srupp import check_attention_layout
 from ...nn.state import KVCache
 from .base import Backbone, EncoderOutput
@@ -190,8 +190,8 @@ class SRUppBackbone(Backbone):
             # one cell per layer, each with its own state, so that a cross-attention sits
             # between them; no highway dropout in the last layer, as in the SRUpp stack
             self.rnn = nn.ModuleList(
-                SRUppCell(d, d, p, causal=True, mem_len=None,
-                          highway_dropout=c.dropout if i + 1 < n else 0.0, **shared)
+                SRUppLayer(d, d, p, causal=True, mem_len=None,
+                           highway_dropout=c.dropout if i + 1 < n else 0.0, **shared)
                 for i in range(n))
             self.cross = nn.ModuleList(self._cross_attention(d, p) for _ in range(n))
 

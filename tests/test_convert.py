@@ -1,10 +1,10 @@
-"""srupp.compat.from_sru against the reference package sru==3.0.0.dev6.
+"""srupp.convert.from_sru against the reference package sru==3.0.0.dev6.
 
 Every case builds a reference module, moves its weights off their initial
 values (α included, so attention matters), converts it with ``from_sru`` and
 checks that both give the same h, final c, and gradients for every parameter,
 the input, c0 and memory. The weight-name mapping and the U-row permutation
-used to compare gradients are written here independently of srupp.compat.
+used to compare gradients are written here independently of srupp.convert.
 """
 
 import warnings
@@ -24,7 +24,7 @@ if getattr(sru, "__version__", None) != "3.0.0.dev6":
                 allow_module_level=True)
 
 import srupp.nn as snn  # noqa: E402
-from srupp.compat import from_sru  # noqa: E402
+from srupp.convert import from_sru  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Running SRU on CPU with grad_enabled")
 
@@ -276,7 +276,9 @@ def test_agrees_with_reference(name, dtype):
     kind = case["kind"]
     ref = build_ref(kind, case["kw"]).to(dtype)
     ours = from_sru(ref)
-    assert type(ours) is getattr(snn, kind)
+    assert type(ours) is getattr(snn, kind)  # sru.SRUppCell: srupp.nn.SRUppCell, an alias
+    if kind == "SRUppCell":
+        assert type(ours) is snn.SRUppLayer    # ... of SRUppLayer
     assert not ours.training
 
     x, c0, mask, memory, mmp, attn_mask = (

@@ -3,7 +3,7 @@
 :func:`from_sru` reads the configuration of an ``sru.SRU``, ``sru.SRUpp``,
 ``sru.SRUCell`` or ``sru.SRUppCell`` instance, builds the equivalent
 :mod:`srupp.nn` module on the same device and dtype, and copies every weight,
-so that both compute the same function (see ``tests/test_compat.py``).
+so that both compute the same function (see ``tests/test_convert.py``).
 
 This module never imports ``sru``: it recognises the reference's classes by
 name and package, so converting needs ``sru`` only to have built the module.
@@ -46,7 +46,7 @@ def from_sru(module: nn.Module, *, batch_first: bool = False, causal: bool = Fal
 
     ``sru.SRU`` becomes :class:`srupp.nn.SRU`, ``sru.SRUpp`` :class:`srupp.nn.SRUpp`,
     ``sru.SRUCell`` :class:`srupp.nn.SRUCell` and ``sru.SRUppCell``
-    :class:`srupp.nn.SRUppCell`. The result has the same configuration, device,
+    :class:`srupp.nn.SRUppLayer`. The result has the same configuration, device,
     dtype, weights (permuted to srupp's layout), ``requires_grad`` flags and
     training/eval mode. The reference module is not modified.
 
@@ -71,7 +71,7 @@ def from_sru(module: nn.Module, *, batch_first: bool = False, causal: bool = Fal
     Example::
 
         import sru, torch
-        from srupp.compat import from_sru
+        from srupp.convert import from_sru
 
         ref = sru.SRUpp(64, 128, 32, num_layers=4, attention_last_n_layers=2).eval()
         ours = from_sru(ref)
@@ -110,8 +110,8 @@ def from_sru(module: nn.Module, *, batch_first: bool = False, causal: bool = Fal
         ours = snn.SRUCell(**_sru_cell_config(module), batch_first=batch_first, **factory)
         _copy_sru_cell(ours, module)
     else:
-        ours = snn.SRUppCell(**_srupp_cell_config(module), causal=causal, mem_len=mem_len,
-                             batch_first=batch_first, **factory)
+        ours = snn.SRUppLayer(**_srupp_cell_config(module), causal=causal, mem_len=mem_len,
+                              batch_first=batch_first, **factory)
         _copy_srupp_cell(ours, module)
     ours.train(module.training)
     return ours
@@ -227,7 +227,7 @@ def _srupp_transform_info(cell: Any, where: str) -> Dict[str, Any]:
 
 
 def _srupp_cell_config(cell: Any, where: str = "sru.SRUppCell") -> Dict[str, Any]:
-    """Keyword arguments of srupp.nn.SRUppCell for a reference SRUppCell."""
+    """Keyword arguments of srupp.nn.SRUppLayer for a reference SRUppCell."""
     _check_cell_common(cell, where)
     if not cell.has_skip_term:
         raise ValueError(f"{where}: has_skip_term=False is not supported for SRU++ layers")
