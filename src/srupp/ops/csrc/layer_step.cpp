@@ -401,7 +401,8 @@ void layer_step_team(const LayerView<T>& L, T* h, float* c_new) {
 
 // One layer's step arguments, as layer_step_run takes them (layer_step_cpu's, with the
 // projections' weights W1, W2, W3 optionally int8: `quant` says how (enum Quant) and
-// scales[0..2] hold their scales, fp32, one per output feature).
+// scales[0..2] hold their scales, fp32, one per output feature). It holds references:
+// build it where its arguments live, for one call.
 struct LayerArgs {
   const Tensor &x, &c, &w1, &w2;
   const std::optional<Tensor> &w3, &alpha, &norm_weight, &norm_bias, &attn_norm_weight,
@@ -611,25 +612,13 @@ std::tuple<Tensor, Tensor> step_by_pieces(const LayerArgs& a, const LayerShape& 
   return {h, c_new};
 }
 
-// layer_step_cpu, with the projections' weights W1, W2, W3 optionally int8 (LayerArgs).
-std::tuple<Tensor, Tensor> layer_step_run(
-    const Tensor& x, const Tensor& c, const Tensor& w1, const Tensor& w2,
-    const std::optional<Tensor>& w3, const std::optional<Tensor>& alpha,
-    const std::optional<Tensor>& norm_weight, const std::optional<Tensor>& norm_bias,
-    const std::optional<Tensor>& attn_norm_weight, const std::optional<Tensor>& attn_norm_bias,
-    const Tensor& weight_c, const Tensor& bias, const std::optional<Tensor>& kv,
-    const std::optional<Tensor>& memory, const std::optional<Tensor>& memory_pad,
-    int64_t kv_start, int64_t memory_start, int64_t cached, double norm_eps, double attn_norm_eps, double scale_x, int64_t num_heads,
-    bool normalize_after, int64_t few_rows, int64_t quant, const std::optional<Tensor>* scales) {
-  const LayerArgs a{x, c, w1, w2, w3, alpha, norm_weight, norm_bias, attn_norm_weight,
-                    attn_norm_bias, weight_c, bias, kv, memory, memory_pad, kv_start,
-                    memory_start, cached, norm_eps, attn_norm_eps, scale_x, num_heads,
-                    normalize_after, few_rows, quant, scales};
+// One layer's step (layer_step_cpu's, with W1, W2, W3 optionally int8: LayerArgs).
+std::tuple<Tensor, Tensor> layer_step_run(const LayerArgs& a) {
   const LayerShape s = check_layer(a);
   // One region pays off at a handful of rows, where forks and joins weigh as much as the
   // work; from 8 rows on the pieces' own parallel loops were as fast or faster (32 rows:
   // 2.0 against 2.7 ms a step, docs/deploy.md). Both give the same bits.
-  if (quant == kFloatWeights && s.B <= std::min<int64_t>(few_rows, kTeamMaxRows) &&
+  if (a.quant == kFloatWeights && s.B <= std::min<int64_t>(a.few_rows, kTeamMaxRows) &&
       team_enabled.load(std::memory_order_relaxed))
     return step_in_one_region(a, s);
   return step_by_pieces(a, s);
@@ -648,10 +637,10 @@ std::tuple<Tensor, Tensor> layer_step_cpu(
     int64_t kv_start, int64_t memory_start, int64_t cached, double norm_eps, double attn_norm_eps, double scale_x, int64_t num_heads,
     bool normalize_after, int64_t few_rows) {
   return layer_step_impl::layer_step_run(
-      x, c, w1, w2, w3, alpha, norm_weight, norm_bias, attn_norm_weight, attn_norm_bias,
-      weight_c, bias, kv, memory, memory_pad, kv_start, memory_start, cached, norm_eps,
-      attn_norm_eps, scale_x, num_heads, normalize_after, few_rows,
-      layer_step_impl::kFloatWeights, nullptr);
+      {x, c, w1, w2, w3, alpha, norm_weight, norm_bias, attn_norm_weight, attn_norm_bias,
+       weight_c, bias, kv, memory, memory_pad, kv_start, memory_start, cached, norm_eps,
+       attn_norm_eps, scale_x, num_heads, normalize_after, few_rows,
+       layer_step_impl::kFloatWeights, nullptr});
 }
 
 namespace layer_step_impl {
@@ -682,11 +671,12 @@ Tensor Stack::run(const Tensor& x, const Tensor& c, Tensor& c_out,
   Tensor h = x;
   for (size_t l = 0; l < memory.size(); ++l) {
     const std::optional<Tensor>* w = &weights[10 * l];
+    const Tensor c_l = c.select(0, static_cast<int64_t>(l));
     auto [h_next, c_next] = layer_step_run(
-        h, c.select(0, static_cast<int64_t>(l)), *w[0], *w[1], w[2], w[3], w[4], w[5], w[6],
-        w[7], *w[8], *w[9], kv[l], memory[l], memory_pad, kv_start[l], memory_start[l],
-        cached, norm_eps[l], attn_norm_eps[l], scale_x[l], num_heads[l],
-        normalize_after[l] != 0, few_rows, quant[l], &scales[3 * l]);
+        {h, c_l, *w[0], *w[1], w[2], w[3], w[4], w[5], w[6], w[7], *w[8], *w[9], kv[l],
+         memory[l], memory_pad, kv_start[l], memory_start[l], cached, norm_eps[l],
+         attn_norm_eps[l], scale_x[l], num_heads[l], normalize_after[l] != 0, few_rows,
+         quant[l], &scales[3 * l]});
     const int64_t BD = c_next.numel();
     std::memcpy(c_out.data_ptr<float>() + static_cast<int64_t>(l) * BD,
                 c_next.data_ptr<float>(), sizeof(float) * BD);
