@@ -102,10 +102,16 @@ def _lane_step(s, L, rev, BIDIR: tl.constexpr):
 
 
 @triton.jit
-def _load_lane_constants(WC_ptr, BIAS_ptr, C0_ptr, DM_ptr, b, j, jm, sWr, sWd, sBr, sBd,
-                         sC0b, sC0d, sDb, sDd, HAS_DROP: tl.constexpr):
-    """What each lane (unit j of batch row b) holds for the whole walk, in fp32: v_f, v_r,
-    b_f, b_r, c0 and the dropout mask (without dropout a placeholder, never used)."""
+def _lanes(WC_ptr, BIAS_ptr, C0_ptr, DM_ptr, D, d_half, sWr, sWd, sBr, sBd, sC0b, sC0d,
+           sDb, sDd, HAS_DROP: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's lanes and what each holds for the whole walk: its batch row b, its
+    units j (int64), the masks of the units that exist (j < D) and of those in the backward
+    direction (used only when BIDIR); then, in fp32, v_f, v_r, b_f, b_r, c0 and the
+    dropout mask (without dropout a placeholder, never used)."""
+    b = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    jm = j < D
+    j = j.to(tl.int64)
     vf = tl.load(WC_ptr + j * sWd, mask=jm, other=0.0).to(tl.float32)
     vr = tl.load(WC_ptr + sWr + j * sWd, mask=jm, other=0.0).to(tl.float32)
     bf = tl.load(BIAS_ptr + j * sBd, mask=jm, other=0.0).to(tl.float32)
@@ -114,7 +120,7 @@ def _load_lane_constants(WC_ptr, BIAS_ptr, C0_ptr, DM_ptr, b, j, jm, sWr, sWd, s
     m = vf
     if HAS_DROP:
         m = tl.load(DM_ptr + b * sDb + j * sDd, mask=jm, other=0.0).to(tl.float32)
-    return vf, vr, bf, br, c0, m
+    return b, j, jm, j >= d_half, vf, vr, bf, br, c0, m
 
 
 @triton.jit
@@ -204,15 +210,9 @@ def _sru_fwd_kernel(
     HAS_DROP: tl.constexpr, BIDIR: tl.constexpr, STORE_C: tl.constexpr,
     BLOCK: tl.constexpr, STAGES: tl.constexpr, STEPS: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    jm = j < D
-    j = j.to(tl.int64)
-
-    vf, vr, bf, br, c, m = _load_lane_constants(WC_ptr, BIAS_ptr, C0_ptr, DM_ptr, b, j, jm,
-                                                sWr, sWd, sBr, sBd, sC0b, sC0d, sDb, sDd,
-                                                HAS_DROP)
-    rev = j >= d_half  # (used only when BIDIR)
+    b, j, jm, rev, vf, vr, bf, br, c, m = _lanes(
+        WC_ptr, BIAS_ptr, C0_ptr, DM_ptr, D, d_half, sWr, sWd, sBr, sBd, sC0b, sC0d, sDb, sDd,
+        HAS_DROP, BLOCK)
 
     u_row = U_ptr + b * sUb + j * sUd
     x_row = X_ptr + b * sXb + j * sXd
@@ -361,19 +361,13 @@ def _sru_bwd_kernel(
     HAS_DROP: tl.constexpr, BIDIR: tl.constexpr, HAS_GCL: tl.constexpr,
     BLOCK: tl.constexpr, STAGES: tl.constexpr, STEPS: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    jm = j < D
-    j = j.to(tl.int64)
-
-    vf, vr, bf, br, c0, m = _load_lane_constants(WC_ptr, BIAS_ptr, C0_ptr, DM_ptr, b, j, jm,
-                                                 sWr, sWd, sBr, sBd, sC0b, sC0d, sDb, sDd,
-                                                 HAS_DROP)
+    b, j, jm, rev, vf, vr, bf, br, c0, m = _lanes(
+        WC_ptr, BIAS_ptr, C0_ptr, DM_ptr, D, d_half, sWr, sWd, sBr, sBd, sC0b, sC0d, sDb, sDd,
+        HAS_DROP, BLOCK)
     if HAS_GCL:
         carry = tl.load(GCL_ptr + b * sGCb + j * sGCd, mask=jm, other=0.0).to(tl.float32)
     else:
         carry = tl.zeros((BLOCK,), tl.float32)
-    rev = j >= d_half  # (used only when BIDIR)
 
     dvf = tl.zeros((BLOCK,), tl.float32)
     dvr = tl.zeros((BLOCK,), tl.float32)
