@@ -261,11 +261,7 @@ class CharTokenizer(Tokenizer):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "CharTokenizer":
-        chars = d.get("chars")
-        if not isinstance(chars, str):
-            raise ValueError("a saved char tokenizer needs a 'chars' string; the saved "
-                             "tokenizer is corrupt, rebuild it from the training text")
-        return cls(chars)
+        return cls(_saved_field(d, "chars", "char", str))
 
     @classmethod
     def build(cls, train_text: str, **options: Any) -> "CharTokenizer":
@@ -304,6 +300,23 @@ def _check_int(name: str, value: Any, minimum: int, kind: str, hint: str) -> int
     if value < minimum:
         raise ValueError(f"{kind} tokenizer option {name}={value} is too small; {hint}")
     return int(value)
+
+
+def _check_bool(name: str, value: Any, kind: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{kind} tokenizer option {name} must be True or False, got {value!r}")
+    return value
+
+
+def _saved_field(d: dict[str, Any], key: str, kind: str, expected: type) -> Any:
+    """``d[key]`` of a tokenizer of ``kind`` saved with ``to_dict()``: ``expected`` (str or
+    list), or ValueError."""
+    value = d.get(key)
+    if not isinstance(value, expected):
+        what = "string" if expected is str else expected.__name__
+        raise ValueError(f"a saved {kind} tokenizer needs a {key!r} {what}; the saved "
+                         "tokenizer is corrupt, rebuild it from the training text")
+    return value
 
 
 class _LineTokenizer(Tokenizer):
@@ -379,11 +392,8 @@ class WordTokenizer(_LineTokenizer):
         if len(set(vocab)) != len(vocab):
             raise ValueError("a word tokenizer's vocabulary has duplicate words; the saved "
                              "tokenizer is corrupt, rebuild it from the training text")
-        if not isinstance(lowercase, bool):
-            raise ValueError(f"word tokenizer option lowercase must be True or False, "
-                             f"got {lowercase!r}")
         self.vocab: tuple[str, ...] = tuple(vocab)
-        self.lowercase = lowercase
+        self.lowercase = _check_bool("lowercase", lowercase, "word")
         self._ids: dict[str, int] = {w: i for i, w in enumerate(self.vocab)}
 
     @property
@@ -414,11 +424,7 @@ class WordTokenizer(_LineTokenizer):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "WordTokenizer":
-        vocab = d.get("vocab")
-        if not isinstance(vocab, list):
-            raise ValueError("a saved word tokenizer needs a 'vocab' list; the saved tokenizer "
-                             "is corrupt, rebuild it from the training text")
-        return cls(vocab, lowercase=d.get("lowercase", False))
+        return cls(_saved_field(d, "vocab", "word", list), lowercase=d.get("lowercase", False))
 
     @classmethod
     def build(cls, train_text: str, **options: Any) -> "WordTokenizer":
@@ -433,10 +439,7 @@ class WordTokenizer(_LineTokenizer):
                                     "unset for no cap")
         min_freq = _check_int("min_freq", options.get("min_freq", 1), 1, "word",
                               "use 1 (keep every word) or more")
-        lowercase = options.get("lowercase", False)
-        if not isinstance(lowercase, bool):
-            raise ValueError(f"word tokenizer option lowercase must be True or False, "
-                             f"got {lowercase!r}")
+        lowercase = _check_bool("lowercase", options.get("lowercase", False), "word")
         _check_text(train_text)
         if lowercase:
             train_text = train_text.lower()
@@ -541,10 +544,7 @@ class SentencePieceTokenizer(_LineTokenizer):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SentencePieceTokenizer":
-        model = d.get("model")
-        if not isinstance(model, str):
-            raise ValueError("a saved sentencepiece tokenizer needs a 'model' string; the saved "
-                             "tokenizer is corrupt, rebuild it from the training text")
+        model = _saved_field(d, "model", "sentencepiece", str)
         try:
             proto = base64.b64decode(model.encode("ascii"), validate=True)
         except (ValueError, UnicodeEncodeError):
@@ -566,10 +566,8 @@ class SentencePieceTokenizer(_LineTokenizer):
         if model_type not in _SP_MODEL_TYPES:
             raise ValueError(f"sentencepiece model_type {model_type!r} is unknown; choose one of: "
                              f"{', '.join(_SP_MODEL_TYPES)}")
-        byte_fallback = options.get("byte_fallback", True)
-        if not isinstance(byte_fallback, bool):
-            raise ValueError(f"sentencepiece tokenizer option byte_fallback must be True or "
-                             f"False, got {byte_fallback!r}")
+        byte_fallback = _check_bool("byte_fallback", options.get("byte_fallback", True),
+                                    "sentencepiece")
         if byte_fallback and vocab_size < cls.MIN_VOCAB_BYTE_FALLBACK:
             raise ValueError(f"sentencepiece vocab_size={vocab_size} is too small for byte "
                              f"fallback, whose 256 byte pieces count in the vocabulary: use at "
