@@ -376,7 +376,7 @@ def test_gpu_check_pytest_cut_short_keeps_what_ran(tmp_path):
         + "def test_zz_never_ends():\n    time.sleep(600)\n")
     result = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--step",
-                           "pytest", "--result", str(result), "--step-timeout", "25",
+                           "pytest", "--result", str(result), "--step-timeout", "18",
                            "--dry-run", "--pytest-targets", str(suite)],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
