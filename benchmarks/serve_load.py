@@ -111,6 +111,15 @@ class ServerProcess:
                                      env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
         self.info = json.loads(self.proc.stdout.readline())
         self.url = self.info["url"]
+        import httpx
+
+        for _ in range(600):  # up once /health answers 200
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
 
     def rss(self) -> int:
         for line in open(f"/proc/{self.proc.pid}/status"):

@@ -455,6 +455,9 @@ def serve(run, *, host: str = "127.0.0.1", port: int = 8000,
         raise UserError(f"cannot listen on {host}:{port} ({e.strerror}); give another "
                         f"--port, or 0 for any free one") from None
     port = sock.getsockname()[1]
+    # listening from here: a client that connects as soon as it reads the URL below waits
+    # in the backlog until uvicorn's thread accepts, instead of being refused
+    sock.listen(2048)
     print(json.dumps({"url": f"http://{host}:{port}", "model": name, "dtype": dtype,
                       "max_streams": max_streams, "window": engine.window,
                       "state_bytes_per_stream": engine.state_bytes,
