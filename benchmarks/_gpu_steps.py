@@ -104,8 +104,11 @@ def step_environment(args, done):
     info["fully_shard"] = (_has("torch.distributed.fsdp", "fully_shard")
                            or _has("torch.distributed._composable.fsdp", "fully_shard"))
     info["nccl"] = bool(torch.distributed.is_available() and torch.distributed.is_nccl_available())
-    # (--quick leaves the reference out: compiling its CUDA kernel takes a minute)
-    info["reference"] = "not imported (--quick)" if args.quick else import_reference()
+    # (--quick leaves the reference out: compiling its CUDA kernel takes a minute; so does
+    # --dry-run, on a CPU, where the import's failed CUDA build alone took 19 s of the
+    # test suite's time and the agreement tests import it anyway)
+    skip = "--quick" if args.quick else "--dry-run" if args.dry_run else None
+    info["reference"] = f"not imported ({skip})" if skip else import_reference()
     return info
 
 
