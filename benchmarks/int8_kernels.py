@@ -27,11 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 
 import torch
-from _common import median_seconds
+from _common import cpu_name, median_seconds
 
 from srupp.ops import cpu_kernels
 from srupp.ops.quant import (linear_int8_rows, linear_w8a8_rows, quantize_per_channel,
@@ -39,16 +38,6 @@ from srupp.ops.quant import (linear_int8_rows, linear_w8a8_rows, quantize_per_ch
 from srupp.ops.settings import cpu_has_native_bf16
 
 SHAPES = {"cache": (1024, 4096), "dram": (4096, 32768), "tiny": (100, 48)}  # tiny: tests
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main():

@@ -34,8 +34,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,19 +42,10 @@ import time
 from pathlib import Path
 
 import torch
+from _common import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east. "
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def bf16_gemm_peak(seconds: float = 2.0) -> float:
