@@ -35,6 +35,7 @@ the one that runs the model.
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import itertools
 import queue
@@ -195,10 +196,6 @@ class Engine:
         self.window = window if window is not None else (
             config_window if config_window is not None else DEFAULT_WINDOW)
         self.vocab_size = model.config.vocab_size
-        with torch.no_grad():  # a state as decoding holds it: with its cached keys and values
-            _, state = model.prefill(torch.zeros(1, 1, dtype=torch.long, device=model.device),
-                                     self._new_state())
-        self.state_bytes = _nbytes(state)
         self.closed = False
         self.tokens_generated = 0
         # observers (the server's metrics): seconds to a stream's first token, between tokens
@@ -264,6 +261,15 @@ class Engine:
     def _decoding(self) -> int:
         """Streams in the batch (its rows less the free ones)."""
         return sum(s is not None for s in self._active)
+
+    @functools.cached_property
+    def state_bytes(self) -> int:
+        """Bytes of one stream's state as decoding holds it (its cached keys and values
+        included): measured once, on first use, from a state that read one token."""
+        with torch.no_grad():
+            ids = torch.zeros(1, 1, dtype=torch.long, device=self.model.device)
+            _, state = self.model.prefill(ids, self._new_state())
+        return int(state.nbytes()) if hasattr(state, "nbytes") else 0
 
     @property
     def queue_depth(self) -> int:
@@ -582,11 +588,6 @@ def _lacks_kv_cache(state) -> bool:
     return isinstance(state, SRUppState) and any(
         m is not None and m.shape[1] > 0 and kv is None
         for m, kv in zip(state.memory, state.kv_cache))
-
-
-def _nbytes(state) -> int:
-    """Bytes of a state's tensors (a cached K/V included)."""
-    return int(state.nbytes()) if hasattr(state, "nbytes") else 0
 
 
 def model_fingerprint(model) -> str:
