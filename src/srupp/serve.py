@@ -474,7 +474,9 @@ def serve(run, *, host: str = "127.0.0.1", port: int = 8000,
         if server._stop.is_set():  # a second signal: stop serving now (Ctrl-C twice: at once)
             http.should_exit = True
             http.force_exit = http.force_exit or sig == signal.SIGINT
-            server.engine.abort_all()
+            # not abort_all() here: a handler runs between two bytecodes of this thread,
+            # maybe inside an engine step; the engine aborts at its next step boundary
+            server._now.set()
             return
         server.drain()
 

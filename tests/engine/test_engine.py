@@ -17,6 +17,7 @@ weights, so that the logits are not degenerate and a wrong row shows in the toke
 """
 
 import math
+import time
 
 import pytest
 import torch
@@ -549,3 +550,23 @@ def test_an_adaptive_softmax_model_decodes_through_the_engine():
     while not (a.done and b.done):
         engine.step()
     assert a.generated == alone and len(alone) == 12
+
+
+def test_run_ends_the_grace_period_when_told_to_hurry():
+    """run(stop, grace, now): once stopped, streams in flight finish within the grace
+    period; setting ``now`` (a server's second signal) aborts them at the next step."""
+    import threading
+
+    engine = Engine(srupp_lm(), TOK, max_streams=2)
+    long = engine.submit([3, 4], Sampling(max_tokens=10**6, temperature=0))
+    stop, now = threading.Event(), threading.Event()
+    worker = threading.Thread(target=engine.run, args=(stop,), kwargs=dict(grace=600, now=now))
+    worker.start()
+    while len(long.generated) < 5:
+        time.sleep(0.01)
+    stop.set()
+    time.sleep(0.2)
+    assert worker.is_alive() and not long.done  # within its grace period: decoding on
+    now.set()
+    worker.join(10)
+    assert not worker.is_alive() and long.finish_reason == ABORT

@@ -297,9 +297,11 @@ class Engine:
                 worked = True
         return worked
 
-    def run(self, stop: threading.Event, *, grace: float = 30.0) -> None:
+    def run(self, stop: threading.Event, *, grace: float = 30.0,
+            now: Optional[threading.Event] = None) -> None:
         """Step until ``stop`` is set; then take no new streams, finish those in flight
-        for up to ``grace`` seconds, end the rest with ABORT, and save their sessions."""
+        for up to ``grace`` seconds (less once ``now`` is set: at the next step), end the
+        rest with ABORT, and save their sessions."""
         while not stop.is_set():
             if self.step():
                 # hand the interpreter to the threads that relay this step's tokens (a
@@ -312,7 +314,8 @@ class Engine:
                     self._lock.wait(0.05)
         self.close()
         deadline = time.monotonic() + grace
-        while not self.idle and time.monotonic() < deadline:
+        while not self.idle and time.monotonic() < deadline \
+                and not (now is not None and now.is_set()):
             self.step()
         self.abort_all()
 
