@@ -29,6 +29,7 @@ from srupp.models import build_model
 from srupp.nn import SRUppState
 from srupp.ops import cpu_kernels
 from srupp.ops.matmul import batch_invariant
+from srupp.ops.settings import tuning
 
 from lm_helpers import tiny_srupp_lm
 from tolerances import tol
@@ -133,8 +134,8 @@ def bits(t):
 
 @pytest.fixture
 def logits_of(monkeypatch):
-    """stream -> its logits (steps, V), as the batched step gave them. A lone stream's run
-    on the C++ token loop (``_run_alone``, which yields tokens, not logits) is turned off."""
+    """stream -> its logits (steps, V), as the batched step gave them. The batch's runs on
+    the C++ token loop (``_run_chunk``, which yields tokens, not logits) are turned off."""
     seen = {}
     real = Engine._sample
 
@@ -144,7 +145,7 @@ def logits_of(monkeypatch):
         return real(self, logits, active)
 
     monkeypatch.setattr(Engine, "_sample", record)
-    monkeypatch.setattr(Engine, "_run_alone", lambda self, s, logits: None)
+    monkeypatch.setattr(Engine, "_run_chunk", lambda self, rows, logits: None)
     return lambda stream: torch.stack(seen[stream.id])
 
 
@@ -168,6 +169,31 @@ def test_a_stream_gives_the_same_tokens_alone_or_batched(case, dtype):
         assert len(set(map(tuple, want))) == len(want)  # the prompts lead apart
         assert tokens(together(m, sampling)) == want
         assert tokens(staggered(m, sampling)) == want
+
+
+@DTYPES
+@pytest.mark.parametrize("case", list(CASES))
+def test_chunks_of_the_token_loop_give_the_steps_tokens(case, dtype):
+    """Greedy streams batched run in chunks on the C++ token loop (several rows at once);
+    with the loop off (decode_chunk=0) every token is one batched model.step: the same
+    tokens, with streams joining and leaving between chunks."""
+    m = srupp_lm(dtype, **CASES[case])
+    chunks = []
+    real = Engine._run_chunk
+
+    def spy(self, rows, logits):
+        out = real(self, rows, logits)
+        if out is not None:
+            chunks.append((len(rows), len(out[0])))
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Engine, "_run_chunk", spy)
+        got = [tokens(together(m, greedy)), tokens(staggered(m, greedy))]
+    assert any(rows > 1 and n > 2 for rows, n in chunks), chunks  # the loop ran, batched
+    with tuning().use(decode_chunk=0):
+        want = [tokens(together(m, greedy)), tokens(staggered(m, greedy))]
+    assert got == want
 
 
 @DTYPES
