@@ -9,7 +9,10 @@ It starts the server itself (``python -m srupp serve``, one process per model), 
 - that rate's share of the compute bound: 2 FLOPs per weight per token (the weights
   of every product: the embedding table is a lookup and is not counted) at the bf16
   GEMM peak measured in this process before the servers start;
-- time to first token and inter-token latency, p50 and p99, from the client;
+- time to first token and inter-token latency, p50 and p99, from the client (an event
+  of several tokens, a chunk of the C++ token loop, counts as that many gaps of its
+  gap over its tokens: ``inter_token``), and the gap between events with the mean
+  tokens per event;
 - the server's RSS growth per stream (peak RSS during the level minus RSS idle before
   it, over the stream count), beside the state bytes the server reports per stream;
 - in this process, without HTTP (``in_process``): the bare batched step and the engine
@@ -18,7 +21,7 @@ It starts the server itself (``python -m srupp serve``, one process per model), 
 Models: the 5M ``shakespeare-cpu`` SRU++ (the recipe's shape, random weights: speed
 does not depend on the values) and the project's Transformer at about the same size
 with its KV cache, both with an output bias that keeps generation to ASCII (so that
-every token is one character and one SSE event, which the client times). Each stream
+every token is one character, which the client counts). Each stream
 reads ``--prompt`` tokens and generates ``--tokens``; ``--contexts`` adds runs where
 the prompt fills the context (256 and 2,048 tokens) for both models.
 
@@ -123,7 +126,7 @@ class ServerProcess:
 
 async def one_stream(client, url: str, prompt: str, tokens: int) -> dict:
     t0 = time.perf_counter()
-    arrivals = []
+    arrivals, events = [], []
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
@@ -133,7 +136,17 @@ async def one_stream(client, url: str, prompt: str, tokens: int) -> dict:
             text = json.loads(line[6:])["choices"][0]["text"]
             now = time.perf_counter()
             arrivals += [now] * len(text)  # ASCII: one character per token
-    return {"start": t0, "arrivals": arrivals}
+            if text:
+                events.append((now, len(text)))
+    return {"start": t0, "arrivals": arrivals, "events": events}
+
+
+def inter_token(events) -> list:
+    """Inter-token latencies of one stream from its events (arrival time, tokens): an
+    event of n tokens that came g seconds after the one before gives n gaps of g / n (a
+    chunk's tokens spread over the time it took, as the server's own histogram counts
+    them). The first event's tokens are the time to first token's, not gaps."""
+    return [(b - a) / n for (a, _), (b, n) in zip(events, events[1:]) for _ in range(n)]
 
 
 async def level(url: str, n: int, prompt: str, tokens: int, server: ServerProcess) -> dict:
@@ -163,7 +176,10 @@ async def level(url: str, n: int, prompt: str, tokens: int, server: ServerProces
     inside = sum(1 for a in arrivals for t in a if all_decoding < t <= first_done)
     span = first_done - all_decoding
     ttft = [r["arrivals"][0] - r["start"] for r in runs]
-    itl = [b - a for r in runs for a, b in zip(r["arrivals"], r["arrivals"][1:])]
+    itl = [g for r in runs for g in inter_token(r["events"])]
+    gaps = [b - a for r in runs for (a, _), (b, _) in zip(r["events"], r["events"][1:])]
+    per_event = sum(n for r in runs for _, n in r["events"]) / max(1, sum(len(r["events"])
+                                                                        for r in runs))
 
     def pct(xs, q):
         xs = sorted(xs)
@@ -174,6 +190,9 @@ async def level(url: str, n: int, prompt: str, tokens: int, server: ServerProces
             "tokens_per_s_overall": round(total / wall, 1),
             "ttft_ms": {"p50": round(1e3 * pct(ttft, 0.5), 2), "p99": round(1e3 * pct(ttft, 0.99), 2)},
             "itl_ms": {"p50": round(1e3 * pct(itl, 0.5), 3), "p99": round(1e3 * pct(itl, 0.99), 3)},
+            "event_gap_ms": {"p50": round(1e3 * pct(gaps, 0.5), 3),
+                             "p99": round(1e3 * pct(gaps, 0.99), 3)},
+            "tokens_per_event": round(per_event, 2),
             "rss_growth_per_stream_bytes": round((peak[0] - idle) / n)}
 
 
@@ -199,8 +218,9 @@ def in_process(ckpt: Path, dtype: str, levels, prompt_len: int, tokens: int) -> 
                 _, state = model.step(ids, state)
             reps, t = 20, time.perf_counter()
             for _ in range(reps):
-                _, state = model.step(ids, state)
+                logits, state = model.step(ids, state)
             step_s = (time.perf_counter() - t) / reps
+            loop_s = token_loop_seconds(model, state, logits)
         engine = Engine(model, tok, max_streams=max(levels))
         streams = [engine.submit(prompt, Sampling(max_tokens=tokens, temperature=0))
                    for _ in range(n)]
@@ -212,8 +232,30 @@ def in_process(ckpt: Path, dtype: str, levels, prompt_len: int, tokens: int) -> 
         rate = (sum(len(s.generated) for s in streams) - done0) / (time.perf_counter() - t)
         out.append({"streams": n, "bare_step_ms": round(1e3 * step_s, 3),
                     "bare_step_tokens_per_s": round(n / step_s, 1),
+                    "token_loop_tokens_per_s": round(n / loop_s, 1) if loop_s else None,
                     "engine_tokens_per_s": round(rate, 1)})
     return out
+
+
+def token_loop_seconds(model, state, logits, tokens: int = 32):
+    """Seconds per token of the C++ token loop on the state's rows (greedy, ``tokens``
+    fed in one call): what the engine's chunks run. None where the loop can't run."""
+    emb = model.embedding
+    rows = logits.shape[0]
+    decoder = model.fused_decoder(state, tokens + 1, emb.weight.new_empty(rows, emb.embedding_dim))
+    if decoder is None:
+        return None
+    steps, output = decoder
+    t = time.perf_counter()
+    steps.decode(logits, torch.zeros(rows, dtype=torch.bool), emb.weight, output, final=True,
+                 temperature=0, top_k=None, top_p=None, generator=None, eos_id=None)
+    return (time.perf_counter() - t) / tokens
+
+
+def share_of_bound(tokens_per_s: float, sizes: dict, peak_gflops: float) -> float:
+    """tokens/s over the compute bound: 2 FLOPs per product weight per token at the peak
+    (three significant digits: a tiny model's share is small)."""
+    return float(f"{tokens_per_s * 2 * sizes['product_weights'] / (peak_gflops * 1e9):.3g}")
 
 
 def run_model(kind: str, ckpt: Path, sizes: dict, args, peak_gflops: float, levels, prompt_len,
@@ -227,8 +269,7 @@ def run_model(kind: str, ckpt: Path, sizes: dict, args, peak_gflops: float, leve
         for n in levels:
             r = asyncio.run(level(server.url, n, prompt, args.tokens, server))
             rate = r["tokens_per_s_all_decoding"] or r["tokens_per_s_overall"]
-            r["share_of_compute_bound"] = round(
-                rate * 2 * sizes["product_weights"] / (peak_gflops * 1e9), 4)
+            r["share_of_compute_bound"] = share_of_bound(rate, sizes, peak_gflops)
             r["rss_over_state"] = round(r["rss_growth_per_stream_bytes"]
                                         / max(1, out["state_bytes_per_stream"]), 2)
             out["levels"].append(r)
@@ -263,9 +304,10 @@ def main():
         out["load"].append(run_model("srupp", ck, sizes, args, peak, levels, args.prompt))
         inside = in_process(ck, args.dtype, levels, args.prompt, args.tokens)
         for row in inside:
-            for key in ("bare_step_tokens_per_s", "engine_tokens_per_s"):
-                row[key.replace("tokens_per_s", "share_of_compute_bound")] = round(
-                    row[key] * 2 * sizes["product_weights"] / (peak * 1e9), 4)
+            for key in ("bare_step_tokens_per_s", "token_loop_tokens_per_s",
+                        "engine_tokens_per_s"):
+                row[key.replace("tokens_per_s", "share_of_compute_bound")] = None \
+                    if row[key] is None else share_of_bound(row[key], sizes, peak)
         out["in_process"] = inside
         for ctx in [int(x) for x in args.contexts.split(",") if x]:
             row = {"context": ctx}
