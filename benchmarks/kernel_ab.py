@@ -10,9 +10,12 @@ with nothing else on the machine:
     .venv/bin/python benchmarks/kernel_ab.py HEAD~1 [--L 256 --B 16 --d 512]
 
 The other version is a git revision (its src/srupp/ops/csrc), a folder holding
-a version of src/srupp/ops/csrc (every .cpp in it is compiled, as the package's
-own build does), or a single .cpp file: a version from before the kernels were
-split into several files.
+a version of src/srupp/ops/csrc, or a single .cpp file: a version from before the
+kernels were split into several files. Of a version split into files, only what
+the A/B compares is built: recurrence.cpp and its headers, bound by a two-function
+module (a third of the whole extension's compile time); --whole-extension builds
+every .cpp in it, as the package's own build does. The build is cached by the hash
+of its files: a second run on the same sources compiles nothing.
 """
 
 from __future__ import annotations
@@ -79,6 +82,39 @@ def other_sources(other: str) -> Path:
     return _stable_folder(write)
 
 
+RECURRENCE = "recurrence.cpp"  # the file of a split version that holds sru_fwd / sru_bwd
+
+# The other build's module when only its recurrence is built: the two kernels the A/B
+# calls, bound as the package's cpu_kernels.cpp binds them (the GIL let go).
+RECURRENCE_BINDINGS = """\
+// written by benchmarks/kernel_ab.py: the recurrence alone, as a Python module
+#include "common.h"
+
+#include <torch/csrc/utils/pybind.h>
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("sru_fwd", &srupp_cpu::sru_fwd_cpu, "SRU recurrence forward (CPU)", nogil);
+  m.def("sru_bwd", &srupp_cpu::sru_bwd_cpu, "SRU recurrence backward (CPU)", nogil);
+}
+"""
+
+
+def recurrence_only(folder: Path) -> Path:
+    """A folder holding ``folder``'s recurrence.cpp, its headers and RECURRENCE_BINDINGS,
+    or ``folder`` itself when it has no recurrence.cpp (a single-file version)."""
+    if not (folder / RECURRENCE).is_file():
+        return folder
+
+    def write(out: Path) -> None:
+        for path in folder.iterdir():
+            if path.name == RECURRENCE or path.suffix == ".h":
+                shutil.copyfile(path, out / path.name)
+        (out / "kernel_ab_bindings.cpp").write_text(RECURRENCE_BINDINGS)
+
+    return _stable_folder(write)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("other", help="another version of the kernels' sources: a git revision, "
@@ -88,12 +124,17 @@ def main():
     ap.add_argument("--d", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--whole-extension", action="store_true",
+                    help="build every .cpp of the other version, not its recurrence alone")
     args = ap.parse_args()
     current = cpu_kernels.load()
     if current is None:
         raise SystemExit(f"the C++ kernel is unavailable: {cpu_kernels.build_error()}")
     # its own name (prefix and hash): a second library even for the same sources
-    other = cpu_kernels.build(csrc=other_sources(args.other), prefix="srupp_kernel_ab")
+    sources = other_sources(args.other)
+    if not args.whole_extension:
+        sources = recurrence_only(sources)
+    other = cpu_kernels.build(csrc=sources, prefix="srupp_kernel_ab")
     builds = {"current": current, "other": other}
 
     B, L, D = args.B, args.L, args.d
