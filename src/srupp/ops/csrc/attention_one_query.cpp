@@ -45,142 +45,53 @@ inline float hsum(const Vec& v) {
 // (1,024 keys: 5 blocks) over the threads.
 constexpr int64_t kKeysPerBlock = 256;
 
-// q . k_j in fp32, the order every path of this file keeps: two accumulators over
-// alternate vectors, then the tail's into the second, summed across lanes once.
-template <typename T>
-inline float dot_key(const float* qf, const T* kr, int64_t full, int tail) {
-  Vec a0(0.f), a1(0.f);
-  int64_t i = 0;
-  for (; i + 2 * kW <= full; i += 2 * kW) {
-    a0 = at::vec::fmadd(IO<T>::load(kr + i), Vec::loadu(qf + i), a0);
-    a1 = at::vec::fmadd(IO<T>::load(kr + i + kW), Vec::loadu(qf + i + kW), a1);
-  }
-  for (; i < full; i += kW) a0 = at::vec::fmadd(IO<T>::load(kr + i), Vec::loadu(qf + i), a0);
-  if (tail) a1 = at::vec::fmadd(IO<T>::load(kr + i, tail), Vec::loadu(qf + i), a1);
-  return hsum(a0 + a1);
-}
-
-// dot_key for four keys at once: each query vector is loaded once for the four, and the
-// four chains of fused multiply-adds overlap. Each key's own operations and their order
-// are dot_key's, so its score is the same bits.
-template <typename T>
-inline void dot_4_keys(const float* qf, const T* k0, const T* k1, const T* k2, const T* k3,
-                       int64_t full, int tail, float* out) {
-  Vec a[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
-  Vec b[4] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
-  const T* kr[4] = {k0, k1, k2, k3};
-  int64_t i = 0;
-  for (; i + 2 * kW <= full; i += 2 * kW) {
-    const Vec q0 = Vec::loadu(qf + i), q1 = Vec::loadu(qf + i + kW);
-    for (int r = 0; r < 4; ++r) {
-      a[r] = at::vec::fmadd(IO<T>::load(kr[r] + i), q0, a[r]);
-      b[r] = at::vec::fmadd(IO<T>::load(kr[r] + i + kW), q1, b[r]);
-    }
-  }
-  for (; i < full; i += kW) {
-    const Vec q0 = Vec::loadu(qf + i);
-    for (int r = 0; r < 4; ++r) a[r] = at::vec::fmadd(IO<T>::load(kr[r] + i), q0, a[r]);
-  }
-  if (tail) {
-    const Vec q0 = Vec::loadu(qf + i);
-    for (int r = 0; r < 4; ++r) b[r] = at::vec::fmadd(IO<T>::load(kr[r] + i, tail), q0, b[r]);
-  }
-  for (int r = 0; r < 4; ++r) out[r] = hsum(a[r] + b[r]);
-}
-
-// acc[0 .. NV kW) += sum over the unpadded keys j0 .. j1 - 1, in order, of p_j v_j[i0 ..]:
-// the running sums stay in NV registers across the keys (the rows' loads are the only
-// memory traffic), where a sweep per key would load and store all of acc for each key.
-// Each element sees the same fused multiply-adds in the same order: the same bits.
-template <int NV, typename T>
-inline void accumulate_values(const T* vb, int64_t svr, int64_t i0, int64_t j0, int64_t j1,
-                              const float* p, const bool* padded, int tail, float* acc) {
-  Vec s[NV];
-  for (int v = 0; v < NV; ++v) s[v] = Vec::loadu(acc + v * kW);
-  for (int64_t j = j0; j < j1; ++j) {
-    if (padded != nullptr && padded[j - j0]) continue;
-    const T* vr = vb + j * svr + i0;
-    const Vec pj(p[j - j0]);
-    for (int v = 0; v < NV; ++v) {
-      const bool last = tail && v == NV - 1;
-      s[v] = at::vec::fmadd(pj, last ? IO<T>::load(vr + v * kW, tail) : IO<T>::load(vr + v * kW),
-                            s[v]);
-    }
-  }
-  for (int v = 0; v < NV; ++v) s[v].store(acc + v * kW);
-}
-
-// Vectors of acc kept in registers per pass over the keys: 8 (128 floats with AVX-512)
-// leaves registers for the loads, with 16 or 32 of them.
-constexpr int kValueVecs = 8;
-
-template <typename T>
-void accumulate_all_values(const T* vb, int64_t svr, int64_t hd, int64_t j0, int64_t j1,
-                           const float* p, const bool* padded, float* acc) {
-  const int64_t nvec = (hd + kW - 1) / kW;
-  const int tail = static_cast<int>(hd % kW);
-  for (int64_t v0 = 0; v0 < nvec; v0 += kValueVecs) {
-    const int nv = static_cast<int>(std::min<int64_t>(kValueVecs, nvec - v0));
-    const int t = v0 + nv == nvec ? tail : 0;  // the pass holding the row's tail
-    const int64_t i0 = v0 * kW;
-    float* a = acc + i0;
-    switch (nv) {
-      case 1: accumulate_values<1, T>(vb, svr, i0, j0, j1, p, padded, t, a); break;
-      case 2: accumulate_values<2, T>(vb, svr, i0, j0, j1, p, padded, t, a); break;
-      case 3: accumulate_values<3, T>(vb, svr, i0, j0, j1, p, padded, t, a); break;
-      case 4: accumulate_values<4, T>(vb, svr, i0, j0, j1, p, padded, t, a); break;
-      case 5: accumulate_values<5, T>(vb, svr, i0, j0, j1, p, padded, t, a); break;
-      case 6: accumulate_values<6, T>(vb, svr, i0, j0, j1, p, padded, t, a); break;
-      case 7: accumulate_values<7, T>(vb, svr, i0, j0, j1, p, padded, t, a); break;
-      default: accumulate_values<kValueVecs, T>(vb, svr, i0, j0, j1, p, padded, t, a); break;
-    }
-  }
-}
-
 // One query's softmax pieces over keys j0 .. j1 - 1: returns their max score m (-inf when
 // every one is padded) and writes l = sum exp(s - m) to *l and sum exp(s - m) v_j to acc
-// (hd_pad floats). qf: the query in fp32 (hd_pad, zero beyond hd); p: j1 - j0 floats;
-// skip: j1 - j0 bools of scratch. Key j is padding when j < pad_len and pad[j] (pad null:
-// none is).
+// (hd_pad floats). qf: the query in fp32 (hd_pad, zero beyond hd); p: j1 - j0 floats.
+// Key j is padding when j < pad_len and pad[j] (pad null: none is).
 template <typename T>
 float attend_keys(const float* qf, const T* kb, int64_t skr, const T* vb, int64_t svr,
                   int64_t j0, int64_t j1, int64_t hd, float scale, const bool* pad,
-                  int64_t pad_len, float* p, bool* skip, float* acc, float* l) {
+                  int64_t pad_len, float* p, float* acc, float* l) {
   const int64_t full = hd / kW * kW;
   const int tail = static_cast<int>(hd - full);
-  bool any_pad = false;
-  for (int64_t j = j0; j < j1; ++j) {
-    skip[j - j0] = pad != nullptr && j < pad_len && pad[j];
-    any_pad = any_pad || skip[j - j0];
-  }
+  auto padded = [&](int64_t j) { return pad != nullptr && j < pad_len && pad[j]; };
   float mx = -std::numeric_limits<float>::infinity();
-  int64_t j = j0;
-  for (; j + 4 <= j1; j += 4) {
-    const bool* sk = skip + (j - j0);
-    float* pj = p + (j - j0);
-    if (sk[0] || sk[1] || sk[2] || sk[3]) {
-      for (int r = 0; r < 4; ++r)
-        pj[r] = sk[r] ? -std::numeric_limits<float>::infinity()
-                      : dot_key<T>(qf, kb + (j + r) * skr, full, tail) * scale;
-    } else {
-      dot_4_keys<T>(qf, kb + j * skr, kb + (j + 1) * skr, kb + (j + 2) * skr,
-                    kb + (j + 3) * skr, full, tail, pj);
-      for (int r = 0; r < 4; ++r) pj[r] *= scale;
+  for (int64_t j = j0; j < j1; ++j) {
+    float& pj = p[j - j0];
+    if (padded(j)) {
+      pj = -std::numeric_limits<float>::infinity();
+      continue;
     }
+    const T* kr = kb + j * skr;
+    Vec a0(0.f), a1(0.f);
+    int64_t i = 0;
+    for (; i + 2 * kW <= full; i += 2 * kW) {
+      a0 = at::vec::fmadd(IO<T>::load(kr + i), Vec::loadu(qf + i), a0);
+      a1 = at::vec::fmadd(IO<T>::load(kr + i + kW), Vec::loadu(qf + i + kW), a1);
+    }
+    for (; i < full; i += kW) a0 = at::vec::fmadd(IO<T>::load(kr + i), Vec::loadu(qf + i), a0);
+    if (tail) a1 = at::vec::fmadd(IO<T>::load(kr + i, tail), Vec::loadu(qf + i), a1);
+    pj = hsum(a0 + a1) * scale;
+    mx = std::max(mx, pj);
   }
-  for (; j < j1; ++j)
-    p[j - j0] = skip[j - j0] ? -std::numeric_limits<float>::infinity()
-                             : dot_key<T>(qf, kb + j * skr, full, tail) * scale;
-  for (int64_t i = j0; i < j1; ++i) mx = std::max(mx, p[i - j0]);
   const bool none = mx == -std::numeric_limits<float>::infinity();  // every key padded
   float sum = 0.f;
-  for (int64_t i = j0; i < j1; ++i) {
-    float& pi = p[i - j0];
-    pi = none ? 0.f : std::exp(pi - mx);
-    sum += pi;
+  for (int64_t j = j0; j < j1; ++j) {
+    float& pj = p[j - j0];
+    pj = none ? 0.f : std::exp(pj - mx);
+    sum += pj;
   }
   std::fill(acc, acc + (hd + kW - 1) / kW * kW, 0.f);
-  accumulate_all_values<T>(vb, svr, hd, j0, j1, p, any_pad ? skip : nullptr, acc);
+  for (int64_t j = j0; j < j1; ++j) {
+    if (padded(j)) continue;
+    const T* vr = vb + j * svr;
+    const Vec pj(p[j - j0]);
+    int64_t i = 0;
+    for (; i < full; i += kW)
+      at::vec::fmadd(pj, IO<T>::load(vr + i), Vec::loadu(acc + i)).store(acc + i);
+    if (tail) at::vec::fmadd(pj, IO<T>::load(vr + i, tail), Vec::loadu(acc + i)).store(acc + i);
+  }
   *l = sum;
   return mx;
 }
@@ -234,9 +145,7 @@ OneQuery<T>::OneQuery(const T* q_, const T* k_, const T* v_, T* o_, int64_t B_, 
 
 template <typename T>
 int64_t OneQuery<T>::scratch() const {
-  // qf, acc, then a block's scores p and its keys' padding flags (a float each, for
-  // alignment's sake)
-  return 2 * hd_pad + 2 * std::max<int64_t>(std::min(S, kKeysPerBlock), 1);
+  return 2 * hd_pad + std::max<int64_t>(std::min(S, kKeysPerBlock), 1);
 }
 
 template <typename T>
@@ -244,7 +153,6 @@ void OneQuery<T>::task(int64_t t, float* scratch_) {
   float* qf = scratch_;
   float* acc = qf + hd_pad;
   float* p = acc + hd_pad;
-  bool* skip = reinterpret_cast<bool*>(p + std::max<int64_t>(std::min(S, kKeysPerBlock), 1));
   const int64_t n = t / blocks, r = t % blocks, b = n / H, h = n % H;
   // block r of the cut from the end: the last block ends at S, the first starts at 0
   const int64_t j1 = S - (blocks - 1 - r) * kKeysPerBlock;
@@ -256,7 +164,7 @@ void OneQuery<T>::task(int64_t t, float* scratch_) {
   float* acc_t = blocks > 1 ? part_acc.data() + t * hd_pad : acc;
   float l = 0.f;
   const float m = attend_keys<T>(qf, k + b * sk[0] + h * sk[1], sk[2], v + b * sv[0] + h * sv[1],
-                                 sv[2], j0, j1, hd, scale, pad, pad_len, p, skip, acc_t, &l);
+                                 sv[2], j0, j1, hd, scale, pad, pad_len, p, acc_t, &l);
   if (blocks > 1) {
     part_m[t] = m;
     part_l[t] = l;
