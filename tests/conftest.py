@@ -49,9 +49,10 @@ def pytest_configure(config):
 # The slowest tests (``pytest --durations``), started first: under ``pytest -n auto``
 # (``make test``) a long test that starts last keeps one core busy while the others
 # have finished.
-SLOW_FIRST = ("test_sweep_configs_issue_their_loads_first_and_do_not_spill", "test_kernel_ab",
-              "test_gpu_check_dry_run", "test_sigkill_of_the_launcher",
-              "test_compiles_for_sm80_and_sm90_without_spills", "test_crossover",
+# (test_triton_compile.py's compilations run in the first of its tests that reads them:
+# test_compiles_for_sm80_and_sm90_without_spills)
+SLOW_FIRST = ("test_compiles_for_sm80_and_sm90_without_spills", "test_kernel_ab",
+              "test_gpu_check_dry_run", "test_sigkill_of_the_launcher", "test_crossover",
               "test_gpu_check_pytest_cut_short", "test_accumulation_syncing_once",
               "test_quantized_graphs_run_in_onnxruntime", "test_training_scale",
               "test_signals_at_random_moments_resume")
@@ -142,6 +143,31 @@ def ieee_fp32_on_cuda(request):
     finally:
         for obj, name, before in reversed(changed):
             setattr(obj, name, before)
+
+
+@pytest.fixture(scope="session")
+def once_per_run(tmp_path_factory):
+    """``once_per_run(name, compute)``: ``compute()``'s result (JSON), computed once per
+    test run, by the first worker that asks; under ``pytest -n`` the other workers wait
+    for it and read it from a file beside their temporary folders. For an expensive
+    result that several tests read, wherever xdist runs them (a module fixture runs once
+    per worker that needs it)."""
+    import json
+
+    from filelock import FileLock  # (a dependency of torch)
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # one process: a fixture's cache is enough
+        return lambda name, compute: compute()
+    root = tmp_path_factory.getbasetemp().parent  # shared by the run's workers
+
+    def get(name, compute):
+        path = root / f"{name}.json"
+        with FileLock(f"{path}.lock"):
+            if not path.is_file():
+                path.write_text(json.dumps(compute()))
+            return json.loads(path.read_text())
+
+    return get
 
 
 @pytest.fixture(scope="module")

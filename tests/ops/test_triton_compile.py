@@ -8,13 +8,18 @@ compiles them to PTX and cubin for sm_80 and sm_90 in child processes without
 registers and spills. A variant takes about half a second to compile, and there
 are about 1500 per arch, too many for CI: this test compiles a pairwise cover of
 them (every pair of values of two fields that occurs in the full list occurs in
-the subset: some 25 variants, about 30 s on 2 cores), and
-``benchmarks/triton_compile.py`` compiles them all.
+the subset: some 25 variants), and ``benchmarks/triton_compile.py`` compiles them all.
 
 The launch configurations a GPU sweep times (``SWEEP_CONFIGS``) are compiled too,
-each kernel's heaviest variant (every flag on) in fp32 and bf16, on sm_80 and sm_90
-(about 45 s on 2 cores); their PTX shows that explicit blocks of time steps issue
-every step's loads before the first update.
+each kernel's heaviest variant (every flag on) in fp32 and bf16, on sm_80 and sm_90;
+their PTX shows that explicit blocks of time steps issue every step's loads before
+the first update.
+
+Every compilation here runs in one call (the ``compiled`` fixture: two child
+processes, about 30 s on 2 cores), once per test run however pytest -n spreads the
+tests that read it (``once_per_run``, tests/conftest.py).
+Nothing here disassembles the cubins (cuobjdump took longer than compiling a small
+variant): the checks read ptxas' figures and the PTX.
 
 The variants' list must not drift from the launches: the launches of real calls
 (through the dispatcher and the layers, under the interpreter) and of the two
@@ -49,6 +54,11 @@ FIELDS = [f.name for f in dataclasses.fields(tc.Specialization) if f.name != "ke
 @pytest.fixture(scope="module")
 def specs():
     return tc.specializations()
+
+
+@pytest.fixture(scope="module")
+def cover(specs):
+    return tc.pairwise_cover(specs)
 
 
 @pytest.fixture(scope="module")
@@ -179,17 +189,59 @@ def test_both_launch_configurations_are_specializations(monkeypatch, spec_keys):
         (block, warps) for _, block, warps in tk._LAUNCH_CONFIGS}
 
 
-def test_compiles_for_sm80_and_sm90_without_spills(specs):
-    subset = tc.pairwise_cover(specs)
+# the two dtypes of the pipelined loop's check: (U's dtype, BLOCK)
+PIPELINED = {"fp32": (torch.float32, 64), "bf16": (torch.bfloat16, 128)}
+
+
+def _pipelined_specs(dtype, block):
+    """A forward without and with a pipelined time loop, and a pipelined backward."""
+    common = dict(dtype=dtype, param_dtype=torch.float32, x_dtype=dtype, k=3, mask=False,
+                  dropout=False, bidirectional=False, block=block, num_warps=2)
+    specs = [tc.Specialization("fwd", store_c=True, stages=stages, **common)
+             for stages in (None, 4)]
+    return specs + [tc.Specialization("bwd", grad_x=True, stages=4, **common)]
+
+
+def _sweep_pairs():
+    """Every sweep configuration's heaviest forward and backward
+    (sweep_specializations()), for sm_80 and sm_90: fp32 on one arch and bf16 on the
+    other, alternating from one configuration to the next."""
+    specs = tc.sweep_specializations()
+    assert {s.config for s in specs} == set(tk.SWEEP_CONFIGS)
+    index = {c: i for i, c in enumerate(tk.SWEEP_CONFIGS)}
+    return [(s, 80 if (index[s.config] + (s.dtype == torch.bfloat16)) % 2 == 0 else 90)
+            for s in specs]
+
+
+@pytest.fixture(scope="module")
+def compiled(cover, once_per_run):
+    """{check: its results}: every compilation of this file's checks, in one
+    compile_pairs call (one start of its two child processes), the sweep's heavy
+    variants first; once per test run."""
+    pairs = {"sweep": _sweep_pairs(),
+             "cover": [(s, a) for s in cover for a in tc.ARCHS],
+             **{f"pipelined {k}": [(s, 90) for s in _pipelined_specs(*v)]
+                for k, v in PIPELINED.items()}}
+
+    def compile_all():
+        start = time.perf_counter()
+        results = tc.compile_pairs([p for ps in pairs.values() for p in ps], workers=2,
+                                   sass=False)
+        print(f"compiled {len(results)} variants in {time.perf_counter() - start:.1f} s")
+        it = iter(results)
+        return {check: [next(it) for _ in ps] for check, ps in pairs.items()}
+
+    return once_per_run("triton_compiled", compile_all)
+
+
+def test_compiles_for_sm80_and_sm90_without_spills(specs, cover, compiled):
     # the subset holds every value of every field, for both kernels
     for kernel in ("fwd", "bwd"):
-        assert values(subset, kernel) == values(specs, kernel)
-    start = time.perf_counter()
-    results = tc.compile_specializations(subset, tc.ARCHS, workers=2)
-    wall = time.perf_counter() - start
-    assert len(results) == len(subset) * len(tc.ARCHS)
+        assert values(cover, kernel) == values(specs, kernel)
+    results = compiled["cover"]
+    assert len(results) == len(cover) * len(tc.ARCHS)
     assert {(r["name"], r["arch"]) for r in results} == {
-        (s.name, a) for s in subset for a in tc.ARCHS}
+        (s.name, a) for s in cover for a in tc.ARCHS}
     errors = [f"{r['name']} sm_{r['arch']}: {r['error']}" for r in results if "error" in r]
     assert not errors, "\n".join(errors)
     for r in results:
@@ -200,24 +252,20 @@ def test_compiles_for_sm80_and_sm90_without_spills(specs):
             f"{r['n_spills']} words of local memory, {r['n_regs']} registers")
         assert 0 < r["n_regs"] <= 255
     per_variant = statistics.median(r["compile_s"] for r in results)
-    print(f"compiled {len(results)} variants ({len(subset)} x sm_80, sm_90) in {wall:.1f} s; "
-          f"median {per_variant:.2f} s a variant; registers "
-          f"{min(r['n_regs'] for r in results)}-{max(r['n_regs'] for r in results)}")
+    print(f"{len(results)} variants ({len(cover)} x sm_80, sm_90); median {per_variant:.2f} s "
+          f"a variant; registers {min(r['n_regs'] for r in results)}-"
+          f"{max(r['n_regs'] for r in results)}")
 
 
-@pytest.mark.parametrize("dtype,block", [(torch.float32, 64), (torch.bfloat16, 128)],
-                         ids=["fp32", "bf16"])
-def test_a_pipelined_time_loop_compiles_to_asynchronous_copies(dtype, block):
+@pytest.mark.parametrize("dtype", list(PIPELINED))
+def test_a_pipelined_time_loop_compiles_to_asynchronous_copies(dtype, compiled):
     """tuning().triton_stages (not yet the default): for sm_90 the pipelined loop's loads
     become asynchronous copies (cp.async) without spilling, and the plain loop's are
     not. bf16 takes two units a thread (block 128, 2 warps): an asynchronous copy
     moves 4 bytes or more."""
-    common = dict(dtype=dtype, param_dtype=torch.float32, x_dtype=dtype, k=3, mask=False,
-                  dropout=False, bidirectional=False, block=block, num_warps=2)
-    specs = [tc.Specialization("fwd", store_c=True, stages=stages, **common)
-             for stages in (None, 4)]
-    specs += [tc.Specialization("bwd", grad_x=True, stages=4, **common)]
-    results = tc.compile_specializations(specs, [90], workers=2)
+    specs = _pipelined_specs(*PIPELINED[dtype])
+    results = compiled[f"pipelined {dtype}"]
+    assert [(r["name"], r["arch"]) for r in results] == [(s.name, 90) for s in specs]
     errors = [f"{r['name']}: {r['error']}" for r in results if "error" in r]
     assert not errors, "\n".join(errors)
     by_name = {r["name"]: r for r in results}
@@ -243,24 +291,6 @@ def test_sweep_configs_are_listed():
     assert default.triton_stages is None and default.triton_steps is None  # not yet the default
 
 
-@pytest.fixture(scope="module")
-def sweep_results():
-    """Every sweep configuration's heaviest forward and backward
-    (sweep_specializations()), compiled for sm_80 and sm_90: fp32 on one arch and bf16
-    on the other, alternating from one configuration to the next."""
-    specs = tc.sweep_specializations()
-    assert {s.config for s in specs} == set(tk.SWEEP_CONFIGS)
-    index = {c: i for i, c in enumerate(tk.SWEEP_CONFIGS)}
-    on_80 = [s for s in specs if (index[s.config] + (s.dtype == torch.bfloat16)) % 2 == 0]
-    on_90 = [s for s in specs if s not in on_80]
-    start = time.perf_counter()
-    results = (tc.compile_specializations(on_80, [80], workers=2)
-               + tc.compile_specializations(on_90, [90], workers=2))
-    print(f"compiled {len(results)} sweep variants in {time.perf_counter() - start:.1f} s")
-    assert len(results) == len(specs)
-    return results
-
-
 def _no_spills(sweep_results):
     """Every sweep configuration compiles for sm_80 and sm_90, without spills."""
     errors = [f"{r['name']} sm_{r['arch']}: {r['error']}" for r in sweep_results if "error" in r]
@@ -277,9 +307,10 @@ def _no_spills(sweep_results):
         assert 0 < r["n_regs"] <= 255
 
 
-def test_sweep_configs_issue_their_loads_first_and_do_not_spill(sweep_results):
-    """Both checks of the sweep's compiled variants in one test, so that its compilations
-    run once under pytest -n (a module fixture runs once per worker that needs it)."""
+def test_sweep_configs_issue_their_loads_first_and_do_not_spill(compiled):
+    sweep_results = compiled["sweep"]
+    assert [(r["name"], r["arch"]) for r in sweep_results] == [
+        (s.name, a) for s, a in _sweep_pairs()]
     _no_spills(sweep_results)
     _loads_first(sweep_results)
 
@@ -288,8 +319,8 @@ def _loads_first(sweep_results):
     """In the PTX, a block of K steps issues all its K steps' loads before the first
     ex2 (the first sigmoid) of its updates, where the plain loop issues one step's;
     the steps after the last whole block run the plain loop. (ptxas then moves many
-    of them down among the first updates: the SASS figures, r["loops"], are reported,
-    not asserted.) The variants here load u0, u1, u2, x and the padding flag each step,
+    of them down among the first updates: benchmarks/triton_compile.py --sweep reports
+    the SASS figures; they are not asserted.) The variants here load u0, u1, u2, x and the padding flag each step,
     and in the backward also c_{t-1} and grad_h."""
     for r in sweep_results:
         if "error" in r or r["stages"] is not None:  # (pipelined: asynchronous copies)

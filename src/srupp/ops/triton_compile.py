@@ -49,7 +49,7 @@ from .triton_kernel import (_DROPOUT_DTYPE, _LAUNCH_CONFIGS, SWEEP_CONFIGS, Laun
 
 __all__ = ["ARCHS", "Specialization", "specializations", "sweep_specializations",
            "example_launch", "launch_key", "compile_specialization", "compile_specializations",
-           "pairwise_cover", "loop_loads"]
+           "compile_pairs", "pairwise_cover", "loop_loads"]
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 _NAMED_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
@@ -323,7 +323,7 @@ def _sass(cubin: bytes) -> str:
                               capture_output=True, text=True, check=True).stdout
 
 
-def compile_specialization(spec: Specialization, arch: int) -> Dict[str, Any]:
+def compile_specialization(spec: Specialization, arch: int, sass: bool = True) -> Dict[str, Any]:
     """Compile one variant for ``sm_<arch>`` without a GPU, as Triton's JIT would
     compile it for :func:`example_launch`'s arguments.
 
@@ -332,9 +332,10 @@ def compile_specialization(spec: Specialization, arch: int) -> Dict[str, Any]:
     memory frame in 4-byte words), ``spill_bytes`` (ptxas' spill stores plus
     loads), ``shared`` (bytes of shared memory), ``async_copies`` (cp.async in the PTX),
     ``ptx`` / ``cubin`` (whether each was produced), ``compile_s``, and where the
-    time loops' loads sit: ``loops`` (:func:`loop_loads` of the SASS) and
-    ``ptx_loops`` (each loop's ``ld.global`` count, and how many come before its
-    first ``ex2``).
+    time loops' loads sit: ``loops`` (:func:`loop_loads` of the SASS; None with
+    ``sass=False``, which skips disassembling the cubin: cuobjdump takes longer than
+    compiling a small variant) and ``ptx_loops`` (each loop's ``ld.global`` count, and
+    how many come before its first ``ex2``).
 
     The kernels must be JIT functions, i.e. the kernel module imported without
     ``TRITON_INTERPRET=1``: :func:`compile_specializations` runs this in such child
@@ -384,7 +385,8 @@ def compile_specialization(spec: Specialization, arch: int) -> Dict[str, Any]:
         shared=compiled.metadata.shared,
         async_copies=ptx.count("cp.async.ca") + ptx.count("cp.async.cg"),
         ptx=".entry" in ptx, cubin=bool(cubin), compile_s=round(seconds, 3),
-        loops=loop_loads(_sass(cubin)) if cubin else [], ptx_loops=_ptx_loop_loads(ptx))
+        loops=(loop_loads(_sass(cubin)) if cubin else []) if sass else None,
+        ptx_loops=_ptx_loop_loads(ptx))
 
 
 def _compile_worker() -> None:
@@ -396,7 +398,7 @@ def _compile_worker() -> None:
     for task in tasks:
         spec = Specialization.from_dict(task["spec"])
         try:
-            result = compile_specialization(spec, task["arch"])
+            result = compile_specialization(spec, task["arch"], task["sass"])
         except Exception as e:  # noqa: BLE001 - reported with the variant that failed
             result = dict(spec.to_dict(), name=spec.name, arch=task["arch"],
                           error=f"{type(e).__name__}: {e}")
@@ -407,19 +409,30 @@ def _compile_worker() -> None:
 
 def compile_specializations(specs: Sequence[Specialization], archs: Sequence[int] = ARCHS,
                             workers: int = 2,
-                            on_result: Optional[Callable[[Dict[str, Any]], None]] = None
-                            ) -> List[Dict[str, Any]]:
+                            on_result: Optional[Callable[[Dict[str, Any]], None]] = None,
+                            sass: bool = True) -> List[Dict[str, Any]]:
     """Compile every ``spec`` for every arch in ``workers`` child processes; returns
     :func:`compile_specialization`'s results in order (spec by spec, arch by arch),
     with ``error`` instead of the figures for a variant that failed to compile.
-    ``on_result`` sees each result as it arrives.
+    ``on_result`` sees each result as it arrives; ``sass=False`` leaves the SASS
+    figures out (``loops`` None).
 
     The children run without ``TRITON_INTERPRET`` (under the interpreter the kernels
     can't be compiled) and with a fresh Triton cache, so every variant is compiled and
     timed, and nothing is left in the user's cache.
     """
-    tasks = [dict(index=len(archs) * i + j, spec=s.to_dict(), arch=a)
-             for i, s in enumerate(specs) for j, a in enumerate(archs)]
+    return compile_pairs([(s, a) for s in specs for a in archs], workers, on_result, sass)
+
+
+def compile_pairs(pairs: Sequence[Tuple[Specialization, int]], workers: int = 2,
+                  on_result: Optional[Callable[[Dict[str, Any]], None]] = None,
+                  sass: bool = True) -> List[Dict[str, Any]]:
+    """:func:`compile_specializations` for a list of (variant, arch) pairs, each
+    variant on its own archs; the results in the pairs' order. Starting a child
+    (importing torch and triton) costs as much as compiling a few variants: one call
+    for all of them starts the fewest."""
+    tasks = [dict(index=i, spec=s.to_dict(), arch=a, sass=sass)
+             for i, (s, a) in enumerate(pairs)]
     if not tasks:
         return []
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
