@@ -476,6 +476,34 @@ def test_a_session_continues_as_one_request_of_the_whole_conversation(on_disk, t
     assert ((tmp_path / "s.safetensors").is_file()) == on_disk
 
 
+def test_a_stream_with_a_session_never_runs_past_its_last_token(monkeypatch):
+    """Beside a longer stream on the C++ loop, a stream that keeps a session bounds the
+    chunk: the state it keeps is the state after its own last token. (Without a session,
+    a stream may end inside a chunk: its row's state is dropped.) The tiny models here
+    repeat themselves, so a state a few tokens late could still continue with the same
+    tokens: the bound is checked where the loop is called."""
+    m = srupp_lm(mem_len=32)
+    e = session_engine(m, None)
+    calls = []
+    real = m.fused_decoder
+
+    def spy(state, n, like):
+        rows = [s for s in e._active if s is not None]
+        calls.append((n, {s.session: s.sampling.max_tokens - len(s.generated) for s in rows}))
+        return real(state, n, like)
+
+    monkeypatch.setattr(m, "fused_decoder", spy)
+    e.generate(P1, Sampling(max_tokens=6, temperature=0), session="s")
+    other = e.submit(PROMPTS[1], greedy(1))
+    o2 = e.generate(P2, Sampling(max_tokens=11, temperature=0), session="s").generated
+    drain(e)
+    assert len(o2) == 11 and len(other.generated) == MAX_TOKENS[1]
+    beside = [(n, left) for n, left in calls if len(left) == 2]
+    assert beside, calls  # the two streams ran on the loop together
+    assert all(n <= left["s"] for n, left in beside), beside
+    assert other.generated == Engine(m, TOK).generate(PROMPTS[1], greedy(1)).generated
+
+
 def test_a_session_takes_one_request_at_a_time():
     e = session_engine(srupp_lm())
     first = e.submit(P1, greedy(0), session="s")

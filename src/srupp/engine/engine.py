@@ -132,7 +132,6 @@ class Stream:
         self.todo: List[int] = []           # tokens to read: a session's pending + prompt
         self.read = 0                       # of todo
         self.pending = -1
-        self.chunk = 2                      # its tokens in the next C++ call (_run_chunk)
         self.session_tokens = 0             # tokens the session had before this request
         self.submitted = time.perf_counter()
         self.first_token_at: Optional[float] = None
@@ -210,6 +209,7 @@ class Engine:
         self._reading: Deque[Stream] = collections.deque()   # reading their prompts
         self._active: List[Optional[Stream]] = []  # rows of self._batch: a stream, or None (free)
         self._apart: List[Stream] = []       # read their prompts; first step alone (_batch_join)
+        self._ramp = 2                       # tokens per row of the next C++ call (_run_chunk)
         self._batch: Any = None
         self._busy_sessions: set = set()
 
@@ -489,21 +489,24 @@ class Engine:
         give, without the Python of a step, and handed on as one event per stream. Up to
         ``srupp.ops.tuning().decode_chunk`` tokens per row (64: enough to amortise a call,
         few enough that a new request waits a few milliseconds to join), and at most
-        :data:`CHUNK_TOKENS` across the rows; a stream's chunks start at 2 tokens and
-        double, so that its first tokens stream soon. The last token is left pending.
+        :data:`CHUNK_TOKENS` across the rows. The chunks of a batch that was empty start
+        at 2 tokens and double, so that a lone stream's first tokens come soon. A stream
+        with fewer tokens left than the chunk takes its own and ends (its row's state is
+        dropped with it), unless it keeps a session: that bounds the chunk. The last
+        token is left pending.
 
         None (nothing run) where the loop does not apply: a stream waiting to join,
         one cancelled, stop strings or an end token (either could end a stream inside
         the chunk), sampling beside other rows (the loop draws from one generator, a
         stream needs its own), or a model the loop can't run."""
         live = [s for s in rows if s is not None]
-        most = tuning().decode_chunk
         if self._queue or self._reading or self._apart or self.eos_id is not None \
                 or any(s.cancelled or s.sampling.stop for s in live) \
                 or (len(rows) > 1 and any(s.sampling.temperature != 0 for s in live)):
             return None
-        n = min(min(s.sampling.max_tokens - len(s.generated) for s in live),
-                min(s.chunk for s in live), most, max(2, CHUNK_TOKENS // len(rows)))
+        left = [s.sampling.max_tokens - len(s.generated) for s in live]
+        n = min(self._ramp, tuning().decode_chunk, max(2, CHUNK_TOKENS // len(rows)), max(left),
+                *[k for s, k in zip(live, left) if s.session is not None])
         emb = self.model.embedding
         if n < 2 or not isinstance(emb, torch.nn.Embedding):  # the loop embeds by lookup
             return None
@@ -518,9 +521,9 @@ class Engine:
             final=True, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
             generator=live[0].generator, eos_id=None)                    # (B, n)
         self._batch = state
-        for s in live:
-            s.chunk = min(2 * s.chunk, most)
-        return tokens.tolist()
+        self._ramp = min(2 * self._ramp, tuning().decode_chunk)
+        return [row[:s.sampling.max_tokens - len(s.generated)] if s is not None else row
+                for s, row in zip(rows, tokens.tolist())]
 
     def _sample(self, logits: torch.Tensor, active: List[Stream]) -> List[int]:
         """Each stream's next token by its own settings and generator; greedy rows at once."""
@@ -566,7 +569,7 @@ class Engine:
             self._active[i] = None
         live = [i for i, s in enumerate(self._active) if s is not None]
         if not live:
-            self._batch, self._active = None, []
+            self._batch, self._active, self._ramp = None, [], 2
         elif 2 * (len(self._active) - len(live)) >= len(self._active):
             self._batch = self._batch.index_select(torch.tensor(live))
             self._active = [self._active[i] for i in live]
