@@ -56,21 +56,6 @@ def test_layer_with_ablation():
             "transformer_fp32"} <= set(r["tokens_per_s"])
 
 
-def test_layer_as_gpu_checks_layer_step():
-    """One layer, srupp and the reference only, the reference in both precisions: a mode
-    of the reference that fails (its CPU path takes no bf16) is an error, not a crash."""
-    r = run_benchmark("layer.py", "--L", "8", "--B", "2", "--d", "16", "--proj", "8",
-                      "--rounds", "1", "--reps", "1", "--num-layers", "1", "--contenders",
-                      "srupp,reference", "--reference-precisions", "fp32,bf16")
-    assert r["config"]["num_layers"] == 1 and r["config"]["device"] == "cpu"
-    timed = {f"{name}_{mode}" for name, modes in r["tokens_per_s"].items() for mode in modes}
-    assert {"srupp_fp32_train", "srupp_bf16_infer", "reference_fp32_train"} <= timed
-    assert not any(k.startswith(("lstm", "transformer")) for k in timed)
-    # every reference mode either timed or reported
-    assert {f"reference_{p}_{m}" for p in ("fp32", "bf16") for m in ("train", "infer")} \
-        == timed - {k for k in timed if k.startswith("srupp")} | set(r["errors"])
-
-
 def test_layer_floor():
     L, B, d, P = 8, 2, 16, 8
     r = run_benchmark("layer_floor.py", "--L", str(L), "--B", str(B), "--d", str(d),
@@ -266,12 +251,12 @@ def test_gpu_check_dry_run(tmp_path):
     assert bounds["copy_GBps"] > 0 and bounds["gemm_bf16_TFLOPs"] > 0
     rows = steps["recurrence"]["result"]["rows"]
     assert {(x["dtype"], x["L"]) for x in rows} == {(d, L) for d in ("fp32", "bf16", "fp16")
-                                                   for L in (16, 32)}
+                                                   for L in (8, 16)}
     assert all(x["forward_share"] > 0 for x in rows if "skipped" not in x)
     # the Triton kernels, which a GPU runs, ran too (under the interpreter), in every dtype
     assert {x["dtype"] for x in rows if x["kernel"] == "triton" and x["backward_GBps"] > 0} \
         == {"fp32", "bf16", "fp16"}
-    assert min(steps["layer"]["result"]["tokens_per_s"].values()) > 0
+    _check_layer(steps["layer"]["result"])
     _check_side_by_side(steps["side_by_side"]["result"])
     # every launch configuration of the sweep computes what the default does, to the bit
     sweep = steps["sweep"]["result"]
@@ -295,6 +280,20 @@ def test_gpu_check_dry_run(tmp_path):
     assert model["step"]["predicted_ms"] > 0 and {"gemm", "recurrence"} <= set(model["kinds"])
     assert prof["top"]
     assert sum(prof["by_kind_ms"].values()) > 0
+
+
+def _check_layer(layer):
+    """One layer (layer.py's measure), srupp and the reference only, the reference in both
+    precisions: a mode of the reference that fails (its CPU path takes no bf16) is an
+    error, not a crash."""
+    timed = set(layer["tokens_per_s"])
+    assert min(layer["tokens_per_s"].values()) > 0 and layer["shape"]["d"] == 32
+    assert {"srupp_fp32_train", "srupp_bf16_infer", "reference_fp32_train"} <= timed
+    assert not any(k.startswith(("lstm", "transformer")) for k in timed)
+    # every reference mode either timed or reported
+    assert {f"reference_{p}_{m}" for p in ("fp32", "bf16") for m in ("train", "infer")} \
+        == {k for k in timed if not k.startswith("srupp")} | {
+            f"reference_{k}" for k in layer["reference_errors"]}
 
 
 def _check_side_by_side(side):
