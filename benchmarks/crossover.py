@@ -41,10 +41,16 @@ def int_list(text):
     return [int(float(v)) for v in text.split(",") if v.strip()]
 
 
+def seconds_list(text):
+    """Budgets in seconds: whole numbers as ints (a cell's folder is b120, not b120.0)."""
+    values = [float(v) for v in text.split(",") if v.strip()]
+    return [int(v) if v.is_integer() else v for v in values]
+
+
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--corpus", default="shakespeare")
-    ap.add_argument("--budgets", type=int_list, default=[120, 480, 1920], help="seconds")
+    ap.add_argument("--budgets", type=seconds_list, default=[120, 480, 1920], help="seconds")
     ap.add_argument("--params", type=int_list, default=[1_000_000, 5_000_000, 20_000_000])
     ap.add_argument("--models", default="srupp,srupp-attn-last-1,sru,transformer")
     ap.add_argument("--out", default=None, help="default: runs/crossover-CORPUS")
@@ -57,11 +63,11 @@ def parse_args():
     return a
 
 
-def cell_dir(out: Path, budget: int, params: int) -> Path:
+def cell_dir(out: Path, budget: float, params: int) -> Path:
     return out / f"b{budget}-p{params}"
 
 
-def train_cell(a, budget: int, params: int) -> None:
+def train_cell(a, budget: float, params: int) -> None:
     srupp = Path(sys.executable).parent / "srupp"
     cmd = [str(srupp), "compare", "--data", a.corpus, "--budget", str(budget),
            "--params", str(params), "--models", ",".join(a.models),

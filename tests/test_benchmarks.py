@@ -413,16 +413,17 @@ def test_every_script_is_smoke_tested_and_listed():
 
 
 def test_crossover(tmp_path, corpus):
-    """Two budgets × one size of tiny runs through srupp compare, then the summary and the
-    figure; a second call with --plot-only trains nothing and reads the same grid."""
+    """Two budgets (half a second and one) × one size of tiny runs through srupp compare,
+    then the summary and the figure; a second call with --plot-only trains nothing and
+    reads the same grid."""
     tiny = ["train.batch_size=2", "train.unroll=16", "train.log_every=10",
             "train.eval_max_batches=2", "eval.batch_size=2", "train.threads=1",
             "train.calibration_steps=5"]
     out = tmp_path / "grid"
-    args = ["--corpus", str(corpus), "--budgets", "1,2", "--params", "20000",
+    args = ["--corpus", str(corpus), "--budgets", "0.5,1", "--params", "20000",
             "--models", "srupp,sru", "--out", str(out), "--eval-every", "20", "--set", *tiny]
     r = run_benchmark("crossover.py", *args)
-    assert set(r["cells"]) == {"p20000-b1", "p20000-b2"}
+    assert set(r["cells"]) == {"p20000-b0.5", "p20000-b1"}
     for cell in r["cells"].values():
         assert set(cell["final"]) == {"srupp", "sru"}
         assert cell["winner"] in ("srupp", "sru") and cell["best_srupp_layout"] == "srupp"
