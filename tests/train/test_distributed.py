@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from lm_helpers import TINY, metrics
+from lm_helpers import TEXT, TINY, metrics, one_line_error
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="the torchrun tests use /proc and SIGKILL (Linux)")
@@ -73,6 +73,29 @@ def _rows(run, keys):
     return [{k: r[k] for k in keys if k in r} for r in metrics(run)]
 
 
+def _one_process(run, sets):
+    """``srupp train`` in this process: the one-process run that the ranks' runs are held
+    to (starting another Python for it would double its time)."""
+    from srupp.cli import main
+
+    assert main(["train", "--out", str(run), "--no-progress", "--set", *sets]) == 0
+
+
+@pytest.fixture(scope="module")
+def exact_single(tmp_path_factory, once_per_run):
+    """EXACT trained in one process, once per test run (the DDP and FSDP tests both read
+    it): the run's folder and its corpus."""
+    def train():
+        folder = tmp_path_factory.mktemp("exact_single")
+        corpus = folder / "corpus.txt"
+        corpus.write_text(TEXT * 40)  # as the corpus fixture writes it
+        _one_process(folder / "run", EXACT + [f"data.corpus={corpus}"])
+        return [str(folder / "run"), str(corpus)]
+
+    run, corpus = once_per_run("exact_single", train)
+    return Path(run), Path(corpus)
+
+
 def _worker(tmp_path, name, sets, env=None, nproc=2):
     out, report = tmp_path / name, tmp_path / f"{name}.json"
     _ok(_run(_torchrun(str(WORKER), str(out), str(report), *sets, nproc=nproc), env=env))
@@ -80,10 +103,8 @@ def _worker(tmp_path, name, sets, env=None, nproc=2):
 
 
 @pytest.mark.parametrize("shard", ["ddp", "fsdp"])
-def test_two_ranks_equal_one_process_and_agree(tmp_path, corpus, shard):
-    single = tmp_path / "single"
-    _ok(_run([sys.executable, "-m", "srupp", "train", "--out", str(single), "--no-progress",
-              "--set", *EXACT, f"data.corpus={corpus}"]))
+def test_two_ranks_equal_one_process_and_agree(tmp_path, exact_single, shard):
+    single, corpus = exact_single
     ddp, report = _worker(tmp_path, "ddp", EXACT + [f"data.corpus={corpus}",
                                                     f"train.shard={shard}"])
     assert report["world_size"] == 2
@@ -140,8 +161,7 @@ def test_classification_on_two_ranks_equals_one_process(tmp_path):
     data.write_text("text\tlabel\n" + "\n".join(rows) + "\n")
     sets = CLASSIFY + [f"data.corpus={data}"]
     single = tmp_path / "single"
-    _ok(_run([sys.executable, "-m", "srupp", "train", "--out", str(single), "--no-progress",
-              "--set", *sets]))
+    _one_process(single, sets)
     ddp, report = _worker(tmp_path, "ddp", sets)
     assert report["ranks_bitwise_equal"]
     _close(_weights(single), _weights(ddp), 1e-6)
@@ -176,7 +196,8 @@ def _alive(pid):
 
 
 @pytest.mark.parametrize("shard", ["ddp", "fsdp"])
-def test_sigkill_of_the_launcher_stops_its_workers_and_resume_is_exact(tmp_path, corpus, shard):
+def test_sigkill_of_the_launcher_stops_its_workers_and_resume_is_exact(tmp_path, corpus, shard,
+                                                                      capsys):
     sets = TINY + [f"data.corpus={corpus}", "train.batch_size=4", "train.max_steps=24",
                    "train.log_every=1", "train.save_every=4", "train.eval_every=8",
                    f"train.shard={shard}"]
@@ -216,12 +237,10 @@ def test_sigkill_of_the_launcher_stops_its_workers_and_resume_is_exact(tmp_path,
     assert all(torch.equal(a, b) for a, b in zip(_weights(cut).values(),
                                                 _weights(whole).values()))
 
-    # another world size: one line naming both sizes, exit code 2
-    res = _run([sys.executable, "-m", "srupp", "train", "--out", str(cut), "--resume",
-                "--no-progress", "--set", "train.max_steps=30"])
-    assert res.returncode == 2
-    err = res.stderr.strip().splitlines()
-    assert len(err) == 1 and "2 process(es)" in err[0] and "has 1" in err[0], err
+    # another world size (this process, one): one line naming both sizes, exit code 2
+    err = one_line_error(capsys, ["train", "--out", str(cut), "--resume", "--no-progress",
+                                  "--set", "train.max_steps=30"])
+    assert "2 process(es)" in err and "has 1" in err, err
 
 
 def test_batch_size_must_divide_by_world_size(tmp_path, corpus):
