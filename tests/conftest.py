@@ -150,22 +150,27 @@ def once_per_run(tmp_path_factory):
     """``once_per_run(name, compute)``: ``compute()``'s result (JSON), computed once per
     test run, by the first worker that asks; under ``pytest -n`` the other workers wait
     for it and read it from a file beside their temporary folders. For an expensive
-    result that several tests read, wherever xdist runs them (a module fixture runs once
-    per worker that needs it)."""
+    result that several tests read, wherever xdist runs them and whatever the order (a
+    module fixture runs once per worker that needs it, and again when SLOW_FIRST moved
+    one of its tests away from the others)."""
     import json
 
     from filelock import FileLock  # (a dependency of torch)
 
-    if not os.environ.get("PYTEST_XDIST_WORKER"):  # one process: a fixture's cache is enough
-        return lambda name, compute: compute()
-    root = tmp_path_factory.getbasetemp().parent  # shared by the run's workers
+    results = {}
+    shared = tmp_path_factory.getbasetemp().parent  # the run's workers share it
 
     def get(name, compute):
-        path = root / f"{name}.json"
-        with FileLock(f"{path}.lock"):
-            if not path.is_file():
-                path.write_text(json.dumps(compute()))
-            return json.loads(path.read_text())
+        if name not in results:
+            if not os.environ.get("PYTEST_XDIST_WORKER"):
+                results[name] = compute()
+            else:
+                path = shared / f"{name}.json"
+                with FileLock(f"{path}.lock"):
+                    if not path.is_file():
+                        path.write_text(json.dumps(compute()))
+                    results[name] = json.loads(path.read_text())
+        return results[name]
 
     return get
 
