@@ -97,7 +97,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, corpus, capsys, args, words)
 
 def test_unfinished_model_is_resumed(tmp_path, corpus, monkeypatch):
     out = tmp_path / "cmp"
-    assert run(corpus, out, models="lstm") == 0
+    assert run(corpus, out, models="lstm", budget="0.25") == 0
     (out / "lstm" / "summary.json").unlink()  # as if killed after training, before the summary
     seen = []
     from srupp.train import trainer as trainer_mod
@@ -108,7 +108,7 @@ def test_unfinished_model_is_resumed(tmp_path, corpus, monkeypatch):
         init(self, cfg, run_dir, resume=resume, progress=progress)
 
     monkeypatch.setattr(trainer_mod.Trainer, "__init__", spy)
-    assert run(corpus, out, models="lstm") == 0
+    assert run(corpus, out, models="lstm", budget="0.25") == 0
     assert seen == [True]
     assert (out / "lstm" / "summary.json").exists()
 
@@ -130,13 +130,14 @@ def test_tuned_learning_rates_apply_unless_overridden(tmp_path, corpus, monkeypa
                                                "lstm": {"train.lr": 4e-3}}})
     out = tmp_path / "tuned"
     # srupp-attn-last-1 inherits srupp's rate; lstm's own --set wins over the table
-    assert run(corpus, out, models="srupp,srupp-attn-last-1,lstm",
+    # (a quarter of a second each: only the rates they trained with are read)
+    assert run(corpus, out, models="srupp,srupp-attn-last-1,lstm", budget="0.25",
                sets=["lstm:train.lr=1e-3"]) == 0
     lrs = {m["name"]: m["lr"] for m in json.loads((out / "results.json").read_text())["models"]}
     assert lrs == {"srupp": 2e-3, "srupp-attn-last-1": 2e-3, "lstm": 1e-3}
     # a shared train.lr turns the table off for every model
     out2 = tmp_path / "shared"
-    assert run(corpus, out2, models="srupp,lstm", sets=["train.lr=5e-3"]) == 0
+    assert run(corpus, out2, models="srupp,lstm", budget="0.25", sets=["train.lr=5e-3"]) == 0
     lrs = {m["name"]: m["lr"] for m in json.loads((out2 / "results.json").read_text())["models"]}
     assert lrs == {"srupp": 5e-3, "lstm": 5e-3}
 
@@ -273,15 +274,15 @@ def test_compare_refuses_a_model_directory_another_process_writes(tmp_path, corp
 def test_a_result_made_with_other_settings_is_not_reported_as_new(
         tmp_path, corpus, monkeypatch, capsys):
     out = tmp_path / "cmp"
-    assert run(corpus, out, models="lstm") == 0
+    assert run(corpus, out, models="lstm", budget="0.25") == 0
     summary = out / "lstm" / "summary.json"
     before = summary.read_bytes()
     capsys.readouterr()
     monkeypatch.setattr("srupp.train.trainer.Trainer.__init__", no_training)
     for args, words in [({"params": "30000"}, "--params 20000 -> 30000"),
-                        ({"budget": "2"}, "--budget 1.0 -> 2.0"),
+                        ({"budget": "2"}, "--budget 0.25 -> 2.0"),
                         ({"sets": ["lstm:train.lr=1e-3"]}, "train.lr 0.008 -> 0.001")]:
-        assert run(corpus, out, models="lstm", **args) == 2, args
+        assert run(corpus, out, models="lstm", **{"budget": "0.25", **args}) == 2, args
         err = capsys.readouterr().err.strip()
         assert "\n" not in err and words in err, err
         assert f"{out / 'lstm'} holds lstm's result made with other settings" in err
