@@ -320,6 +320,16 @@ SWEEP_CASES = [(config, dtype, list(CONFIG_CASES)[(i + n) % len(CONFIG_CASES)])
                for n, dtype in enumerate((torch.float32, torch.bfloat16))]
 
 
+def sweep_length(config):
+    """The L a configuration's test runs (the interpreter's time grows with it): a whole
+    block of K steps and 3 more of the plain loop (two blocks of 4: K = 4 also carries
+    from block to block), the pipelined loop's prologue, its steady state and an
+    epilogue shorter than its stages, 5 steps for a plain loop."""
+    if config.steps is not None:
+        return (2 if config.steps < 8 else 1) * config.steps + 3
+    return (config.stages or 2) + 3
+
+
 @pytest.mark.parametrize("config,dtype,case", SWEEP_CASES,
                          ids=[f"{c.name}-{'fp32' if d == torch.float32 else 'bf16'}-{case}"
                               for c, d, case in SWEEP_CASES])
@@ -329,12 +339,12 @@ def test_sweep_configs(config, dtype, case, device, monkeypatch):
     and gradient, and at the low level it equals the plain loop to the last bit, every
     output (h, c_last, c_all, and all gradients), fp32 and bf16: every variant runs
     the same update code, the same operations in the same order, and only moves the
-    loads. L = 14 is not a multiple of 4, 8 or 12 (blocks, then 2 or 6 steps of the
-    plain loop); D = 6 puts both directions in one program."""
+    loads. L (sweep_length) is not a multiple of the blocks or stages; D = 6 puts both
+    directions in one program, in the plain loop too (block 8)."""
     if device.type == "cuda" and dtype != torch.float32:
         pytest.skip("on CUDA one case a configuration (each compiles its own kernels)")
     k, skip, bidir, pad, dropout = CONFIG_CASES[case]
-    B, L, D = 3 if pad else 2, 14, 6
+    B, L, D = 3 if pad else 2, sweep_length(config), 6
     monkeypatch.setattr(tk, "_launch_config", lambda B, D: config)
     U, x, wc, bias, c0, mask, dm = make_inputs(B, L, D, k, skip, pad=pad, dropout=dropout,
                                                dtype=dtype, seed=L + k, device=device)
@@ -344,7 +354,7 @@ def test_sweep_configs(config, dtype, case, device, monkeypatch):
     g = torch.Generator().manual_seed(2)
     gh = torch.randn(B, L, D, generator=g).to(device=device, dtype=dtype)
     gcl = torch.randn(B, D, generator=g).to(device)
-    plain = low_level(tk.LaunchConfig(4, 1), U, x, wc, bias, c0, mask, dm, gh, gcl, bidir)
+    plain = low_level(tk.LaunchConfig(8, 1), U, x, wc, bias, c0, mask, dm, gh, gcl, bidir)
     got = low_level(config, U, x, wc, bias, c0, mask, dm, gh, gcl, bidir)
     names = ["h", "c_last", "c_all", "grad_U", "grad_x", "grad_weight_c", "grad_bias", "grad_c0"]
     for name, a, b in zip(names, got, plain):
