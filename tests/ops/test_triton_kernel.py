@@ -284,12 +284,13 @@ def test_pipelined_time_loop(stages, steps, dtype, bidir, pad, k, device):
     """tuning()'s triton_stages and triton_steps, through the dispatcher: the loads of later
     steps in flight while a step computes give the same results; L = 7 is not a
     multiple of the stages (the loop's prologue and epilogue) nor of the blocks (two
-    blocks of 3 steps, then one step of the plain loop). With --device cuda also a
-    long fp32 run against float64, where the compiled pipeline really runs ahead."""
+    blocks of 3 steps, then one step of the plain loop); a row's 6 units in one program
+    (block 8: the interpreter runs half the programs of block 4). With --device cuda
+    also a long fp32 run against float64, where the compiled pipeline really runs ahead."""
     tuning().triton_stages, tuning().triton_steps = stages, steps
     U, x, wc, bias, c0, mask, dm = make_inputs(3, 7, 6, k, True, pad=pad, dropout=True,
                                                dtype=dtype, seed=stages or 1, device=device)
-    tri, ref, inputs = run_both(U, x, wc, bias, c0, mask, dm, bidir=bidir)
+    tri, ref, inputs = run_both(U, x, wc, bias, c0, mask, dm, bidir=bidir, block_size=8)
     check(tri, ref, inputs, dtype=dtype)
     if device.type == "cuda" and dtype == torch.float32:
         U, x, wc, bias, c0, mask, dm = make_inputs(4, 67, 300, k, True, pad=pad, dropout=True,
