@@ -44,12 +44,18 @@ def pytest_configure(config):
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     config.addinivalue_line("markers", "cpu_only: meaningful on the CPU only (the C++ "
                             "kernel, CPU features); not collected with --device cuda")
+    # pytest-xdist's load scheduling first hands each worker a quarter of its share of
+    # the tests, consecutive ones: SLOW_FIRST's would all go to the first worker. Two at
+    # a time instead, as the workers free up (a --maxschedchunk given wins).
+    if getattr(config.option, "maxschedchunk", False) is None:
+        config.option.maxschedchunk = 2
 
 
 # The slowest tests (``pytest --durations``), slowest first, and started first: under
 # ``pytest -n auto`` (``make test``) a long test that starts last keeps one core busy while
-# the other has finished. pytest-xdist hands out the first quarter of the tests in turn,
-# so these are shared out between the workers, and the last tests to run are short.
+# the other has finished. Handed out two at a time as the workers free up (--maxschedchunk,
+# pytest_configure), these are shared out between the workers, and the run ends on short
+# tests.
 # (Seconds under make test on 2 cores; a test that shares a module fixture with tests
 # left in place stays out: moving it away would set the fixture up twice.)
 SLOW_FIRST = (
