@@ -75,6 +75,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import cpu_kernels
+from .marks import constant_when_compiled
 from .settings import CHOICES, accessors, cpu_has_native_bf16, tracing
 
 __all__ = ["attend", "attention_reference", "attention_matmul", "attention_causal_matmul",
@@ -642,7 +643,7 @@ def cuda_attention_route(head_dim: int, dtype: torch.dtype, mask: str,
 _DEVICE_FACTS: dict = {}
 
 
-@torch.compiler.assume_constant_result
+@constant_when_compiled
 def _cuda_facts(index: int) -> Tuple[Tuple[int, int], Optional[int]]:
     """(compute capability, cuDNN version) of CUDA device ``index``, looked up once."""
     if index not in _DEVICE_FACTS:

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from . import cpu_kernels
+from .marks import constant_when_compiled
 from .reference import check_args, sru_recurrence_reference
 from .settings import CHOICES, RECURRENCE_DTYPES, accessors, backends
 
@@ -51,7 +52,7 @@ set_backend, get_backend, use_backend = accessors("recurrence")
 
 # ----------------------------------------------------------------------------- routing
 
-@torch.compiler.assume_constant_result
+@constant_when_compiled
 def _interpreting() -> bool:
     """Whether Triton runs its interpreter (``TRITON_INTERPRET=1``): then its kernels run
     on CPU tensors, which is how the tests run them without a GPU."""
@@ -67,7 +68,7 @@ def _triton_importable() -> bool:
     return True
 
 
-@torch.compiler.assume_constant_result
+@constant_when_compiled
 def _available(kernel: str) -> bool:
     # Builds the C++ extension, or imports triton, on the first call. Under
     # torch.compile this runs once at trace time and its result is baked into the graph.
