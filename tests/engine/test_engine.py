@@ -29,7 +29,6 @@ from srupp.models import build_model
 from srupp.nn import SRUppState
 from srupp.ops import cpu_kernels
 from srupp.ops.matmul import batch_invariant
-from srupp.ops.settings import tuning
 
 from lm_helpers import tiny_srupp_lm
 from tolerances import tol
@@ -134,8 +133,8 @@ def bits(t):
 
 @pytest.fixture
 def logits_of(monkeypatch):
-    """stream -> its logits (steps, V), as the batched step gave them. The batch's runs on
-    the C++ token loop (``_run_chunk``, which yields tokens, not logits) are turned off."""
+    """stream -> its logits (steps, V), as the batched step gave them. A lone stream's run
+    on the C++ token loop (``_run_alone``, which yields tokens, not logits) is turned off."""
     seen = {}
     real = Engine._sample
 
@@ -145,7 +144,7 @@ def logits_of(monkeypatch):
         return real(self, logits, active)
 
     monkeypatch.setattr(Engine, "_sample", record)
-    monkeypatch.setattr(Engine, "_run_chunk", lambda self, rows, logits: None)
+    monkeypatch.setattr(Engine, "_run_alone", lambda self, s, logits: None)
     return lambda stream: torch.stack(seen[stream.id])
 
 
@@ -169,31 +168,6 @@ def test_a_stream_gives_the_same_tokens_alone_or_batched(case, dtype):
         assert len(set(map(tuple, want))) == len(want)  # the prompts lead apart
         assert tokens(together(m, sampling)) == want
         assert tokens(staggered(m, sampling)) == want
-
-
-@DTYPES
-@pytest.mark.parametrize("case", list(CASES))
-def test_chunks_of_the_token_loop_give_the_steps_tokens(case, dtype):
-    """Greedy streams batched run in chunks on the C++ token loop (several rows at once);
-    with the loop off (decode_chunk=0) every token is one batched model.step: the same
-    tokens, with streams joining and leaving between chunks."""
-    m = srupp_lm(dtype, **CASES[case])
-    chunks = []
-    real = Engine._run_chunk
-
-    def spy(self, rows, logits):
-        out = real(self, rows, logits)
-        if out is not None:
-            chunks.append((len(rows), len(out[0])))
-        return out
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Engine, "_run_chunk", spy)
-        got = [tokens(together(m, greedy)), tokens(staggered(m, greedy))]
-    assert any(rows > 1 and n > 2 for rows, n in chunks), chunks  # the loop ran, batched
-    with tuning().use(decode_chunk=0):
-        want = [tokens(together(m, greedy)), tokens(staggered(m, greedy))]
-    assert got == want
 
 
 @DTYPES
@@ -474,34 +448,6 @@ def test_a_session_continues_as_one_request_of_the_whole_conversation(on_disk, t
     assert other.generated == Engine(m, TOK).generate(PROMPTS[1], greedy(1)).generated
     assert e.sessions.get("s").tokens == len(P1 + o1 + P2 + o2)
     assert ((tmp_path / "s.safetensors").is_file()) == on_disk
-
-
-def test_a_stream_with_a_session_never_runs_past_its_last_token(monkeypatch):
-    """Beside a longer stream on the C++ loop, a stream that keeps a session bounds the
-    chunk: the state it keeps is the state after its own last token. (Without a session,
-    a stream may end inside a chunk: its row's state is dropped.) The tiny models here
-    repeat themselves, so a state a few tokens late could still continue with the same
-    tokens: the bound is checked where the loop is called."""
-    m = srupp_lm(mem_len=32)
-    e = session_engine(m, None)
-    calls = []
-    real = m.fused_decoder
-
-    def spy(state, n, like):
-        rows = [s for s in e._active if s is not None]
-        calls.append((n, {s.session: s.sampling.max_tokens - len(s.generated) for s in rows}))
-        return real(state, n, like)
-
-    monkeypatch.setattr(m, "fused_decoder", spy)
-    e.generate(P1, Sampling(max_tokens=6, temperature=0), session="s")
-    other = e.submit(PROMPTS[1], greedy(1))
-    o2 = e.generate(P2, Sampling(max_tokens=11, temperature=0), session="s").generated
-    drain(e)
-    assert len(o2) == 11 and len(other.generated) == MAX_TOKENS[1]
-    beside = [(n, left) for n, left in calls if len(left) == 2]
-    assert beside, calls  # the two streams ran on the loop together
-    assert all(n <= left["s"] for n, left in beside), beside
-    assert other.generated == Engine(m, TOK).generate(PROMPTS[1], greedy(1)).generated
 
 
 def test_a_session_takes_one_request_at_a_time():

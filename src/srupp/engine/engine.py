@@ -59,10 +59,6 @@ from .text import StopMatcher, TextDecoder, check_stops
 # (shutdown past its grace period, or the client went away)
 STOP, LENGTH, ABORT = "stop", "length", "abort"
 
-# Tokens one call of the C++ loop decodes across all rows at most (64 per row at 32
-# rows): a request that arrives meanwhile waits for the call, about 0.1 s on 2 cores.
-CHUNK_TOKENS = 2048
-
 #: The attention window of a model whose config keeps every position (mem_len None):
 #: a stream's state must have a fixed size.
 DEFAULT_WINDOW = 1024
@@ -132,6 +128,7 @@ class Stream:
         self.todo: List[int] = []           # tokens to read: a session's pending + prompt
         self.read = 0                       # of todo
         self.pending = -1
+        self.chunk = 2                      # tokens of the next C++ call, when alone
         self.session_tokens = 0             # tokens the session had before this request
         self.submitted = time.perf_counter()
         self.first_token_at: Optional[float] = None
@@ -209,7 +206,6 @@ class Engine:
         self._reading: Deque[Stream] = collections.deque()   # reading their prompts
         self._active: List[Optional[Stream]] = []  # rows of self._batch: a stream, or None (free)
         self._apart: List[Stream] = []       # read their prompts; first step alone (_batch_join)
-        self._ramp = 2                       # tokens per row of the next C++ call (_run_chunk)
         self._batch: Any = None
         self._busy_sessions: set = set()
 
@@ -436,9 +432,9 @@ class Engine:
 
     def _decode(self) -> None:
         """One token for every active stream: feed the pending tokens, sample the next. Free
-        rows are computed too (token 0, results unused: rows do not mix). Where it can,
-        the batch runs on for a chunk of tokens in one C++ call (:meth:`_run_chunk`):
-        the very tokens these steps would give."""
+        rows are computed too (token 0, results unused: rows do not mix). A stream alone
+        (nothing else active or waiting) runs on for a chunk of tokens in one C++ call
+        (:meth:`_run_alone`): the very tokens these steps would give."""
         produced: List[Tuple[Stream, List[int]]] = []
         with batch_invariant(self.max_streams):
             if self._decoding():
@@ -447,9 +443,9 @@ class Engine:
                                       device=self.model.device)
                 logits, self._batch = self.model.step(tokens, self._batch)  # (B, V)
                 live = [i for i, s in enumerate(rows) if s is not None]
-                chunk = self._run_chunk(rows, logits)
-                if chunk is not None:
-                    produced += [(rows[i], chunk[i]) for i in live]
+                alone = self._run_alone(rows[0], logits) if len(rows) == 1 else None
+                if alone is not None:
+                    produced.append((rows[0], alone))
                 else:
                     streams = [rows[i] for i in live]
                     ids = self._sample(logits if len(live) == len(rows) else logits[live],
@@ -482,48 +478,35 @@ class Engine:
         if ended:
             self._leave(ended, None)
 
-    def _run_chunk(self, rows: List[Optional[Stream]], logits: torch.Tensor
-                   ) -> Optional[List[List[int]]]:
-        """Each row's next tokens, from ``logits`` (B, V), in one call of the C++ loop
-        (:meth:`CausalLM.fused_decoder`): the very tokens that as many engine steps would
-        give, without the Python of a step, and handed on as one event per stream. Up to
-        ``srupp.ops.tuning().decode_chunk`` tokens per row (64: enough to amortise a call,
-        few enough that a new request waits a few milliseconds to join), and at most
-        :data:`CHUNK_TOKENS` across the rows. The chunks of a batch that was empty start
-        at 2 tokens and double, so that a lone stream's first tokens come soon. A stream
-        with fewer tokens left than the chunk takes its own and ends (its row's state is
-        dropped with it), unless it keeps a session: that bounds the chunk. The last
-        token is left pending.
-
-        None (nothing run) where the loop does not apply: a stream waiting to join,
-        one cancelled, stop strings or an end token (either could end a stream inside
-        the chunk), sampling beside other rows (the loop draws from one generator, a
-        stream needs its own), or a model the loop can't run."""
-        live = [s for s in rows if s is not None]
-        if self._queue or self._reading or self._apart or self.eos_id is not None \
-                or any(s.cancelled or s.sampling.stop for s in live) \
-                or (len(rows) > 1 and any(s.sampling.temperature != 0 for s in live)):
+    def _run_alone(self, s: Stream, logits: torch.Tensor) -> Optional[List[int]]:
+        """The tokens of a stream decoding alone, from ``logits``, in one call of the C++
+        loop (:meth:`CausalLM.fused_decoder`): up to ``srupp.ops.tuning().decode_chunk`` (64:
+        enough to amortise the call, few enough that a new request waits a few milliseconds
+        to join), starting at 2 and doubling, so that the first tokens stream soon. The last is left pending. None
+        (nothing run) where the loop does not apply: other streams waiting, stop strings
+        or an end token (which could end the stream inside the chunk), or a model the loop
+        can't run."""
+        left, most = s.sampling.max_tokens - len(s.generated), tuning().decode_chunk
+        if self._queue or self._reading or s.cancelled or left < 2 or most < 2 \
+                or s.sampling.stop or self.eos_id is not None:
             return None
-        left = [s.sampling.max_tokens - len(s.generated) for s in live]
-        n = min(self._ramp, tuning().decode_chunk, max(2, CHUNK_TOKENS // len(rows)), max(left),
-                *[k for s, k in zip(live, left) if s.session is not None])
+        n = min(left, s.chunk, most)
         emb = self.model.embedding
-        if n < 2 or not isinstance(emb, torch.nn.Embedding):  # the loop embeds by lookup
+        if not isinstance(emb, torch.nn.Embedding):  # the C++ loop embeds by table lookup
             return None
-        like = emb.weight.new_empty(len(rows), emb.embedding_dim)
+        like = emb.weight.new_empty(1, emb.embedding_dim)
         decoder = self.model.fused_decoder(self._batch, n, like)
         if decoder is None:
             return None
         steps, output = decoder
-        p = live[0].sampling  # all greedy, or the one row's own settings and generator
+        p = s.sampling
         tokens, _, state = steps.decode(
-            logits, torch.zeros(len(rows), dtype=torch.bool), emb.weight, output,
-            final=True, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-            generator=live[0].generator, eos_id=None)                    # (B, n)
+            logits, torch.zeros(1, dtype=torch.bool), emb.weight, output, final=True,
+            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, generator=s.generator,
+            eos_id=None)                                                  # (1, n)
         self._batch = state
-        self._ramp = min(2 * self._ramp, tuning().decode_chunk)
-        return [row[:s.sampling.max_tokens - len(s.generated)] if s is not None else row
-                for s, row in zip(rows, tokens.tolist())]
+        s.chunk = min(2 * s.chunk, most)
+        return tokens[0].tolist()
 
     def _sample(self, logits: torch.Tensor, active: List[Stream]) -> List[int]:
         """Each stream's next token by its own settings and generator; greedy rows at once."""
@@ -569,7 +552,7 @@ class Engine:
             self._active[i] = None
         live = [i for i, s in enumerate(self._active) if s is not None]
         if not live:
-            self._batch, self._active, self._ramp = None, [], 2
+            self._batch, self._active = None, []
         elif 2 * (len(self._active) - len(live)) >= len(self._active):
             self._batch = self._batch.index_select(torch.tensor(live))
             self._active = [self._active[i] for i in live]
