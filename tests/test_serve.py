@@ -146,7 +146,9 @@ def serving(ckpt, folder, *flags):
 def server(ckpt, tmp_path_factory):
     """The shared server: four slots, sessions kept."""
     folder = tmp_path_factory.mktemp("shared")
-    with serving(ckpt, folder, "--max-streams", "4", "--sessions", str(folder / "sessions")) as s:
+    # one token per event (--chunk-ms 0): streaming shows in a short completion
+    with serving(ckpt, folder, "--max-streams", "4", "--sessions", str(folder / "sessions"),
+                 "--chunk-ms", "0") as s:
         yield s
 
 

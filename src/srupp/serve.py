@@ -409,7 +409,8 @@ class Server:
 def serve(run, *, host: str = "127.0.0.1", port: int = 8000,
           max_streams: int = 32, max_queue: int = 256, sessions: Optional[str] = None,
           dtype: str = "fp32", mem_len: Optional[int] = None, grace: float = 30.0,
-          threads: Optional[int] = None, log_level: str = "warning") -> int:
+          threads: Optional[int] = None, chunk_ms: float = 10.0,
+          log_level: str = "warning") -> int:
     """Serve a loaded run (:func:`srupp.inference.load_run` of a language model) until
     SIGTERM or Ctrl-C (see the module's docstring); returns the exit status: 0, or 1 when
     the engine failed (its traceback printed; the server answered 503 until stopped)."""
@@ -429,7 +430,8 @@ def serve(run, *, host: str = "127.0.0.1", port: int = 8000,
         Path(sessions).mkdir(parents=True, exist_ok=True)
         store = SessionStore(sessions, model_id=model_fingerprint(model))
     engine = Engine(model, tokenizer, max_streams=max_streams, max_queue=max_queue,
-                    window=mem_len, sessions=store, eos_id=getattr(tokenizer, "eos_id", None))
+                    window=mem_len, sessions=store, eos_id=getattr(tokenizer, "eos_id", None),
+                    chunk_seconds=chunk_ms / 1e3)
     # the run's folder name (a checkpoint folder's own name when it stands alone)
     ckpt = Path(ckpt).resolve()
     name = ckpt.parent.name if ckpt.name.startswith("ckpt-") else ckpt.name

@@ -29,6 +29,7 @@ from srupp.models import build_model
 from srupp.nn import SRUppState
 from srupp.ops import cpu_kernels
 from srupp.ops.matmul import batch_invariant
+from srupp.ops.settings import tuning
 
 from lm_helpers import tiny_srupp_lm
 from tolerances import tol
@@ -134,7 +135,7 @@ def bits(t):
 @pytest.fixture
 def logits_of(monkeypatch):
     """stream -> its logits (steps, V), as the batched step gave them. A lone stream's run
-    on the C++ token loop (``_run_alone``, which yields tokens, not logits) is turned off."""
+    on the C++ token loop (``_run_chunk``, which yields tokens, not logits) is turned off."""
     seen = {}
     real = Engine._sample
 
@@ -144,7 +145,7 @@ def logits_of(monkeypatch):
         return real(self, logits, active)
 
     monkeypatch.setattr(Engine, "_sample", record)
-    monkeypatch.setattr(Engine, "_run_alone", lambda self, s, logits: None)
+    monkeypatch.setattr(Engine, "_run_chunk", lambda self, rows, logits: None)
     return lambda stream: torch.stack(seen[stream.id])
 
 
@@ -168,6 +169,43 @@ def test_a_stream_gives_the_same_tokens_alone_or_batched(case, dtype):
         assert len(set(map(tuple, want))) == len(want)  # the prompts lead apart
         assert tokens(together(m, sampling)) == want
         assert tokens(staggered(m, sampling)) == want
+
+
+def events_of(streams):
+    return [list(s.events(timeout=1)) for s in streams]
+
+
+@DTYPES
+@pytest.mark.parametrize("case", ["plain", "no_memory"])
+def test_batched_streams_take_chunks_and_the_tokens_of_single_steps(case, dtype):
+    """A batch runs on the C++ token loop in chunks (several tokens per event), each row
+    sampled by its own stream: the same tokens and text as one token per step
+    (``decode_chunk=0``), with streams that end inside a chunk by their length or a stop
+    string, and joining and leaving as they come."""
+    m = srupp_lm(dtype, **CASES[case])
+    for sampling in (greedy, seeded):
+        with tuning().use(decode_chunk=0):
+            steps = staggered(m, sampling)
+        ref = events_of(steps)
+        assert all(len(ev.tokens) <= 1 for evs in ref for ev in evs)
+        chunked = staggered(m, sampling)
+        assert tokens(chunked) == tokens(steps)
+        assert [s.text for s in chunked] == [s.text for s in steps]
+        sizes = [len(ev.tokens) for evs in events_of(chunked) for ev in evs]
+        assert max(sizes) > 2, sizes
+    # a stop string met inside a chunk: the stream ends there, the others go on
+    full = tokens(alone(m, greedy))
+    text = TOK.decode(full[1])
+    stop = text[9:11]
+    cut = text.index(stop)
+
+    def with_stop(i):
+        return Sampling(max_tokens=MAX_TOKENS[i], temperature=0, stop=[stop] if i == 1 else [])
+
+    streams = together(m, with_stop)
+    assert streams[1].finish_reason == STOP and streams[1].text == text[:cut]
+    assert [s.generated for i, s in enumerate(streams) if i != 1] == \
+        [t for i, t in enumerate(full) if i != 1]
 
 
 @DTYPES
@@ -348,7 +386,7 @@ def test_a_full_queue_refuses_and_a_closed_engine_takes_nothing():
 def test_cancel_ends_a_stream_and_frees_its_slot():
     m = srupp_lm()
     want = tokens(alone(m, greedy))
-    e = Engine(m, TOK, max_streams=2)
+    e = Engine(m, TOK, max_streams=2, chunk_seconds=1e-9)  # 2 tokens a step: a is mid-way
     a, b, c = (e.submit(PROMPTS[i], greedy(i)) for i in range(3))
     for _ in range(6):
         e.step()

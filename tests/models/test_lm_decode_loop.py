@@ -65,7 +65,7 @@ def loop_calls(monkeypatch):
     real = layer_step_module.decode_loop_kernel()
 
     def counted(*args):
-        calls.append(args[-7])          # n, the chunk's tokens
+        calls.append(args[layer_step_module.DECODE_LOOP_PARAMS.index("n")])  # the chunk's tokens
         return real(*args)
 
     monkeypatch.setattr(layer_step_module, "decode_loop_kernel", lambda: counted)
@@ -220,3 +220,85 @@ def test_the_kernel_leaves_the_python_loops_logits_and_state(case, dtype):
     if after.memory_mask_pad is not None:
         assert torch.equal(after.memory_mask_pad, state.memory_mask_pad)
     assert any(t is not None for t in after.memory) == (case != "no_memory")
+
+
+@torch.no_grad()
+@DTYPES
+@pytest.mark.parametrize("case", ["plain", "window_slides", "no_memory"])
+def test_first_tokens_and_per_row_sampling_equal_steps_row_by_row(case, dtype):
+    """What the engine runs: ``first`` tokens fed in the same call, then each row sampled by
+    its own settings and generator. Against model.step and each row sampled alone: the
+    same tokens, the same generator states, and a state that decodes on to the same bits
+    (whose buffers the next call appends to in place: the rows reserved and not fed are
+    given back)."""
+    m = make(dtype, **CASES[case])
+    B, n = 4, 5
+    settings = [dict(temperature=0.0, top_k=None, top_p=None),
+                dict(temperature=0.8, top_k=6, top_p=0.9),
+                dict(temperature=1.2, top_k=None, top_p=None),
+                dict(temperature=0.0, top_k=3, top_p=None)]
+    window = m.config.mem_len or 8
+    state = m.backbone.padded_state(B, window)
+    _, state = m.prefill(torch.tensor([[3, 1, 4], [1, 5, 9], [2, 6, 5], [3, 5, 8]]), state)
+    first = torch.tensor([7, 0, 2, 9])
+
+    def gens():
+        return [torch.Generator().manual_seed(40 + i) for i in range(B)]
+
+    # reference: one model.step per token, each row drawn alone (as Engine._sample does)
+    g_ref, st, fed, want = gens(), state, first, []
+    for t in range(n):
+        logits, st = m.step(fed, st)                                      # (B, V)
+        fed = torch.cat([lm_module.sample(logits[i:i + 1], generator=g_ref[i], **settings[i])
+                         for i in range(B)])
+        want.append(fed)
+    want = torch.stack(want, 1)                                           # (B, n)
+    next_ref, _ = m.step(fed, st)
+
+    g = gens()
+    emb = m.embedding
+    steps, output = m.fused_decoder(state, n, emb.weight.new_empty(B, emb.embedding_dim))
+    tokens, _, after = steps.decode(
+        first.new_empty(0, 0), torch.zeros(B, dtype=torch.bool), emb.weight, output, final=True,
+        temperature=[p["temperature"] for p in settings], top_k=[p["top_k"] for p in settings],
+        top_p=[p["top_p"] for p in settings], generator=g, eos_id=None, first=first)
+    assert torch.equal(tokens, want)
+    assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(g, g_ref))
+    buffers = [None if mem is None else mem.untyped_storage().data_ptr()
+               for mem in after.memory]
+    next_fused, later = m.step(tokens[:, -1], after)
+    assert torch.equal(next_fused.contiguous().view(torch.uint8),
+                       next_ref.contiguous().view(torch.uint8))
+    if case == "plain":  # room was left: the step appended in place, no copy
+        assert [None if mem is None else mem.untyped_storage().data_ptr()
+                for mem in later.memory] == buffers
+
+
+@torch.no_grad()
+def test_first_tokens_need_final():
+    m = make()
+    state = m.backbone.padded_state(1, 8)
+    _, state = m.prefill(torch.tensor([[3, 1]]), state)
+    emb = m.embedding
+    steps, output = m.fused_decoder(state, 3, emb.weight.new_empty(1, emb.embedding_dim))
+    with pytest.raises(ValueError, match="first: feeding tokens before the loop needs final"):
+        steps.decode(torch.empty(0, 0), torch.zeros(1, dtype=torch.bool), emb.weight, output,
+                     final=False, temperature=0, top_k=None, top_p=None, generator=None,
+                     eos_id=None, first=torch.tensor([1]))
+
+
+@torch.no_grad()
+def test_a_final_chunk_gives_back_the_row_it_did_not_feed():
+    """A ``final`` call reserves n rows and feeds n - 1: the next step appends after them
+    in the same buffers (before, every chunk copied the whole memory to fresh ones)."""
+    m = make()
+    state = m.backbone.padded_state(2, 64)
+    logits, state = m.prefill(torch.tensor([[3, 1, 4], [1, 5, 9]]), state)   # (B, V)
+    emb = m.embedding
+    steps, output = m.fused_decoder(state, 4, emb.weight.new_empty(2, emb.embedding_dim))
+    tokens, _, after = steps.decode(logits, torch.zeros(2, dtype=torch.bool), emb.weight, output,
+                                    final=True, temperature=0, top_k=None, top_p=None,
+                                    generator=None, eos_id=None)
+    storage = [mem.untyped_storage().data_ptr() for mem in after.memory if mem is not None]
+    _, later = m.step(tokens[:, -1], after)
+    assert [mem.untyped_storage().data_ptr() for mem in later.memory if mem is not None] == storage

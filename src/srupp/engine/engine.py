@@ -7,9 +7,9 @@
                decoding step for every active stream
 
 How a stream moves. It waits in the queue until a slot is free. It then reads its
-prompt in chunks of ``prefill_chunk`` tokens (one chunk per engine step, so a long
-prompt never stalls the others), all but its last token; that token is its *pending*
-token. It then joins the batch: every step feeds each active stream's pending token
+prompt, all but its last token, in chunks: each engine step reads ``prefill_chunk``
+prompt tokens at most (of the waiting streams in turn), so a long prompt never stalls
+the others. The last token is the stream's *pending* token. It then joins the batch: every step feeds each active stream's pending token
 through the model at once and samples each stream's next token, which becomes pending.
 A stream therefore always holds (state, pending token): exactly what a session keeps
 to continue later (:mod:`srupp.engine.sessions`).
@@ -128,7 +128,6 @@ class Stream:
         self.todo: List[int] = []           # tokens to read: a session's pending + prompt
         self.read = 0                       # of todo
         self.pending = -1
-        self.chunk = 2                      # tokens of the next C++ call, when alone
         self.session_tokens = 0             # tokens the session had before this request
         self.submitted = time.perf_counter()
         self.first_token_at: Optional[float] = None
@@ -160,6 +159,9 @@ class Stream:
             self._queue.put(event)
 
 
+_GREEDY = Sampling(temperature=0)  # a free row's (its tokens are not used)
+
+
 class Engine:
     """Generation streams of one causal language model, batched.
 
@@ -170,16 +172,20 @@ class Engine:
         max_queue: streams waiting at most; :meth:`submit` then raises :class:`QueueFull`.
         window: positions of attention memory (KV cache) each stream keeps; default
             the model's ``mem_len``, else :data:`DEFAULT_WINDOW`.
-        prefill_chunk: prompt tokens read per engine step (one stream's).
+        prefill_chunk: prompt tokens read per engine step (of the waiting streams in turn).
         max_prompt_tokens: longer prompts are a ValueError (the server's 413).
         sessions: where sessions are kept; None: requests may not name one.
         eos_id: a stream also ends after this token (kept in its output).
+        chunk_seconds: the batch decodes chunks of tokens in one call of the C++ token
+            loop (:meth:`_run_chunk`) lasting about this long at most: the longest a new
+            request waits to join, and about the gap between a stream's events. 0: one
+            token per step.
     """
 
     def __init__(self, model, tokenizer, *, max_streams: int = 32, max_queue: int = 256,
                  window: Optional[int] = None, prefill_chunk: int = 256,
                  max_prompt_tokens: int = 65536, sessions: Optional[SessionStore] = None,
-                 eos_id: Optional[int] = None):
+                 eos_id: Optional[int] = None, chunk_seconds: float = 0.01):
         for name, value in (("max_streams", max_streams), ("prefill_chunk", prefill_chunk),
                             ("max_prompt_tokens", max_prompt_tokens)):
             check(name, value, ">= 1", integer=True)
@@ -192,6 +198,9 @@ class Engine:
         self.max_streams, self.max_queue = max_streams, max_queue
         self.prefill_chunk, self.max_prompt_tokens = prefill_chunk, max_prompt_tokens
         self.sessions, self.eos_id = sessions, eos_id
+        check("chunk_seconds", chunk_seconds, ">= 0")
+        self.chunk_seconds = float(chunk_seconds)
+        self._token_seconds: dict = {}  # batch rows -> seconds per token of the last C++ call
         config_window = getattr(model.config, "mem_len", None)
         self.window = window if window is not None else (
             config_window if config_window is not None else DEFAULT_WINDOW)
@@ -281,17 +290,23 @@ class Engine:
 
     # ------------------------------------------------------------ the model thread
     def step(self) -> bool:
-        """One engine step: admit waiting streams to free slots, read one prompt chunk,
-        then decode one token for every active stream. False when there was nothing to do."""
+        """One engine step: admit waiting streams to free slots, read up to
+        ``prefill_chunk`` prompt tokens (of as many waiting streams as that takes, in
+        turn), then decode the next tokens of every active stream (one, or a chunk:
+        :meth:`_run_chunk`). False when there was nothing to do."""
         worked = self._drop_cancelled()  # first: their slots go to waiting streams now
         with self._lock:
             while self._queue and self._free_slots() > 0:
                 self._reading.append(self._queue.popleft())
         # sliding windows: this engine keeps one state per stream and drops the one before
         with torch.no_grad(), sliding_windows():
-            if self._reading:
-                self._read_chunk(self._reading[0])
+            budget = self.prefill_chunk
+            while self._reading and budget > 0:
+                s = self._reading[0]
+                budget -= self._read_chunk(s, budget)
                 worked = True
+                if self._reading and self._reading[0] is s:  # the budget ran out inside it
+                    break
             if self._apart or self._decoding():
                 self._decode()
                 worked = True
@@ -364,9 +379,9 @@ class Engine:
             self._leave(rows, ABORT)
         return bool(gone or apart or rows)
 
-    def _read_chunk(self, s: Stream) -> None:
-        """Read the next chunk of s's prompt; once all but its last token are read, s joins
-        the batch with that token pending."""
+    def _read_chunk(self, s: Stream, most: int) -> int:
+        """Read the next chunk of s's prompt, ``most`` tokens at most; once all but its last
+        token are read, s joins the batch with that token pending. Returns the tokens read."""
         if s.state is None:
             try:
                 s.state, pending, s.session_tokens = self._start_state(s)
@@ -374,27 +389,28 @@ class Engine:
                 self._reading.popleft()
                 s.error = str(e)
                 self._finish(s, ABORT)
-                return
+                return 0
             s.todo = ([pending] if pending is not None else []) + s.prompt
             if not s.todo:  # a session with nothing pending and an empty prompt
                 self._reading.popleft()
                 self._finish(s, LENGTH)
-                return
-        n = min(self.prefill_chunk, len(s.todo) - 1 - s.read)
+                return 0
+        n = max(0, min(most, len(s.todo) - 1 - s.read))
         if n > 0:
             ids = torch.tensor([s.todo[s.read:s.read + n]], device=self.model.device)
             _, s.state = self.model.prefill(ids, s.state)
             s.read += n
         if s.read < len(s.todo) - 1:
-            return
+            return n
         self._reading.popleft()
         s.pending = s.todo[-1]
         if s.sampling.max_tokens == 0:  # done: its state never joins the batch
             self._keep_session(s, s.state)
             s.state = None
             self._finish(s, LENGTH)
-            return
+            return n
         self._batch_join(s)
+        return n
 
     def _start_state(self, s: Stream) -> Tuple[Any, Optional[int], int]:
         """(state, pending token or None, tokens so far) that s starts from."""
@@ -432,21 +448,21 @@ class Engine:
 
     def _decode(self) -> None:
         """One token for every active stream: feed the pending tokens, sample the next. Free
-        rows are computed too (token 0, results unused: rows do not mix). A stream alone
-        (nothing else active or waiting) runs on for a chunk of tokens in one C++ call
-        (:meth:`_run_alone`): the very tokens these steps would give."""
+        rows are computed too (token 0, results unused: rows do not mix). The batch then
+        runs on for a chunk of tokens in one C++ call where it can (:meth:`_run_chunk`):
+        the very tokens these steps would give."""
         produced: List[Tuple[Stream, List[int]]] = []
         with batch_invariant(self.max_streams):
             if self._decoding():
                 rows = self._active
-                tokens = torch.tensor([0 if s is None else s.pending for s in rows],
-                                      device=self.model.device)
-                logits, self._batch = self.model.step(tokens, self._batch)  # (B, V)
-                live = [i for i, s in enumerate(rows) if s is not None]
-                alone = self._run_alone(rows[0], logits) if len(rows) == 1 else None
-                if alone is not None:
-                    produced.append((rows[0], alone))
+                pending = torch.tensor([0 if s is None else s.pending for s in rows],
+                                       device=self.model.device)                   # (B,)
+                chunk = self._run_chunk(rows, pending)
+                if chunk is not None:
+                    produced += chunk
                 else:
+                    logits, self._batch = self.model.step(pending, self._batch)  # (B, V)
+                    live = [i for i, s in enumerate(rows) if s is not None]
                     streams = [rows[i] for i in live]
                     ids = self._sample(logits if len(live) == len(rows) else logits[live],
                                        streams)
@@ -459,8 +475,9 @@ class Engine:
         now = time.perf_counter()
         ended: List[Stream] = []
         for s, ids in produced:
-            text = []
+            text, used = [], 0
             for t in ids:
+                used += 1
                 s.generated.append(t)
                 s.pending = t
                 piece, stopped = s.stopper.feed(s.decoder.push(t))
@@ -468,9 +485,9 @@ class Engine:
                 if stopped or t == self.eos_id or len(s.generated) >= s.sampling.max_tokens:
                     ended.append(s)
                     break
-            self._time(s, now, len(ids))
-            s._emit(Event("".join(text), list(ids)))
-            self.tokens_generated += len(ids)
+            self._time(s, now, used)
+            s._emit(Event("".join(text), ids[:used]))
+            self.tokens_generated += used
         for s in apart:
             if s not in ended:
                 self._place(s, s.state)
@@ -478,35 +495,48 @@ class Engine:
         if ended:
             self._leave(ended, None)
 
-    def _run_alone(self, s: Stream, logits: torch.Tensor) -> Optional[List[int]]:
-        """The tokens of a stream decoding alone, from ``logits``, in one call of the C++
-        loop (:meth:`CausalLM.fused_decoder`): up to ``srupp.ops.tuning().decode_chunk`` (64:
-        enough to amortise the call, few enough that a new request waits a few milliseconds
-        to join), starting at 2 and doubling, so that the first tokens stream soon. The last is left pending. None
-        (nothing run) where the loop does not apply: other streams waiting, stop strings
-        or an end token (which could end the stream inside the chunk), or a model the loop
-        can't run."""
-        left, most = s.sampling.max_tokens - len(s.generated), tuning().decode_chunk
-        if self._queue or self._reading or s.cancelled or left < 2 or most < 2 \
-                or s.sampling.stop or self.eos_id is not None:
-            return None
-        n = min(left, s.chunk, most)
+    def _run_chunk(self, rows: List[Optional[Stream]], pending: torch.Tensor
+                   ) -> Optional[List[Tuple[Stream, List[int]]]]:
+        """The batch's next tokens in one call of the C++ token loop
+        (:meth:`CausalLM.fused_decoder`): the ``pending`` tokens (B,) fed, then n tokens
+        sampled, each row by its own stream's settings and generator, all but the last fed;
+        the last is left pending. The very tokens n of :meth:`_decode`'s steps give. A
+        stream that ends inside the chunk (its length, a stop string, the end token)
+        takes its tokens up to there; its row, decoded on, is dropped. None (nothing run)
+        where the loop does not apply: a model it can't run, or a stream that keeps a
+        session and could end inside the chunk by a stop string or the end token (its
+        session keeps the state after its last token).
+
+        n is at most ``srupp.ops.tuning().decode_chunk`` (0: never chunk), the tokens
+        left to any stream that keeps a session, and what fits in ``chunk_seconds`` at the
+        time per token the last call at this many rows took (2 at first, to measure it)."""
+        n = tuning().decode_chunk if self.chunk_seconds > 0 else 0
+        for s in rows:
+            if s is None or s.session is None:  # a stream that ends inside: its row is dropped
+                continue
+            if s.sampling.stop or self.eos_id is not None:
+                return None
+            n = min(n, s.sampling.max_tokens - len(s.generated))
+        per_token = self._token_seconds.get(len(rows))
+        n = min(n, 2 if per_token is None else max(2, int(self.chunk_seconds / per_token)))
         emb = self.model.embedding
-        if not isinstance(emb, torch.nn.Embedding):  # the C++ loop embeds by table lookup
+        if n < 2 or not isinstance(emb, torch.nn.Embedding):  # the loop embeds by lookup
             return None
-        like = emb.weight.new_empty(1, emb.embedding_dim)
+        like = emb.weight.new_empty(len(rows), emb.embedding_dim)
         decoder = self.model.fused_decoder(self._batch, n, like)
         if decoder is None:
             return None
         steps, output = decoder
-        p = s.sampling
-        tokens, _, state = steps.decode(
-            logits, torch.zeros(1, dtype=torch.bool), emb.weight, output, final=True,
-            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, generator=s.generator,
-            eos_id=None)                                                  # (1, n)
-        self._batch = state
-        s.chunk = min(2 * s.chunk, most)
-        return tokens[0].tolist()
+        settings = [_GREEDY if s is None else s.sampling for s in rows]
+        start = time.perf_counter()
+        tokens, _, self._batch = steps.decode(
+            pending.new_empty(0, 0), torch.zeros(len(rows), dtype=torch.bool), emb.weight,
+            output, final=True, temperature=[p.temperature for p in settings],
+            top_k=[p.top_k for p in settings], top_p=[p.top_p for p in settings],
+            generator=[None if s is None else s.generator for s in rows], eos_id=None,
+            first=pending)                                                # (B, n)
+        self._token_seconds[len(rows)] = (time.perf_counter() - start) / n
+        return [(s, ids) for s, ids in zip(rows, tokens.tolist()) if s is not None]
 
     def _sample(self, logits: torch.Tensor, active: List[Stream]) -> List[int]:
         """Each stream's next token by its own settings and generator; greedy rows at once."""

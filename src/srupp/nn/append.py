@@ -138,6 +138,14 @@ def reserve_steps(old: Optional[Tensor], steps_shape: Sequence[int], like: Tenso
     return base, 0
 
 
+def release_steps(base: Tensor, end: int) -> None:
+    """Give back the steps of ``base`` from ``end`` on that :func:`reserve_steps` reserved
+    and no one wrote (a decoding loop that ended early): the next reservation then
+    appends after ``end`` in place, instead of copying ``old`` to a fresh buffer."""
+    if getattr(base, "_srupp_append_end", -1) > end:
+        base._srupp_append_end = end
+
+
 def _slid(base: Tensor, dim: int, start: int, M: int, L: int) -> Tuple[Tensor, int]:
     """reserve_steps' answer after sliding ``base``'s M steps at ``start`` to its start."""
     if start:

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from ..ops.layer_step import QUANT, OutputArgs, StackArgs, decode_loop, stack_step
 from ..ops.matmul import few_rows, linear_route
 from ..ops.quant import int8_kernel_applies
-from .append import append_steps, reserve_steps
+from .append import append_steps, release_steps, reserve_steps
 from .linear import Linear
 from .quant import Int8Linear
 from .state import KVCache, SRUppState
@@ -217,23 +217,31 @@ class StepPlan:
             quant=[p.quant for p in plans])
 
     def decode(self, logits: Tensor, done: Tensor, embedding: Tensor, output: OutputArgs, *,
-               final: bool, temperature: float, top_k: Optional[int], top_p: Optional[float],
-               generator: Optional[torch.Generator], eos_id: Optional[int]
-               ) -> Tuple[Tensor, Tensor, Optional[SRUppState]]:
+               final: bool, temperature, top_k, top_p, generator, eos_id: Optional[int],
+               first: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Optional[SRUppState]]:
         """Up to L tokens in one C++ call (``decode_loop``): each sampled from the logits
         before it, embedded and stepped through the layers and ``output``. Rows ``done``
-        (B,) bool, and rows that sample ``eos_id``, stop (``done`` is updated).
+        (B,) bool, and rows that sample ``eos_id``, stop (``done`` is updated). Sampling:
+        one setting for the batch, or lists of one per row
+        (:func:`srupp.ops.layer_step.decode_loop`).
 
         Returns (tokens (B, t ≤ L), the logits after the last token fed, the state after
         the tokens fed). Every token is fed but the last when the call ends early (every
-        row done) or with ``final`` (nothing reads what would follow it)."""
+        row done) or with ``final`` (nothing reads what would follow it).
+
+        ``first``: tokens (B,) fed before the first sample, in place of ``logits`` (then
+        not read): the step before the loop, in the same call. It needs ``final`` (the L
+        rows reserved hold ``first`` and the L - 1 tokens fed after it)."""
+        if first is not None and not final:
+            raise ValueError("first: feeding tokens before the loop needs final=True")
         tokens, c, logits, memory, kvs, shift = decode_loop(
             logits, done, embedding, output, self.stack_args(), mem_len=self.mem_len, n=self.L,
             final=final, temperature=temperature, top_k=top_k, top_p=top_p,
-            generator=generator, eos_id=eos_id)                         # tokens (B, ≤ L)
+            generator=generator, eos_id=eos_id, first=first)            # tokens (B, ≤ L)
         t = tokens.shape[1]
         ended = (final and t == self.L) or (eos_id is not None and bool(done.all()))
-        return tokens, logits, self.state_after(c, memory, kvs, shift, t - 1 if ended else t)
+        fed = t - ended + (first is not None)
+        return tokens, logits, self.state_after(c, memory, kvs, shift, fed)
 
     def state_after(self, c: Tensor, memory: list, new_kvs: list, shift: int,
                     fed: Optional[int] = None) -> SRUppState:
@@ -255,6 +263,9 @@ class StepPlan:
                             else KVCache.of(new_kv, plan.kv_weights))
             rows.append(((new_mem, self.mems[i], self.mem_starts[i] + shift),
                          (new_kv, self.kvs[i], self.kv_starts[i] + shift)))
+            if fed < self.L:  # the rows reserved for the tokens not fed are free again
+                for view, base, start in rows[-1]:
+                    release_steps(base, start + view.shape[1])
         new_mask = None
         if self.keep_memory and self.mem_mask is not None:
             mask = self.mem_mask

@@ -129,7 +129,8 @@ DECODE_LOOP_PARAMS = ("logits", "done", "embedding", "out_weight", "out_bias", "
                       "out_route", "c", "weights", "kv", "memory", "memory_pad", "kv_start",
                       "memory_start", "cached", "mem_len", "norm_eps", "attn_norm_eps",
                       "scale_x", "num_heads", "normalize_after", "few_rows", "scales", "quant",
-                      "n", "final", "temperature", "top_k", "top_p", "generator", "eos_id")
+                      "n", "final", "temperature", "top_k", "top_p", "generator", "eos_id",
+                      "first")
 
 
 @dataclass
@@ -189,19 +190,28 @@ def stack_step(x: Tensor, stack: StackArgs, *, first: int, kept: int):
 
 def decode_loop(logits: Tensor, done: Tensor, embedding: Tensor, output: OutputArgs,
                 stack: StackArgs, *, mem_len: Optional[int], n: int, final: bool,
-                temperature: float, top_k: Optional[int], top_p: Optional[float],
-                generator: Optional[torch.Generator], eos_id: Optional[int]):
+                temperature, top_k, top_p, generator, eos_id: Optional[int],
+                first: Optional[Tensor] = None):
     """Up to n tokens through ``decode_loop_cpu`` (sampled from ``logits`` (B, V) first; rows
     already ``done`` (B,) bool, and rows that sample ``eos_id``, stop). ``final``: the last
-    token is not fed (nothing follows). Returns (tokens (B, ≤ n), c, logits, memory, kv,
-    shift), as ``csrc/decode_loop.cpp`` documents."""
+    token is not fed (nothing follows). Sampling: one setting for the batch (``temperature``
+    a float, ``top_k``/``top_p`` None or a number, ``generator`` None or one: every row is
+    drawn in one call, as :func:`srupp.models.lm.sample` draws a batch), or lists of one
+    setting per row (each row drawn alone with its own generator). ``first``: tokens (B,)
+    fed before the first sample (``logits`` is then not read). Returns (tokens
+    (B, ≤ n), c, logits, memory, kv, shift), as ``csrc/decode_loop.cpp`` documents."""
+    per_row = isinstance(temperature, (list, tuple))
+    if not per_row:
+        temperature, top_k, top_p, generator = [temperature], [top_k], [top_p], [generator]
     named = {**vars(stack), "logits": logits, "done": done, "embedding": embedding,
              "out_weight": output.weight, "out_bias": output.bias, "out_scale": output.scale,
              "out_route": OUTPUT_ROUTES[output.route],
              "mem_len": -1 if mem_len is None else mem_len, "n": n, "final": final,
-             "temperature": float(temperature), "top_k": -1 if top_k is None else top_k,
-             "top_p": 1.0 if top_p is None else float(top_p), "generator": generator,
-             "eos_id": -1 if eos_id is None else eos_id}
+             "temperature": [float(t) for t in temperature],
+             "top_k": [-1 if k is None else int(k) for k in top_k],
+             "top_p": [1.0 if p is None else float(p) for p in top_p],
+             "generator": list(generator), "eos_id": -1 if eos_id is None else eos_id,
+             "first": first}
     return decode_loop_kernel()(*_in_order(DECODE_LOOP_PARAMS, named))
 
 

@@ -314,8 +314,10 @@ decode_loop_cpu(const Tensor& logits, const Tensor& done, const Tensor& embeddin
                 const std::vector<double>& scale_x, const std::vector<int64_t>& num_heads,
                 const std::vector<int64_t>& normalize_after, int64_t few_rows,
                 const std::vector<std::optional<Tensor>>& scales,
-                const std::vector<int64_t>& quant, int64_t n, bool final, double temperature,
-                int64_t top_k, double top_p, std::optional<at::Generator> generator,
-                int64_t eos_id);
+                const std::vector<int64_t>& quant, int64_t n, bool final,
+                const std::vector<double>& temperature, const std::vector<int64_t>& top_k,
+                const std::vector<double>& top_p,
+                const std::vector<std::optional<at::Generator>>& generator, int64_t eos_id,
+                const std::optional<Tensor>& first);
 
 }  // namespace srupp_cpu

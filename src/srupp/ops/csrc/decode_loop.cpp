@@ -38,6 +38,23 @@ Tensor sample(const Tensor& logits, double temperature, int64_t top_k, double to
   return at::multinomial(l.softmax(-1), 1, false, generator).squeeze(-1);
 }
 
+// The next token of every row. One setting (each list of size 1): the batch is drawn
+// in one call, as CausalLM.generate draws it. One setting per row (size B): each row
+// is drawn alone with its own generator, as the engine's streams draw
+// (srupp/engine/engine.py, Engine._sample); greedy rows take the batch's argmax.
+Tensor sample_rows(const Tensor& logits, const std::vector<double>& temperature,
+                   const std::vector<int64_t>& top_k, const std::vector<double>& top_p,
+                   const std::vector<std::optional<at::Generator>>& generator) {
+  if (temperature.size() == 1)
+    return sample(logits, temperature[0], top_k[0], top_p[0], generator[0]);
+  Tensor token = logits.argmax(-1);
+  for (int64_t i = 0; i < logits.size(0); ++i)
+    if (temperature[i] != 0)
+      token.narrow(0, i, 1).copy_(
+          sample(logits.narrow(0, i, 1), temperature[i], top_k[i], top_p[i], generator[i]));
+  return token;
+}
+
 // How the LM's output layer computes its logits at these rows, chosen in Python
 // (srupp/nn/stack_step.py, output_args) by the rules its module's forward follows.
 enum OutputRoute : int64_t { kRows = 0, kAten = 1, kInt8Rows = 2, kW8A8Rows = 3 };
@@ -68,6 +85,10 @@ Tensor output(const Tensor& h, const Tensor& w, const std::optional<Tensor>& bia
 //     kv_start / memory_start: where each layer's cached rows start; the buffers have
 //     room for n more rows after them.
 //   final: skip the step after the n-th token (nothing reads its logits).
+//   temperature, top_k, top_p, generator: one setting for every row, or one per row
+//     (sample_rows).
+//   first: None, or tokens (B,) long fed before the first sample (`logits` then unused):
+//     the memory buffers and memory_pad then need room for one more row.
 // Returns the tokens (B, t <= n) long, the new c, the next logits, and as stack_step
 // each layer's memory and [K | V] views after the last step, and `shift`, how far the
 // window moved every layer's first row (their views start at start[l] + shift).
@@ -85,9 +106,11 @@ decode_loop_cpu(const Tensor& logits, const Tensor& done, const Tensor& embeddin
                 const std::vector<double>& scale_x, const std::vector<int64_t>& num_heads,
                 const std::vector<int64_t>& normalize_after, int64_t few_rows,
                 const std::vector<std::optional<Tensor>>& scales,
-                const std::vector<int64_t>& quant, int64_t n, bool final, double temperature,
-                int64_t top_k, double top_p, std::optional<at::Generator> generator,
-                int64_t eos_id) {
+                const std::vector<int64_t>& quant, int64_t n, bool final,
+                const std::vector<double>& temperature, const std::vector<int64_t>& top_k,
+                const std::vector<double>& top_p,
+                const std::vector<std::optional<at::Generator>>& generator, int64_t eos_id,
+                const std::optional<Tensor>& first) {
   using layer_step_impl::Stack;
   const Stack stack{weights, kv, memory, norm_eps, attn_norm_eps, scale_x,
                     num_heads, normalize_after, few_rows, scales, quant};
@@ -95,31 +118,47 @@ decode_loop_cpu(const Tensor& logits, const Tensor& done, const Tensor& embeddin
   const int64_t B = c.size(1);
   TORCH_CHECK(kv_start.size() == L && memory_start.size() == L,
               "srupp decode_loop: one kv_start and one memory_start per layer");
-  TORCH_CHECK(logits.dim() == 2 && logits.size(0) == B && done.dim() == 1 &&
+  const bool feed_first = first.has_value() && first->defined();
+  TORCH_CHECK(!feed_first || (first->dim() == 1 && first->size(0) == B &&
+                              first->scalar_type() == at::kLong),
+              "srupp decode_loop: first (B,) long");
+  TORCH_CHECK((feed_first || (logits.dim() == 2 && logits.size(0) == B)) && done.dim() == 1 &&
                   done.size(0) == B && done.scalar_type() == at::kBool && done.is_contiguous(),
               "srupp decode_loop: logits (B, V) and done (B,) bool contiguous");
+  const size_t settings = temperature.size();
+  TORCH_CHECK((settings == 1 || settings == static_cast<size_t>(B)) && top_k.size() == settings &&
+                  top_p.size() == settings && generator.size() == settings,
+              "srupp decode_loop: temperature, top_k, top_p and generator: one each, or one per row");
   TORCH_CHECK(embedding.dim() == 2 && n >= 0 && cached >= 0,
               "srupp decode_loop: embedding (V, n_in), n >= 0 and cached >= 0");
   bool keep = false;  // whether the token's row stays in memory (else M stays 0)
   for (size_t l = 0; l < L; ++l) keep = keep || Stack::has(memory[l]);
   const bool has_pad = memory_pad.has_value() && memory_pad->defined();
-  // the step after token t reads the pad of at most cached + t - 1 rows
+  // the step that feeds the f-th token reads the pad of at most cached + f - 1 rows
+  const int64_t most_fed = n - 1 + (feed_first ? 1 : 0);
   TORCH_CHECK(!has_pad || (memory_pad->dim() == 2 && memory_pad->size(0) == B &&
-                           memory_pad->size(1) >= cached + n - 1),
-              "srupp decode_loop: memory_pad (B, >= cached + n - 1) bool");
+                           memory_pad->size(1) >= cached + most_fed),
+              "srupp decode_loop: memory_pad (B, >= cached + n - 1, + 1 with first) bool");
   std::vector<int64_t> ks(kv_start), ms(memory_start);  // where each layer's rows start now
-  Tensor tokens = at::empty({B, n}, logits.options().dtype(at::kLong));
+  Tensor tokens = at::empty({B, n}, c.options().dtype(at::kLong));
   Tensor next_logits = logits, c_cur = c;
   int64_t M = cached, shift = 0, t = 0;
-  while (t < n) {
-    const Tensor token = sample(next_logits, temperature, top_k, top_p, generator);
-    tokens.select(1, t).copy_(token);
-    ++t;
-    if (eos_id >= 0) {
-      done.logical_or_(token == eos_id);
-      if (done.all().item<bool>()) break;
+  bool unfed_first = feed_first;
+  while (unfed_first || t < n) {
+    Tensor token;
+    if (unfed_first) {  // fed as it is: not sampled, not among the tokens returned
+      token = *first;
+      unfed_first = false;
+    } else {
+      token = sample_rows(next_logits, temperature, top_k, top_p, generator);
+      tokens.select(1, t).copy_(token);
+      ++t;
+      if (eos_id >= 0) {
+        done.logical_or_(token == eos_id);
+        if (done.all().item<bool>()) break;
+      }
+      if (final && t == n) break;
     }
-    if (final && t == n) break;
     const Tensor x = at::embedding(embedding, token);                       // (B, n_in)
     std::optional<Tensor> pad;
     if (has_pad && M > 0) pad = memory_pad->narrow(1, shift, M);
@@ -129,10 +168,10 @@ decode_loop_cpu(const Tensor& logits, const Tensor& done, const Tensor& embeddin
     next_logits = output(h, out_weight, out_bias, out_scale, out_route);
     if (keep) {  // the memory window after the token: its last `kept` rows
       const int64_t kept = mem_len < 0 ? M + 1 : std::min(M + 1, mem_len);
-      const int64_t first = M + 1 - kept;
+      const int64_t dropped = M + 1 - kept;
       for (size_t l = 0; l < L; ++l)
-        if (Stack::has(memory[l])) { ks[l] += first; ms[l] += first; }
-      shift += first;
+        if (Stack::has(memory[l])) { ks[l] += dropped; ms[l] += dropped; }
+      shift += dropped;
       M = kept;
     }
   }
