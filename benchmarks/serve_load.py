@@ -22,11 +22,14 @@ Models: the 5M ``shakespeare-cpu`` SRU++ (the recipe's shape, random weights: sp
 does not depend on the values) and the project's Transformer at about the same size
 with its KV cache, both with an output bias that keeps generation to ASCII (so that
 every token is one character, which the client counts). Each stream
-reads ``--prompt`` tokens and generates ``--tokens``; ``--contexts`` adds runs where
-the prompt fills the context (256 and 2,048 tokens) for both models.
+reads ``--prompt`` tokens and generates ``--tokens`` (512: long enough that the rate
+while every stream decodes is measured past the arrivals); ``--contexts`` adds runs
+where the prompt and ``--context-tokens`` generated fill the context (256 and 2,048
+tokens) for both models.
 
-    .venv/bin/python benchmarks/serve_load.py [--levels 1,8,32,128] [--tokens 128]
-        [--contexts 256,2048] [--dtype bf16] [--out docs/serve_load.json] [--tiny]
+    .venv/bin/python benchmarks/serve_load.py [--levels 1,8,32,128] [--tokens 512]
+        [--contexts 256,2048] [--context-tokens 128] [--dtype bf16]
+        [--out docs/serve_load.json] [--tiny]
 
 Run it with nothing else on the machine. Prints one JSON object.
 """
@@ -181,17 +184,16 @@ async def level(url: str, n: int, prompt: str, tokens: int, server: ServerProces
     per_event = sum(n for r in runs for _, n in r["events"]) / max(1, sum(len(r["events"])
                                                                         for r in runs))
 
-    def pct(xs, q):
+    def ms(xs, q, digits):  # the q-quantile in ms; None without any (one event per stream)
         xs = sorted(xs)
-        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+        return round(1e3 * xs[min(len(xs) - 1, int(q * len(xs)))], digits) if xs else None
 
     return {"streams": n, "tokens": total, "wall_s": round(wall, 3),
             "tokens_per_s_all_decoding": round(inside / span, 1) if span > 0 and inside else None,
             "tokens_per_s_overall": round(total / wall, 1),
-            "ttft_ms": {"p50": round(1e3 * pct(ttft, 0.5), 2), "p99": round(1e3 * pct(ttft, 0.99), 2)},
-            "itl_ms": {"p50": round(1e3 * pct(itl, 0.5), 3), "p99": round(1e3 * pct(itl, 0.99), 3)},
-            "event_gap_ms": {"p50": round(1e3 * pct(gaps, 0.5), 3),
-                             "p99": round(1e3 * pct(gaps, 0.99), 3)},
+            "ttft_ms": {"p50": ms(ttft, 0.5, 2), "p99": ms(ttft, 0.99, 2)},
+            "itl_ms": {"p50": ms(itl, 0.5, 3), "p99": ms(itl, 0.99, 3)},
+            "event_gap_ms": {"p50": ms(gaps, 0.5, 3), "p99": ms(gaps, 0.99, 3)},
             "tokens_per_event": round(per_event, 2),
             "rss_growth_per_stream_bytes": round((peak[0] - idle) / n)}
 
@@ -266,7 +268,7 @@ def share_of_bound(tokens_per_s: float, sizes: dict, peak_gflops: float) -> floa
 
 
 def run_model(kind: str, ckpt: Path, sizes: dict, args, peak_gflops: float, levels, prompt_len,
-              mem_len=None) -> dict:
+              tokens=None, mem_len=None) -> dict:
     server = ServerProcess(ckpt, dtype=args.dtype, max_streams=max(levels), mem_len=mem_len)
     try:
         prompt = (TEXT * (prompt_len // len(TEXT) + 1))[:prompt_len]
@@ -274,7 +276,7 @@ def run_model(kind: str, ckpt: Path, sizes: dict, args, peak_gflops: float, leve
         out = {"model": kind, **sizes, "state_bytes_per_stream": server.info["state_bytes_per_stream"],
                "window": server.info["window"], "prompt_tokens": prompt_len, "levels": []}
         for n in levels:
-            r = asyncio.run(level(server.url, n, prompt, args.tokens, server))
+            r = asyncio.run(level(server.url, n, prompt, tokens or args.tokens, server))
             rate = r["tokens_per_s_all_decoding"] or r["tokens_per_s_overall"]
             r["share_of_compute_bound"] = share_of_bound(rate, sizes, peak_gflops)
             r["rss_over_state"] = round(r["rss_growth_per_stream_bytes"]
@@ -289,7 +291,9 @@ def run_model(kind: str, ckpt: Path, sizes: dict, args, peak_gflops: float, leve
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--levels", default="1,8,32,128")
-    ap.add_argument("--tokens", type=int, default=128, help="tokens generated per stream")
+    ap.add_argument("--tokens", type=int, default=512, help="tokens generated per stream")
+    ap.add_argument("--context-tokens", type=int, default=128,
+                    help="tokens generated per stream in the context comparison")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens per stream")
     ap.add_argument("--contexts", default="256,2048",
                     help="context lengths of the SRU++/Transformer comparison ('' to skip)")
@@ -302,7 +306,8 @@ def main():
     peak = bf16_gemm_peak(0.2 if args.tiny else 2.0)
     out = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
            "dtype": args.dtype, "bf16_gemm_peak_gflops": round(peak, 1),
-           "tokens_per_stream": args.tokens, "load": [], "contexts": []}
+           "tokens_per_stream": args.tokens, "context_tokens_per_stream": args.context_tokens,
+           "load": [], "contexts": []}
     with tempfile.TemporaryDirectory() as tmp:
         ckpts = {}
         for kind in ("srupp", "transformer"):
@@ -321,7 +326,8 @@ def main():
             for kind in ("srupp", "transformer"):
                 ck, sizes = ckpts[kind]
                 r = run_model(kind, ck, sizes, args, peak, [args.context_streams],
-                              ctx - args.tokens, mem_len=ctx if kind == "transformer" else None)
+                              ctx - args.context_tokens, tokens=args.context_tokens,
+                              mem_len=ctx if kind == "transformer" else None)
                 row[kind] = r
             s, t = row["srupp"]["levels"][0], row["transformer"]["levels"][0]
             rate = lambda r: r["tokens_per_s_all_decoding"] or r["tokens_per_s_overall"]  # noqa: E731

@@ -389,14 +389,17 @@ def test_gpu_check_pytest_cut_short_keeps_what_ran(tmp_path):
 def test_serve_load():
     """Two load levels and one context on tiny models, through real servers."""
     r = run_benchmark("serve_load.py", "--tiny", "--levels", "1,2", "--tokens", "6",
-                      "--prompt", "8", "--contexts", "24", "--context-streams", "2",
+                      "--prompt", "8", "--contexts", "24", "--context-tokens", "6",
+                      "--context-streams", "2",
                       "--dtype", "fp32")
     assert r["bf16_gemm_peak_gflops"] > 0
     levels = r["load"][0]["levels"]
     assert [x["streams"] for x in levels] == [1, 2]
     for x in levels:
         assert x["tokens"] == 6 * x["streams"] and x["tokens_per_s_overall"] > 0
-        assert 0 < x["share_of_compute_bound"] and x["itl_ms"]["p50"] <= x["itl_ms"]["p99"]
+        itl = x["itl_ms"]  # None where every stream's tokens came in one event
+        assert 0 < x["share_of_compute_bound"] and (itl["p50"] is None
+                                                    or itl["p50"] <= itl["p99"])
     assert [x["streams"] for x in r["in_process"]] == [1, 2]
     assert all(x["bare_step_ms"] > 0 and x["engine_tokens_per_s"] > 0 for x in r["in_process"])
     ctx = r["contexts"][0]

@@ -386,10 +386,11 @@ def test_a_full_queue_refuses_and_a_closed_engine_takes_nothing():
 def test_cancel_ends_a_stream_and_frees_its_slot():
     m = srupp_lm()
     want = tokens(alone(m, greedy))
-    e = Engine(m, TOK, max_streams=2, chunk_seconds=1e-9)  # 2 tokens a step: a is mid-way
+    e = Engine(m, TOK, max_streams=2)
     a, b, c = (e.submit(PROMPTS[i], greedy(i)) for i in range(3))
-    for _ in range(6):
-        e.step()
+    with tuning().use(decode_chunk=2):  # 2 tokens a step: a is mid-way
+        for _ in range(6):
+            e.step()
     assert e.queue_depth == 1 and 0 < len(a.generated) < MAX_TOKENS[0]
     a.cancel()
     e.step()

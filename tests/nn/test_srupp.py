@@ -657,6 +657,26 @@ def test_state_cat_joins_rows_as_index_select_splits_them(device):
               **fp32_tol(device))
 
 
+def test_state_cat_and_index_select_with_room_append_in_place(device):
+    """``room=True`` (a serving engine's batch): the same state, in buffers the next
+    step appends to in place (a plain cat's next step copies it into a new buffer)."""
+    m = make(device, causal=True, mem_len=4)
+    x = torch.randn(6, 3, 6).to(device)
+    with torch.no_grad():
+        _, st = m(x, m.padded_state(3, 4))
+        parts = [st.index_select([0, 2]), st.index_select([1])]
+        for roomy, plain in ((SRUppState.cat(parts, room=True), SRUppState.cat(parts)),
+                             (st.index_select([2, 0], room=True), st.index_select([2, 0]))):
+            assert_same_state_bits(roomy, plain)
+            nxt = torch.randn(roomy.batch_size, 6).to(device)
+            (h1, after), (h2, _) = m.step(nxt, roomy), m.step(nxt, plain)
+            assert torch.equal(h1, h2)
+            for before, now in zip(roomy.memory + [kv.kv for kv in roomy.kv_cache],
+                                   after.memory + [kv.kv for kv in after.kv_cache]):
+                assert now.untyped_storage().data_ptr() == before.untyped_storage().data_ptr()
+        assert SRUppState.cat([st], room=True) is not st
+
+
 def test_state_put_row_writes_one_row_in_place(device):
     """put_row overwrites one row with another state's (a freed slot of a serving batch):
     that row is then bit for bit the new state, the other rows and the tensors' identity

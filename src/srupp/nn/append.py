@@ -129,13 +129,38 @@ def reserve_steps(old: Optional[Tensor], steps_shape: Sequence[int], like: Tenso
                     return _slid(base, dim, start, M, L)
     # a fresh buffer with room to double (sliding: to grow by half)
     shape = list(steps_shape)
-    room = max(L, (M + L) // 2) if _sliding else M + L
-    shape[dim] = max(M + L + room, _MIN_CAPACITY)
+    shape[dim] = _capacity(M, L)
     base = like.new_empty(shape)
     if old is not None:
         base.narrow(dim, 0, M).copy_(old)
     base._srupp_append_end = M + L
     return base, 0
+
+
+def _capacity(M: int, L: int) -> int:
+    """Steps of a fresh buffer for M steps and L new ones: room to double (sliding: to
+    grow by half)."""
+    room = max(L, (M + L) // 2) if _sliding else M + L
+    return max(M + L + room, _MIN_CAPACITY)
+
+
+def cat_with_room(parts: Sequence[Tensor]) -> Tensor:
+    """``torch.cat(parts)`` of step buffers (B_i, M, ...) along the batch (dim 0), written
+    into a buffer with the room :func:`reserve_steps` leaves after M steps: the next
+    append is then in place. (A plain cat has no room: the next append would copy it
+    into a new buffer, holding the two at once: a serving engine's batch, twice.)"""
+    shape = list(parts[0].shape)
+    M = shape[1]
+    shape[0] = sum(p.shape[0] for p in parts)
+    full = list(shape)
+    full[1] = _capacity(M, 0)
+    base = parts[0].new_empty(full)
+    out, row = base.narrow(1, 0, M), 0
+    for p in parts:
+        out.narrow(0, row, p.shape[0]).copy_(p)
+        row += p.shape[0]
+    base._srupp_append_end = M
+    return out
 
 
 def release_steps(base: Tensor, end: int) -> None:

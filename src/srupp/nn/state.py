@@ -26,6 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
+from .append import cat_with_room
 
 
 @dataclass(frozen=True)
@@ -178,27 +179,40 @@ class SRUppState:
         """A copy cut from the autograd graph, for truncated backpropagation."""
         return self._map(lambda t, dim: t.detach())
 
-    def index_select(self, batch_indices: Tensor) -> "SRUppState":
+    def index_select(self, batch_indices: Tensor, *, room: bool = False) -> "SRUppState":
         """Reorder or repeat batch entries, e.g. to follow beams.
 
         Args:
             batch_indices: (B',) long indices into the batch.
+            room: as :meth:`cat`'s.
         """
         idx = torch.as_tensor(batch_indices, dtype=torch.long, device=self.c.device)
-        return self._map(lambda t, dim: t.index_select(dim, idx))
+        if not room:
+            return self._map(lambda t, dim: t.index_select(dim, idx))
+        steps = lambda t: cat_with_room([t.index_select(0, idx)])  # noqa: E731
+        return replace(
+            self, c=self.c.index_select(1, idx),
+            memory=[None if m is None else steps(m) for m in self.memory],
+            memory_mask_pad=None if self.memory_mask_pad is None
+            else self.memory_mask_pad.index_select(0, idx),
+            kv_cache=[None if kv is None else kv.map(steps) for kv in self.kv_cache])
 
     @classmethod
-    def cat(cls, states: Sequence["SRUppState"]) -> "SRUppState":
+    def cat(cls, states: Sequence["SRUppState"], *, room: bool = False) -> "SRUppState":
         """The states of several batches as one batch, in order (the inverse of
         :meth:`index_select` on disjoint rows): their memories must have one length M
         (left-pad with ``memory_mask_pad`` to make them so) and one ``mem_len``.
 
         The cached keys and values are kept where every state has them, made by the
         same weights (a serving engine joins streams without recomputing them).
+        ``room``: the memories and keys and values go into buffers with room for the
+        steps decoding appends next (:func:`srupp.nn.append.cat_with_room`), not into
+        new ones that the next step would copy again.
         """
+        join = cat_with_room if room else torch.cat
         if not states:
             raise ValueError("SRUppState.cat needs at least one state")
-        if len(states) == 1:
+        if len(states) == 1 and not room:
             return states[0]
         first = states[0]
         if len({s.memory_length for s in states}) > 1 or len({s.mem_len for s in states}) > 1:
@@ -215,10 +229,10 @@ class SRUppState:
         memory, kv_cache = [], []
         for i in range(first.num_layers):
             ms = [s.memory[i] for s in states]
-            memory.append(None if ms[0] is None else torch.cat(ms))
+            memory.append(None if ms[0] is None else join(ms))
             kvs = [s.kv_cache[i] for s in states]
             same = all(kv is not None and kv._weights == kvs[0]._weights for kv in kvs)
-            kv_cache.append(kvs[0].with_kv(torch.cat([kv.kv for kv in kvs])) if same else None)
+            kv_cache.append(kvs[0].with_kv(join([kv.kv for kv in kvs])) if same else None)
         return cls(c=torch.cat([s.c for s in states], 1), memory=memory,
                    memory_mask_pad=masks, mem_len=first.mem_len, kv_cache=kv_cache)
 
