@@ -525,7 +525,8 @@ class Engine:
         n is at most ``srupp.ops.tuning().decode_chunk`` (0: never chunk), the tokens
         left to any stream that keeps a session, and what fits in ``chunk_seconds`` at the
         time per token the last call at this many rows took (2 at first, to measure it),
-        but no less than :data:`MIN_CHUNK`."""
+        but no less than :data:`MIN_CHUNK`; no more than that while prompts wait to be
+        read (they are read between calls)."""
         n = tuning().decode_chunk if self.chunk_seconds > 0 else 0
         for s in rows:
             if s is None or s.session is None:  # a stream that ends inside: its row is dropped
@@ -535,6 +536,8 @@ class Engine:
             n = min(n, s.sampling.max_tokens - len(s.generated))
         per_token = self._token_seconds.get(len(rows))
         n = min(n, 2 if per_token is None else max(MIN_CHUNK, int(self.chunk_seconds / per_token)))
+        if self._queue or self._reading:  # prompts wait: they are read between calls
+            n = min(n, MIN_CHUNK)
         emb = self.model.embedding
         if n < 2 or not isinstance(emb, torch.nn.Embedding):  # the loop embeds by lookup
             return None
