@@ -3,14 +3,16 @@
     Sampling   one request's settings: max_tokens, temperature, top_k, top_p, seed, stop
     Stream     one request in flight: its tokens, sampler, text, and the events it hands on
     Event      what a stream hands its consumer after a step: new text, tokens, finish reason
-    Engine     the streams: a bounded queue, prompts read in chunks between steps, and one
-               decoding step for every active stream
+    Engine     the streams: a bounded queue, prompts read in chunks between steps, and the
+               next tokens of every active stream decoded at once
 
 How a stream moves. It waits in the queue until a slot is free. It then reads its
 prompt, all but its last token, in chunks: each engine step reads ``prefill_chunk``
 prompt tokens at most (of the waiting streams in turn), so a long prompt never stalls
-the others. The last token is the stream's *pending* token. It then joins the batch: every step feeds each active stream's pending token
-through the model at once and samples each stream's next token, which becomes pending.
+the others. The last token is the stream's *pending* token. It then joins the batch:
+every step feeds each active stream's pending token through the model at once and
+samples each stream's next token, which becomes pending; where it can, the step runs on
+for a chunk of such tokens in one call of the C++ token loop (:meth:`Engine._run_chunk`).
 A stream therefore always holds (state, pending token): exactly what a session keeps
 to continue later (:mod:`srupp.engine.sessions`).
 
@@ -25,7 +27,7 @@ Batch invariance. Decoding runs under :func:`srupp.ops.matmul.batch_invariant`: 
 row's products, attention, norms and recurrence are computed the same way whatever the
 other rows, so a stream's tokens are the same alone or beside any others (bit for bit
 in fp32 and bf16; tests/engine/test_engine.py says what holds for int8 weights).
-Prompts are read one stream at a time, so they are invariant too.
+Each prompt is read as a batch of one, so it is invariant too.
 
 Threads. :meth:`Engine.submit` and :meth:`Stream.cancel` may be called from any
 thread; :meth:`Engine.step` (or :meth:`Engine.run`, its loop) from one thread only,
