@@ -241,6 +241,7 @@ FLAGS = [
     ("compare", "--budget", "0"), ("compare", "--params", "0"),
     ("serve", "--port", "65536"), ("serve", "--max-streams", "0"), ("serve", "--max-queue", "-1"),
     ("serve", "--mem-len", "-1"), ("serve", "--grace", "-1"), ("serve", "--threads", "0"),
+    ("serve", "--chunk-ms", "-1"),
 ]
 REQUIRED = {"generate": ["--checkpoint", "/no/such/run", "--prompt", "a"],
             "translate": ["--checkpoint", "/no/such/run"],
