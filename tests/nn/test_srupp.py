@@ -677,6 +677,29 @@ def test_state_cat_and_index_select_with_room_append_in_place(device):
         assert SRUppState.cat([st], room=True) is not st
 
 
+def test_state_keep_rows_moves_rows_to_the_front_in_place(device):
+    """keep_rows (a serving engine dropping finished streams): the state index_select gives,
+    in the same buffers (no second batch allocated), decoding on to the same results and
+    appending in place; rows out of order or out of range are a ValueError."""
+    m = make(device, causal=True, mem_len=4)
+    x = torch.randn(6, 4, 6).to(device)
+    with torch.no_grad():
+        _, st = m(x, m.padded_state(4, 4))
+        st = SRUppState.cat([st], room=True)  # the engine's batch: buffers with room
+        want = st.index_select([1, 3])
+        storage = [t.untyped_storage().data_ptr() for t in st.memory]
+        kept = st.keep_rows([1, 3])
+        assert_same_state_bits(kept, want)
+        assert [t.untyped_storage().data_ptr() for t in kept.memory] == storage
+        nxt = torch.randn(2, 6).to(device)
+        (h1, after), (h2, _) = m.step(nxt, kept), m.step(nxt, want)
+        assert torch.equal(h1, h2)
+        assert [t.untyped_storage().data_ptr() for t in after.memory] == storage
+        for bad in ([3, 1], [1, 1], [0, 4]):
+            with pytest.raises(ValueError, match="keep_rows: rows must be ascending"):
+                st.keep_rows(bad)
+
+
 def test_state_put_row_writes_one_row_in_place(device):
     """put_row overwrites one row with another state's (a freed slot of a serving batch):
     that row is then bit for bit the new state, the other rows and the tensors' identity

@@ -7,9 +7,9 @@
                next tokens of every active stream decoded at once
 
 How a stream moves. It waits in the queue until a slot is free. It then reads its
-prompt, all but its last token, in chunks: each engine step reads ``prefill_chunk``
-prompt tokens at most (of the waiting streams in turn), so a long prompt never stalls
-the others. The last token is the stream's *pending* token. It then joins the batch:
+prompt, all but its last token, in chunks of ``prefill_chunk`` tokens: each engine
+step reads chunks of the waiting streams in turn until it has read that many tokens,
+so a long prompt never stalls the others. The last token is the stream's *pending* token. It then joins the batch:
 every step feeds each active stream's pending token through the model at once and
 samples each stream's next token, which becomes pending; where it can, the step runs on
 for a chunk of such tokens in one call of the C++ token loop (:meth:`Engine._run_chunk`).
@@ -167,10 +167,10 @@ class Stream:
 #: 10 ms chunks of 3.7 tokens gave 9,600 tokens/s, 20 ms chunks of 10 gave 13,400).
 MIN_CHUNK = 8
 
-_GREEDY = Sampling(temperature=0)
+_GREEDY = Sampling(temperature=0)  # a free row's (its tokens are not used)
 
 # the batch's memories go into buffers with room for the steps to come (SRUppState.cat)
-_ROOM = {SRUppState: {"room": True}}  # a free row's (its tokens are not used)
+_ROOM = {SRUppState: {"room": True}}
 
 
 class Engine:
@@ -301,9 +301,9 @@ class Engine:
 
     # ------------------------------------------------------------ the model thread
     def step(self) -> bool:
-        """One engine step: admit waiting streams to free slots, read up to
-        ``prefill_chunk`` prompt tokens (of as many waiting streams as that takes, in
-        turn), then decode the next tokens of every active stream (one, or a chunk:
+        """One engine step: admit waiting streams to free slots, read chunks of waiting
+        prompts (``prefill_chunk`` tokens each, in turn, until that many are read), then
+        decode the next tokens of every active stream (one, or a chunk:
         :meth:`_run_chunk`). False when there was nothing to do."""
         worked = self._drop_cancelled()  # first: their slots go to waiting streams now
         with self._lock:
@@ -311,13 +311,12 @@ class Engine:
                 self._reading.append(self._queue.popleft())
         # sliding windows: this engine keeps one state per stream and drops the one before
         with torch.no_grad(), sliding_windows():
+            # whole chunks of each prompt, so that where a prompt is cut does not depend
+            # on the others (the arithmetic of a chunk depends on its length)
             budget = self.prefill_chunk
             while self._reading and budget > 0:
-                s = self._reading[0]
-                budget -= self._read_chunk(s, budget)
+                budget -= self._read_chunk(self._reading[0], self.prefill_chunk)
                 worked = True
-                if self._reading and self._reading[0] is s:  # the budget ran out inside it
-                    break
             if self._apart or self._decoding():
                 self._decode()
                 worked = True
@@ -392,7 +391,8 @@ class Engine:
 
     def _read_chunk(self, s: Stream, most: int) -> int:
         """Read the next chunk of s's prompt, ``most`` tokens at most; once all but its last
-        token are read, s joins the batch with that token pending. Returns the tokens read."""
+        token are read, s joins the batch with that token pending. Returns the tokens read:
+        none only when s is done reading (and has left the reading queue)."""
         if s.state is None:
             try:
                 s.state, pending, s.session_tokens = self._start_state(s)
@@ -518,28 +518,27 @@ class Engine:
         (:meth:`CausalLM.fused_decoder`): the ``pending`` tokens (B,) fed, then n tokens
         sampled, each row by its own stream's settings and generator, all but the last fed;
         the last is left pending. The very tokens n of :meth:`_decode`'s steps give. A
-        stream that ends inside the chunk (its length, a stop string, the end token)
-        takes its tokens up to there; its row, decoded on, is dropped. None (nothing run)
-        where the loop does not apply: a model it can't run, or a stream that keeps a
-        session and could end inside the chunk by a stop string or the end token (its
-        session keeps the state after its last token).
+        stream that ends inside the chunk (a stop string, the end token) takes its tokens
+        up to there; its row, decoded on, is dropped. None (nothing run) where the loop
+        does not apply: a model it can't run, or a stream that keeps a session and could
+        end inside the chunk by a stop string or the end token (its session keeps the
+        state after its last token).
 
-        n is at most ``srupp.ops.tuning().decode_chunk`` (0: never chunk), the tokens
-        left to any stream that keeps a session, and what fits in ``chunk_seconds`` at the
-        time per token the last call at this many rows took (2 at first, to measure it),
-        but no less than :data:`MIN_CHUNK`; no more than that while prompts wait to be
-        read (they are read between calls)."""
+        n: what fits in ``chunk_seconds`` at the time per token the last call at this
+        many rows took (2 at first, to measure it), but no less than :data:`MIN_CHUNK`;
+        at most ``srupp.ops.tuning().decode_chunk`` (0: never chunk) and the fewest
+        tokens any stream has left."""
         n = tuning().decode_chunk if self.chunk_seconds > 0 else 0
-        for s in rows:
-            if s is None or s.session is None:  # a stream that ends inside: its row is dropped
-                continue
-            if s.sampling.stop or self.eos_id is not None:
-                return None
-            n = min(n, s.sampling.max_tokens - len(s.generated))
         per_token = self._token_seconds.get(len(rows))
         n = min(n, 2 if per_token is None else max(MIN_CHUNK, int(self.chunk_seconds / per_token)))
-        if self._queue or self._reading:  # prompts wait: they are read between calls
-            n = min(n, MIN_CHUNK)
+        for s in rows:
+            if s is None:
+                continue
+            # the chunk ends with the first stream's last token: its last tokens come as
+            # soon as they are made, not a whole chunk later
+            n = min(n, s.sampling.max_tokens - len(s.generated))
+            if s.session is not None and (s.sampling.stop or self.eos_id is not None):
+                return None  # it could end inside, where its session needs its state
         emb = self.model.embedding
         if n < 2 or not isinstance(emb, torch.nn.Embedding):  # the loop embeds by lookup
             return None
@@ -605,8 +604,9 @@ class Engine:
         if not live:
             self._batch, self._active = None, []
         elif 2 * (len(self._active) - len(live)) >= len(self._active):
-            self._batch = self._batch.index_select(torch.tensor(live),
-                                                   **_ROOM.get(type(self._batch), {}))
+            keep = getattr(self._batch, "keep_rows", None)  # in place, where the state can
+            self._batch = keep(live) if keep is not None \
+                else self._batch.index_select(torch.tensor(live))
             self._active = [self._active[i] for i in live]
         for s in streams:
             self._finish(s, reason)

@@ -163,6 +163,29 @@ def cat_with_room(parts: Sequence[Tensor]) -> Tensor:
     return out
 
 
+def first_rows(steps: Tensor, rows: Sequence[int]) -> Tensor:
+    """``steps`` (B, M, ...) with batch rows ``rows`` (ascending) moved to its front, in its
+    own buffer, as a (len(rows), M, ...) view that :func:`reserve_steps` appends to in
+    place: dropping rows then allocates nothing (where ``index_select`` would copy the
+    kept rows into a new buffer while the old one is still held). ``steps``' other rows
+    are overwritten."""
+    k, M = len(rows), steps.shape[1]
+    for i, r in enumerate(rows):
+        if i != r:
+            steps[i].copy_(steps[r])
+    base = steps._base if steps._base is not None else steps
+    if M == 0 or base.dim() != steps.dim():
+        return steps[:k]
+    # a tensor of its own over the buffer's storage, k rows: reserve_steps finds it as the
+    # base of the view it returns, with the buffer's end mark
+    own = base.new_empty(0).set_(base.untyped_storage(), base.storage_offset(),
+                                 (k, *base.shape[1:]), base.stride())
+    if hasattr(base, "_srupp_append_end"):
+        own._srupp_append_end = base._srupp_append_end
+    start = (steps.storage_offset() - base.storage_offset()) // steps.stride(1)
+    return own.narrow(1, start, M)
+
+
 def release_steps(base: Tensor, end: int) -> None:
     """Give back the steps of ``base`` from ``end`` on that :func:`reserve_steps` reserved
     and no one wrote (a decoding loop that ended early): the next reservation then

@@ -26,7 +26,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
-from .append import cat_with_room
+from .append import cat_with_room, first_rows
 
 
 @dataclass(frozen=True)
@@ -196,6 +196,24 @@ class SRUppState:
             memory_mask_pad=None if self.memory_mask_pad is None
             else self.memory_mask_pad.index_select(0, idx),
             kv_cache=[None if kv is None else kv.map(steps) for kv in self.kv_cache])
+
+    def keep_rows(self, rows: Sequence[int]) -> "SRUppState":
+        """The state of batch rows ``rows`` (ascending, each once), moved to the front of this
+        state's own memory and key/value buffers in place (:func:`srupp.nn.append.first_rows`):
+        a serving engine drops finished streams without allocating a second batch. This
+        state is spent: its buffers' other rows are overwritten."""
+        rows = [int(r) for r in rows]
+        if rows != sorted(set(rows)) or (rows and not 0 <= rows[0] <= rows[-1] < self.batch_size):
+            raise ValueError(f"keep_rows: rows must be ascending, each once, in "
+                             f"[0, {self.batch_size}); got {rows}")
+        idx = torch.tensor(rows, dtype=torch.long, device=self.c.device)
+        front = lambda t: first_rows(t, rows)  # noqa: E731
+        return replace(
+            self, c=self.c.index_select(1, idx),
+            memory=[None if m is None else front(m) for m in self.memory],
+            memory_mask_pad=None if self.memory_mask_pad is None
+            else self.memory_mask_pad.index_select(0, idx),
+            kv_cache=[None if kv is None else kv.map(front) for kv in self.kv_cache])
 
     @classmethod
     def cat(cls, states: Sequence["SRUppState"], *, room: bool = False) -> "SRUppState":
