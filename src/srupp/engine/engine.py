@@ -372,7 +372,10 @@ class Engine:
         return self.max_streams - self._decoding() - len(self._apart) - len(self._reading)
 
     def _new_state(self):
-        return self.model.backbone.padded_state(1, self.window)
+        state = self.model.backbone.padded_state(1, self.window)
+        # with room after the window: the prompt's first chunk is then appended in place
+        # (not into a second, larger buffer per arriving stream)
+        return type(state).cat([state], **_ROOM.get(type(state), {}))
 
     def _drop_cancelled(self) -> bool:
         gone = [s for s in self._reading if s.cancelled]
