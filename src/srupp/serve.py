@@ -8,7 +8,8 @@
     GET    /metrics               Prometheus text
 
 One :class:`~srupp.engine.Engine` runs on its own thread and decodes every stream in
-one batched step; request handlers submit streams to it and relay their events.
+one batched step, in chunks of about ``chunk_ms`` milliseconds; request handlers submit
+streams to it and relay their events (a stream's chunk is one server-sent event).
 FastAPI, uvicorn and prometheus_client come with ``pip install 'srupp[serve]'`` and
 are imported when a server is made, not with srupp.
 
