@@ -179,23 +179,14 @@ class SRUppState:
         """A copy cut from the autograd graph, for truncated backpropagation."""
         return self._map(lambda t, dim: t.detach())
 
-    def index_select(self, batch_indices: Tensor, *, room: bool = False) -> "SRUppState":
+    def index_select(self, batch_indices: Tensor) -> "SRUppState":
         """Reorder or repeat batch entries, e.g. to follow beams.
 
         Args:
             batch_indices: (B',) long indices into the batch.
-            room: as :meth:`cat`'s.
         """
         idx = torch.as_tensor(batch_indices, dtype=torch.long, device=self.c.device)
-        if not room:
-            return self._map(lambda t, dim: t.index_select(dim, idx))
-        steps = lambda t: cat_with_room([t.index_select(0, idx)])  # noqa: E731
-        return replace(
-            self, c=self.c.index_select(1, idx),
-            memory=[None if m is None else steps(m) for m in self.memory],
-            memory_mask_pad=None if self.memory_mask_pad is None
-            else self.memory_mask_pad.index_select(0, idx),
-            kv_cache=[None if kv is None else kv.map(steps) for kv in self.kv_cache])
+        return self._map(lambda t, dim: t.index_select(dim, idx))
 
     def keep_rows(self, rows: Sequence[int]) -> "SRUppState":
         """The state of batch rows ``rows`` (ascending, each once), moved to the front of this
