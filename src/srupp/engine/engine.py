@@ -9,10 +9,11 @@
 How a stream moves. It waits in the queue until a slot is free. It then reads its
 prompt, all but its last token, in chunks of ``prefill_chunk`` tokens: each engine
 step reads chunks of the waiting streams in turn until it has read that many tokens,
-so a long prompt never stalls the others. The last token is the stream's *pending* token. It then joins the batch:
-every step feeds each active stream's pending token through the model at once and
-samples each stream's next token, which becomes pending; where it can, the step runs on
-for a chunk of such tokens in one call of the C++ token loop (:meth:`Engine._run_chunk`).
+so a long prompt never stalls the others. The last token is the stream's *pending*
+token. It then joins the batch: every step feeds each active stream's pending token
+through the model at once and samples each stream's next token, which becomes pending;
+where it can, a step runs a chunk of such tokens in one call of the C++ token loop
+(:meth:`Engine._run_chunk`).
 A stream therefore always holds (state, pending token): exactly what a session keeps
 to continue later (:mod:`srupp.engine.sessions`).
 
@@ -467,10 +468,10 @@ class Engine:
         self._active[free] = s
 
     def _decode(self) -> None:
-        """One token for every active stream: feed the pending tokens, sample the next. Free
-        rows are computed too (token 0, results unused: rows do not mix). The batch then
-        runs on for a chunk of tokens in one C++ call where it can (:meth:`_run_chunk`):
-        the very tokens these steps would give."""
+        """The next tokens of every active stream: a chunk of them in one call of the C++
+        token loop where it can (:meth:`_run_chunk`), else one step that feeds the pending
+        tokens and samples the next (the chunk's tokens are those steps' very tokens). Free
+        rows are computed too (token 0, results unused: rows do not mix)."""
         produced: List[Tuple[Stream, List[int]]] = []
         with batch_invariant(self.max_streams):
             if self._decoding():
@@ -533,7 +534,8 @@ class Engine:
         tokens any stream has left."""
         n = tuning().decode_chunk if self.chunk_seconds > 0 else 0
         per_token = self._token_seconds.get(len(rows))
-        n = min(n, 2 if per_token is None else max(MIN_CHUNK, int(self.chunk_seconds / per_token)))
+        n = min(n, 2 if per_token is None
+                else max(MIN_CHUNK, int(self.chunk_seconds / per_token)))
         for s in rows:
             if s is None:
                 continue

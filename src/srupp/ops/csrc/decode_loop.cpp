@@ -128,7 +128,8 @@ decode_loop_cpu(const Tensor& logits, const Tensor& done, const Tensor& embeddin
   const size_t settings = temperature.size();
   TORCH_CHECK((settings == 1 || settings == static_cast<size_t>(B)) && top_k.size() == settings &&
                   top_p.size() == settings && generator.size() == settings,
-              "srupp decode_loop: temperature, top_k, top_p and generator: one each, or one per row");
+              "srupp decode_loop: temperature, top_k, top_p and generator: one each, or one "
+              "per row");
   TORCH_CHECK(embedding.dim() == 2 && n >= 0 && cached >= 0,
               "srupp decode_loop: embedding (V, n_in), n >= 0 and cached >= 0");
   bool keep = false;  // whether the token's row stays in memory (else M stays 0)
