@@ -404,6 +404,58 @@ def test_cancel_ends_a_stream_and_frees_its_slot():
     assert b.finish_reason == c.finish_reason == LENGTH
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_arrivals_cancels_and_lengths_keep_every_stream_s_tokens(seed, monkeypatch):
+    """Streams arrive, leave at their length or are cancelled, at random steps, on chunks of
+    the C++ loop (the batch grows, compacts in place and refills): every stream that was
+    not cancelled gives its tokens alone; a cancelled one, a prefix of them."""
+    calls = {"keep_rows": 0, "chunks": 0}
+    keep, chunk = SRUppState.keep_rows, Engine._run_chunk
+
+    def counted_keep(self, rows):
+        calls["keep_rows"] += 1
+        return keep(self, rows)
+
+    def counted_chunk(self, rows, pending):
+        out = chunk(self, rows, pending)
+        calls["chunks"] += out is not None
+        return out
+
+    monkeypatch.setattr(SRUppState, "keep_rows", counted_keep)
+    monkeypatch.setattr(Engine, "_run_chunk", counted_chunk)
+    rng = torch.Generator().manual_seed(seed)
+    m = srupp_lm()
+    n = 16
+    prompts = [PROMPTS[int(torch.randint(len(PROMPTS), (1,), generator=rng))] for _ in range(n)]
+    lengths = [int(torch.randint(3, 80, (1,), generator=rng)) for _ in range(n)]
+    settings = [Sampling(max_tokens=k, temperature=0.8, top_k=12, seed=500 + i)
+                for i, k in enumerate(lengths)]
+    e1 = Engine(m, TOK, max_streams=8)
+    want = [e1.generate(p, st).generated for p, st in zip(prompts, settings)]
+    e = Engine(m, TOK, max_streams=8, max_queue=n)
+    streams, cancelled, todo = [], set(), list(range(n))
+    for _ in range(4000):
+        if todo and float(torch.rand(1, generator=rng)) < 0.5:
+            i = todo.pop(0)
+            streams.append((i, e.submit(prompts[i], settings[i])))
+        if streams and float(torch.rand(1, generator=rng)) < 0.05:
+            i, s = streams[int(torch.randint(len(streams), (1,), generator=rng))]
+            if not s.done:
+                s.cancel()
+                cancelled.add(i)
+        e.step()
+        if not todo and all(s.done for _, s in streams):
+            break
+    assert not todo and all(s.done for _, s in streams)
+    for i, s in streams:
+        if i in cancelled and s.finish_reason == ABORT:
+            assert s.generated == want[i][:len(s.generated)]
+        else:
+            assert s.finish_reason == LENGTH and s.generated == want[i], i
+    assert e.idle and e._batch is None
+    assert calls["keep_rows"] > 0 and calls["chunks"] > 0, calls  # the paths ran
+
+
 def test_max_tokens_0_gives_nothing(logits_of):
     m = srupp_lm()
     e = Engine(m, TOK)
