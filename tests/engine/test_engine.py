@@ -541,6 +541,49 @@ def test_a_session_continues_as_one_request_of_the_whole_conversation(on_disk, t
     assert ((tmp_path / "s.safetensors").is_file()) == on_disk
 
 
+@pytest.mark.parametrize("end", ["stop", "eos"])
+def test_a_session_that_ends_inside_a_chunk_continues_from_its_last_token(end, monkeypatch):
+    """A session stream in a batch on chunks of the C++ loop, ended by a stop string or the
+    end token inside a chunk (its row decodes on): its session keeps the state after its
+    last token, so (P1, s) -> O1, (P2, s) -> O2 gives a fresh P1 + O1 + P2's tokens."""
+    m = srupp_lm(mem_len=32)
+    free = Engine(m, TOK).generate(P1, Sampling(max_tokens=30, temperature=0)).generated
+    k = 12  # it ends at token k (0-based): inside the chunk that the loop runs
+    text = TOK.decode(free)
+    if end == "stop":
+        stop = text[k:k + 2]
+        k = text.index(stop) + 1  # the stop string's last token
+        first, kw = Sampling(max_tokens=30, temperature=0, stop=[stop]), {}
+    else:
+        k = free.index(free[k])
+        first, kw = Sampling(max_tokens=30, temperature=0), {"eos_id": free[k]}
+    inside = []
+    real = Engine._run_chunk
+
+    def watch(self, rows, pending):
+        out = real(self, rows, pending)
+        inside.extend(s for s, ids in (out or []) if s.session == "s" and len(ids) > 2)
+        return out
+
+    monkeypatch.setattr(Engine, "_run_chunk", watch)
+    e = session_engine(m, **kw)
+    other = e.submit(PROMPTS[1], greedy(1))
+    o1 = e.generate(P1, first, session="s").generated
+    assert o1 == free[:k + 1] and inside  # ended at its token k, on a chunk
+    # the state kept is the one single steps leave (to rounding: read, not stepped)
+    with tuning().use(decode_chunk=0):
+        ref = session_engine(m, **kw)
+        ref.generate(P1, first, session="s")
+    kept, want = e.sessions.get("s"), ref.sessions.get("s")
+    assert kept.pending == want.pending and kept.tokens == want.tokens
+    torch.testing.assert_close(kept.state.c, want.state.c, **tol(torch.float32))
+    o2 = e.generate(P2, Sampling(max_tokens=10, temperature=0), session="s").generated
+    drain(e)
+    fresh = Engine(m, TOK, **kw).generate(P1 + o1 + P2, Sampling(max_tokens=10, temperature=0))
+    assert o2 == fresh.generated
+    assert other.generated == Engine(m, TOK, **kw).generate(PROMPTS[1], greedy(1)).generated
+
+
 def test_a_session_takes_one_request_at_a_time():
     e = session_engine(srupp_lm())
     first = e.submit(P1, greedy(0), session="s")

@@ -132,6 +132,10 @@ class Stream:
         self.read = 0                       # of todo
         self.pending = -1
         self.session_tokens = 0             # tokens the session had before this request
+        # a session stream that may end inside a C++ chunk: its state and pending token at
+        # the chunk's start; if it does, its state after its last token, read from there
+        self.chunk_start: Optional[Tuple[Any, int]] = None
+        self.end_state: Any = None
         self.submitted = time.perf_counter()
         self.first_token_at: Optional[float] = None
         self.last_token_at: Optional[float] = None
@@ -506,6 +510,11 @@ class Engine:
                 if stopped or t == self.eos_id or len(s.generated) >= s.sampling.max_tokens:
                     ended.append(s)
                     break
+            if s.chunk_start is not None:
+                start, s.chunk_start = s.chunk_start, None
+                if used < len(ids):  # it ended inside the chunk; its row decoded on
+                    fed = torch.tensor([[start[1]] + ids[:used - 1]], device=self.model.device)
+                    _, s.end_state = self.model.prefill(fed, start[0])
             self._time(s, now, used)
             s._emit(Event("".join(text), ids[:used]))
             self.tokens_generated += used
@@ -523,10 +532,11 @@ class Engine:
         sampled, each row by its own stream's settings and generator, all but the last fed;
         the last is left pending. The very tokens n of :meth:`_decode`'s steps give. A
         stream that ends inside the chunk (a stop string, the end token) takes its tokens
-        up to there; its row, decoded on, is dropped. None (nothing run) where the loop
-        does not apply: a model it can't run, or a stream that keeps a session and could
-        end inside the chunk by a stop string or the end token (its session keeps the
-        state after its last token).
+        up to there; its row, decoded on, is dropped. Its session, if it keeps one, needs
+        the state after its last token: such a stream's state at the chunk's start is kept
+        aside (a copy of its row), and the chunk's tokens up to its end are read after it
+        (:meth:`_decode`). None (nothing run) where the loop does not apply (a model it
+        can't run).
 
         n: what fits in ``chunk_seconds`` at the time per token the last call at this
         many rows took (2 at first, to measure it), but no less than :data:`MIN_CHUNK`;
@@ -537,13 +547,10 @@ class Engine:
         n = min(n, 2 if per_token is None
                 else max(MIN_CHUNK, int(self.chunk_seconds / per_token)))
         for s in rows:
-            if s is None:
-                continue
-            # the chunk ends with the first stream's last token: its last tokens come as
-            # soon as they are made, not a whole chunk later
-            n = min(n, s.sampling.max_tokens - len(s.generated))
-            if s.session is not None and (s.sampling.stop or self.eos_id is not None):
-                return None  # it could end inside, where its session needs its state
+            if s is not None:
+                # the chunk ends with the first stream's last token: its last tokens come
+                # as soon as they are made, not a whole chunk later
+                n = min(n, s.sampling.max_tokens - len(s.generated))
         emb = self.model.embedding
         if n < 2 or not isinstance(emb, torch.nn.Embedding):  # the loop embeds by lookup
             return None
@@ -552,6 +559,10 @@ class Engine:
         if decoder is None:
             return None
         steps, output = decoder
+        for i, s in enumerate(rows):  # may end inside, by a stop string or the end token
+            if s is not None and s.session is not None \
+                    and (s.sampling.stop or self.eos_id is not None):
+                s.chunk_start = (self._batch.index_select(torch.tensor([i])), s.pending)
         settings = [_GREEDY if s is None else s.sampling for s in rows]
         start = time.perf_counter()
         tokens, _, self._batch = steps.decode(
@@ -603,7 +614,9 @@ class Engine:
                 s.state = None
                 continue
             if s.session is not None:
-                self._keep_session(s, self._batch.index_select(torch.tensor([i])))
+                self._keep_session(s, s.end_state if s.end_state is not None
+                                   else self._batch.index_select(torch.tensor([i])))
+                s.end_state = None
             self._active[i] = None
         live = [i for i, s in enumerate(self._active) if s is not None]
         if not live:
