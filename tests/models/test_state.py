@@ -260,6 +260,12 @@ def test_tensor_states_join_rows_as_index_select_splits_them(kind, device):
     if kind == "transformer":  # the window is shared, not batched: one copy
         assert joined.batch_dims["window"] is None and int(joined["window"]) == 4
     assert TensorState.cat([state]).tensors.keys() == state.tensors.keys()
+    # keep_rows, the engine's compaction: index_select's rows; bad rows a ValueError
+    kept = state.keep_rows([0, 2])
+    for k, t in state.index_select([0, 2]).tensors.items():
+        assert torch.equal(kept[k], t), k
+    with pytest.raises(ValueError, match="keep_rows: rows must be ascending"):
+        state.keep_rows([2, 0])
     nxt = torch.tensor([[7], [8], [9]], device=device)
     with torch.no_grad():
         torch.testing.assert_close(m(nxt, joined).logits, m(nxt, want).logits, **TOL)

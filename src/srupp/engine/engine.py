@@ -174,9 +174,6 @@ MIN_CHUNK = 8
 
 _GREEDY = Sampling(temperature=0)  # a free row's (its tokens are not used)
 
-# the batch's memories go into buffers with room for the steps to come (SRUppState.cat)
-_ROOM = {SRUppState: {"room": True}}
-
 
 class Engine:
     """Generation streams of one causal language model, batched.
@@ -380,7 +377,7 @@ class Engine:
         state = self.model.backbone.padded_state(1, self.window)
         # with room after the window: the prompt's first chunk is then appended in place
         # (not into a second, larger buffer per arriving stream)
-        return type(state).cat([state], **_ROOM.get(type(state), {}))
+        return type(state).cat([state], room=True)
 
     def _drop_cancelled(self) -> bool:
         gone = [s for s in self._reading if s.cancelled]
@@ -463,8 +460,9 @@ class Engine:
             grow = max(1, min(max(len(self._active), 1 + waiting),
                               self.max_streams - len(self._active)))
             rows = state if grow == 1 else state.index_select(torch.zeros(grow, dtype=torch.long))
+            # with room for the steps to come: the next step appends in place
             self._batch = type(state).cat([rows] if self._batch is None else [self._batch, rows],
-                                          **_ROOM.get(type(state), {}))
+                                          room=True)
             free = len(self._active)
             self._active += [None] * grow
         else:
@@ -622,9 +620,7 @@ class Engine:
         if not live:
             self._batch, self._active = None, []
         elif 2 * (len(self._active) - len(live)) >= len(self._active):
-            keep = getattr(self._batch, "keep_rows", None)  # in place, where the state can
-            self._batch = keep(live) if keep is not None \
-                else self._batch.index_select(torch.tensor(live))
+            self._batch = self._batch.keep_rows(live)  # in place, where the state can
             self._active = [self._active[i] for i in live]
         for s in streams:
             self._finish(s, reason)

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from .._files import PathLike, atomic_path
-from ..nn.state import SRUppState
+from ..nn.state import SRUppState, check_kept_rows
 
 KIND_KEY = "__kind__.tensor_state"
 _DIM_PREFIX = "__batch_dim__."
@@ -90,10 +90,17 @@ class TensorState:
         idx = torch.as_tensor(batch_indices, dtype=torch.long, device=dev)
         return self._map(lambda t, d: t if d is None else t.index_select(d, idx))
 
+    def keep_rows(self, rows: Sequence[int]) -> "TensorState":
+        """The state of batch rows ``rows`` (ascending, each once): :meth:`index_select`'s
+        (SRUppState moves them within its own buffers; these tensors are copied)."""
+        return self.index_select(torch.tensor(check_kept_rows(rows, self.batch_size or 0)))
+
     @classmethod
-    def cat(cls, states: Sequence["TensorState"]) -> "TensorState":
+    def cat(cls, states: Sequence["TensorState"], *, room: bool = False) -> "TensorState":
         """Several batches as one, in order: the same names and batch dimensions, equal
-        shapes but for the batch, and equal values where a tensor is not batched."""
+        shapes but for the batch, and equal values where a tensor is not batched.
+        ``room`` is SRUppState.cat's; these tensors are not appended to in place, so
+        it changes nothing here."""
         if not states:
             raise ValueError("TensorState.cat needs at least one state")
         first = states[0]

@@ -26,7 +26,18 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
+
 from .append import cat_with_room, first_rows
+
+
+def check_kept_rows(rows: Sequence[int], batch_size: int) -> List[int]:
+    """``rows`` for a state's ``keep_rows`` as ints: ascending, each once, in the batch
+    (else a ValueError)."""
+    rows = [int(r) for r in rows]
+    if rows != sorted(set(rows)) or (rows and not 0 <= rows[0] <= rows[-1] < batch_size):
+        raise ValueError(f"keep_rows: rows must be ascending, each once, in "
+                         f"[0, {batch_size}); got {rows}")
+    return rows
 
 
 @dataclass(frozen=True)
@@ -193,10 +204,7 @@ class SRUppState:
         state's own memory and key/value buffers in place (:func:`srupp.nn.append.first_rows`):
         a serving engine drops finished streams without allocating a second batch. This
         state is spent: its buffers' other rows are overwritten."""
-        rows = [int(r) for r in rows]
-        if rows != sorted(set(rows)) or (rows and not 0 <= rows[0] <= rows[-1] < self.batch_size):
-            raise ValueError(f"keep_rows: rows must be ascending, each once, in "
-                             f"[0, {self.batch_size}); got {rows}")
+        rows = check_kept_rows(rows, self.batch_size)
         idx = torch.tensor(rows, dtype=torch.long, device=self.c.device)
         front = lambda t: first_rows(t, rows)  # noqa: E731
         return replace(
