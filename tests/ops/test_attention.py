@@ -317,8 +317,11 @@ def test_one_query_reads_keys_of_a_cache_in_place():
 
 @pytest.mark.skipif(not ops.cpu_kernels.is_available(),
                     reason="the C++ CPU extension could not be built")
+# hd 256 and 500: the weighted rows' register blocks of every size (16, 8, 4, 2 and 1
+# vectors, then a part-vector)
 @pytest.mark.parametrize("B,H,S,hd", [(1, 1, 1, 1), (1, 1, 200, 156), (2, 3, 5, 7),
-                                      (1, 2, 33, 40), (3, 1, 17, 16), (0, 2, 70, 8)])
+                                      (1, 2, 33, 40), (3, 1, 17, 16), (0, 2, 70, 8),
+                                      (2, 1, 129, 256), (1, 1, 45, 500)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_one_query_kernel_against_fp64(B, H, S, hd, dtype):
     # keys and values as views of one [K | V] cache (B, H, S, 2 hd), read in place;

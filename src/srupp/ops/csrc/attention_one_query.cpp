@@ -45,6 +45,39 @@ inline float hsum(const Vec& v) {
 // (1,024 keys: 5 blocks) over the threads.
 constexpr int64_t kKeysPerBlock = 256;
 
+// Prefetching. A 32-stream step reads 17 MB of keys and values (4 layers, 128-key
+// windows), which come from DRAM; walking them without help reached a quarter of this
+// CPU's read bandwidth (the next key's lines were asked for only when needed). So the
+// score pass asks for key j + kNearKeys into L1 and for the key and value rows of
+// j + kFarKeys into L2, so that the value pass finds its rows there (docs/deploy.md, load).
+constexpr int64_t kNearKeys = 8;
+constexpr int64_t kFarKeys = 32;
+
+template <typename T, int Locality>
+inline void prefetch_row(const T* row, int64_t n) {
+  const char* b = reinterpret_cast<const char*>(row);
+  for (int64_t c = 0; c < n * int64_t(sizeof(T)); c += 64) __builtin_prefetch(b + c, 0, Locality);
+}
+
+// acc[0 .. NV*kW) = sum over unpadded j of p[j - j0] * v_j[0 .. NV*kW), in registers: the
+// same fmadd per element in the same key order as a loop through memory, so the same bits.
+template <int NV, typename T, typename Padded>
+inline void weigh_values(const T* vb, int64_t svr, int64_t j0, int64_t j1, const float* p,
+                         const Padded& padded, float* acc) {
+  Vec a[NV];
+  for (int u = 0; u < NV; ++u) a[u] = Vec(0.f);
+  for (int64_t j = j0; j < j1; ++j) {
+    if (padded(j)) continue;
+    const T* vr = vb + j * svr;
+    const Vec pj(p[j - j0]);
+    for (int u = 0; u < NV; ++u) a[u] = at::vec::fmadd(pj, IO<T>::load(vr + u * kW), a[u]);
+  }
+  for (int u = 0; u < NV; ++u) a[u].store(acc + u * kW);
+}
+
+// Vectors held at once: half the vector registers (AVX-512 has 32, AVX2 16).
+constexpr int kAccVecs = kW >= 16 ? 16 : 8;
+
 // One query's softmax pieces over keys j0 .. j1 - 1: returns their max score m (-inf when
 // every one is padded) and writes l = sum exp(s - m) to *l and sum exp(s - m) v_j to acc
 // (hd_pad floats). qf: the query in fp32 (hd_pad, zero beyond hd); p: j1 - j0 floats.
@@ -57,7 +90,14 @@ float attend_keys(const float* qf, const T* kb, int64_t skr, const T* vb, int64_
   const int tail = static_cast<int>(hd - full);
   auto padded = [&](int64_t j) { return pad != nullptr && j < pad_len && pad[j]; };
   float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t j = j0; j < std::min(j1, j0 + kNearKeys); ++j) prefetch_row<T, 3>(kb + j * skr, hd);
+  for (int64_t j = j0; j < std::min(j1, j0 + kFarKeys); ++j) prefetch_row<T, 2>(vb + j * svr, hd);
   for (int64_t j = j0; j < j1; ++j) {
+    if (j + kNearKeys < j1) prefetch_row<T, 3>(kb + (j + kNearKeys) * skr, hd);
+    if (j + kFarKeys < j1) {
+      prefetch_row<T, 2>(kb + (j + kFarKeys) * skr, hd);
+      prefetch_row<T, 2>(vb + (j + kFarKeys) * svr, hd);
+    }
     float& pj = p[j - j0];
     if (padded(j)) {
       pj = -std::numeric_limits<float>::infinity();
@@ -82,15 +122,31 @@ float attend_keys(const float* qf, const T* kb, int64_t skr, const T* vb, int64_
     pj = none ? 0.f : std::exp(pj - mx);
     sum += pj;
   }
-  std::fill(acc, acc + (hd + kW - 1) / kW * kW, 0.f);
-  for (int64_t j = j0; j < j1; ++j) {
-    if (padded(j)) continue;
-    const T* vr = vb + j * svr;
-    const Vec pj(p[j - j0]);
-    int64_t i = 0;
-    for (; i < full; i += kW)
-      at::vec::fmadd(pj, IO<T>::load(vr + i), Vec::loadu(acc + i)).store(acc + i);
-    if (tail) at::vec::fmadd(pj, IO<T>::load(vr + i, tail), Vec::loadu(acc + i)).store(acc + i);
+  // the weighted rows, kAccVecs vectors at a time in registers (then 8, 4, 2, 1)
+  int64_t i = 0;
+  for (; i + kAccVecs * kW <= full; i += kAccVecs * kW)
+    weigh_values<kAccVecs>(vb + i, svr, j0, j1, p, padded, acc + i);
+  if (kAccVecs > 8 && i + 8 * kW <= full) {
+    weigh_values<8>(vb + i, svr, j0, j1, p, padded, acc + i);
+    i += 8 * kW;
+  }
+  if (i + 4 * kW <= full) {
+    weigh_values<4>(vb + i, svr, j0, j1, p, padded, acc + i);
+    i += 4 * kW;
+  }
+  if (i + 2 * kW <= full) {
+    weigh_values<2>(vb + i, svr, j0, j1, p, padded, acc + i);
+    i += 2 * kW;
+  }
+  if (i + kW <= full) {
+    weigh_values<1>(vb + i, svr, j0, j1, p, padded, acc + i);
+    i += kW;
+  }
+  if (tail) {  // the last part-vector, its lanes beyond hd zero
+    Vec a(0.f);
+    for (int64_t j = j0; j < j1; ++j)
+      if (!padded(j)) a = at::vec::fmadd(Vec(p[j - j0]), IO<T>::load(vb + j * svr + i, tail), a);
+    a.store(acc + i);
   }
   *l = sum;
   return mx;
