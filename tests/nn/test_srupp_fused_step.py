@@ -330,3 +330,46 @@ def test_swapped_parameters_and_a_new_dtype_reach_the_op(op_calls):
     want, _ = steps(m, x.to(torch.bfloat16), None, "modules")
     assert len(op_calls) == calls + 3 * m.num_layers
     torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
+
+
+@pytest.mark.skipif(not (cpu_kernels.is_available()
+                         and cpu_kernels.load().linear_rows_bf16_native()),
+                    reason="pair-packed weights need a CPU with AVX512-BF16")
+@pytest.mark.parametrize("B", [2, 6])  # the one-region path (up to 4 rows) and by pieces
+def test_bf16_steps_multiply_by_pair_packed_copies_that_follow_the_weights(monkeypatch, B):
+    """bf16 layers step with pair-packed copies of W1, W2, W3 (quant 3) where the few-rows
+    kernels run. A copy is made once per plan, so writing a weight in place, or giving it
+    new data, must make the next step pack again: it equals the modules' path with the new
+    weights (and not the old ones)."""
+    from srupp.ops.layer_step import QUANT
+    from srupp.ops.matmul import batch_invariant
+
+    seen = []
+    real = layer_step_module.stack_step_kernel()
+
+    def recorded(x, c, *args):
+        seen.append(list(args[-1]))                                      # quant per layer
+        return real(x, c, *args)
+
+    monkeypatch.setattr(layer_step_module, "stack_step_kernel", lambda: recorded)
+    m = make(torch.bfloat16, layer_norm=True)
+    x = torch.randn(B, 4, 6).bfloat16()
+    with batch_invariant(8):  # the few-rows kernels up to 8 rows (2 by default in bf16)
+        before, _ = steps(m, x, None, "fused")
+        assert seen[-1] == [QUANT["pairs"]] * m.num_layers
+        torch.testing.assert_close(before, steps(m, x, None, "modules")[0], **TOL[torch.bfloat16])
+        with torch.no_grad():
+            m.layers[0].transform.linear1.weight.mul_(-1.5)             # in place
+        w3 = m.layers[1].transform.linear3.weight
+        w3.data = w3.data.flip(0).contiguous()                          # new data, same Parameter
+        got, _ = steps(m, x, None, "fused")
+        want, _ = steps(m, x, None, "modules")
+        torch.testing.assert_close(got, want, **TOL[torch.bfloat16])
+        assert (want - before).abs().max() > 0.1                        # the change shows
+        # the rows' own layout (tuning().pair_packed off) for plans made from then on
+        with tuning().use(pair_packed=False):
+            srupp_module._PLANS.clear()
+            plain, _ = steps(m, x, None, "fused")
+        assert seen[-1] == [QUANT["float"]] * m.num_layers
+        torch.testing.assert_close(plain, want, **TOL[torch.bfloat16])
+    srupp_module._PLANS.clear()

@@ -267,11 +267,11 @@ def test_stack_step_refuses_lists_of_the_wrong_length():
     stack_step_kernel()(a["x"], c, *args)                                # the right lengths run
     short = list(args)
     short[0] = short[0][:9]
-    with pytest.raises(RuntimeError, match="10 weights, 3 scales and one of each"):
+    with pytest.raises(RuntimeError, match="10 weights, 3 extras and one of each"):
         stack_step_kernel()(a["x"], c, *short)
     short = list(args)
     short[-2] = [None] * 2
-    with pytest.raises(RuntimeError, match="10 weights, 3 scales and one of each"):
+    with pytest.raises(RuntimeError, match="10 weights, 3 extras and one of each"):
         stack_step_kernel()(a["x"], c, *short)
     int8 = list(args)
     int8[-1] = [2]                                  # w8a8 with float weights, no scales
@@ -314,7 +314,8 @@ def test_the_python_side_of_the_cpp_interface_is_the_cpp():
     assert _cpp_params("layer_step.cpp", "stack_step_cpu") == STACK_STEP_PARAMS
     assert _cpp_params("decode_loop.cpp", "decode_loop_cpu") == DECODE_LOOP_PARAMS
     assert _cpp_enum("layer_step.cpp", "Quant") == {
-        "kFloatWeights": QUANT["float"], "kInt8": QUANT["int8"], "kW8A8": QUANT["w8a8"]}
+        "kFloatWeights": QUANT["float"], "kInt8": QUANT["int8"], "kW8A8": QUANT["w8a8"],
+        "kPairs": QUANT["pairs"]}
     assert _cpp_enum("decode_loop.cpp", "OutputRoute") == {
         "kRows": OUTPUT_ROUTES["rows"], "kAten": OUTPUT_ROUTES["aten"],
         "kInt8Rows": OUTPUT_ROUTES["int8"], "kW8A8Rows": OUTPUT_ROUTES["w8a8"]}

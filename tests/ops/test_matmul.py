@@ -288,6 +288,76 @@ def test_few_rows_bf16_uses_dot_product_instructions_where_the_cpu_has_them():
     assert mod.linear_rows_bf16_native() == native
 
 
+needs_pairs = pytest.mark.skipif(
+    not (ops.cpu_kernels.is_available() and ops.cpu_kernels.load().linear_rows_bf16_native()),
+    reason="the pair-packed bf16 kernel needs a CPU with AVX512-BF16 (and the C++ extension)")
+
+
+def _pairs(x, w, b=None):
+    mod = ops.cpu_kernels.load()
+    return mod.linear_pairs_bf16(x, mod.pack_pairs_bf16(w), w.shape[0], b)
+
+
+@needs_pairs
+@pytest.mark.parametrize("rows,K,N", [(1, 2, 1), (1, 256, 3072), (3, 6, 17), (2, 1024, 129),
+                                      (8, 512, 48), (9, 30, 100), (33, 100, 70), (40, 24, 257),
+                                      (0, 8, 16)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_pair_packed_kernel_matches_reference(rows, K, N, bias):
+    # tiles of 48 outputs with the last one partial (17, 70, 100, 129, 257), 1 to 40 rows
+    # (blocks of 8, 4, 2 and 1, and 4 tiles at once under 4 rows)
+    g = torch.Generator().manual_seed(rows * 1000 + K + N)
+    x = (torch.randn(rows, K, generator=g) / K ** 0.5).bfloat16()
+    w = torch.randn(N, K, generator=g).bfloat16()
+    b = torch.randn(N, generator=g).bfloat16() if bias else None
+    got = _pairs(x, w, b)
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, N)
+    torch.testing.assert_close(got.double(), exact, **FEW_ROWS_TOL[torch.bfloat16])
+    if rows:  # no worse than PyTorch's own bf16 product, to within one rounding
+        ref_err = (F.linear(x, w, b).double() - exact).abs().max()
+        assert (got.double() - exact).abs().max() <= ref_err + exact.abs().max() * 2 ** -8
+
+
+@needs_pairs
+@pytest.mark.parametrize("K,N", [(1000, 5), (256, 3072), (24, 100)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_pair_packed_rows_are_batch_invariant(K, N, threads):
+    """A row gets the same bits alone as in a batch of any size and place, and on any
+    number of threads: each output is one lane's chain over the pairs in order."""
+    g = torch.Generator().manual_seed(K + N)
+    x = (torch.randn(40, K, generator=g) / K ** 0.5).bfloat16()
+    w = torch.randn(N, K, generator=g).bfloat16()
+    b = torch.randn(N, generator=g).bfloat16()
+    alone = torch.cat([_pairs(x[r:r + 1], w, b) for r in range(40)])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for R in (1, 2, 3, 4, 5, 8, 9, 16, 31, 40):
+            for rows in (slice(0, R), slice(40 - R, 40)):
+                assert torch.equal(_pairs(x[rows], w, b), alone[rows]), f"{R} rows ({rows})"
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_extension
+def test_pair_packing_refuses_what_it_cannot_hold():
+    mod = ops.cpu_kernels.load()
+    with pytest.raises(RuntimeError, match="I even"):
+        mod.pack_pairs_bf16(torch.randn(4, 5).bfloat16())
+    with pytest.raises(RuntimeError, match="bfloat16 weight"):
+        mod.pack_pairs_bf16(torch.randn(4, 6))
+    if not mod.linear_rows_bf16_native():
+        return
+    w = torch.randn(50, 6).bfloat16()
+    wp = mod.pack_pairs_bf16(w)
+    assert wp.shape == (2, 3, 48, 2)  # (tiles, pairs, 48 outputs, 2)
+    with pytest.raises(RuntimeError, match="x \\(R, I\\) bfloat16 contiguous with I = 6"):
+        mod.linear_pairs_bf16(torch.randn(2, 8).bfloat16(), wp, 50, None)
+    with pytest.raises(RuntimeError, match="for 97 outputs"):  # 2 tiles hold 49 to 96
+        mod.linear_pairs_bf16(torch.randn(2, 6).bfloat16(), wp, 97, None)
+
+
 @needs_extension
 def test_few_rows_dispatch_rule(monkeypatch):
     calls = []

@@ -25,9 +25,11 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from ..ops import cpu_kernels
 from ..ops.layer_step import QUANT, OutputArgs, StackArgs, decode_loop, stack_step
 from ..ops.matmul import few_rows, linear_route
 from ..ops.quant import int8_kernel_applies
+from ..ops.settings import tuning
 from .append import append_steps, release_steps, reserve_steps
 from .linear import Linear
 from .quant import Int8Linear
@@ -57,8 +59,12 @@ class _LayerPlan:
     """
 
     weights: tuple            # w1, w2, w3, α, norm w/b, attention norm w/b, weight_c, bias
-    scales: tuple             # w1, w2, w3's scales when they are int8, else Nones
+    extras: tuple             # w1, w2, w3's scales (int8) or pair-packed copies, else Nones
     quant: int                # how W1, W2, W3 hold their weights: a QUANT value
+    # (data_ptr, version) of w1, w2, w3 when extras holds copies of them: a copy is stale
+    # once its weight is written in place or given new data, and the plan is made again
+    copied: Optional[tuple]
+    made_in: torch.dtype      # W1's dtype when the plan was made
     floats: tuple             # the float weights present: they must have x's dtype
     norm_eps: float
     attn_norm_eps: float
@@ -77,7 +83,10 @@ class _LayerPlan:
         for entries, name, value in self.sources:
             if entries.get(name) is not value:
                 return False
-        return True
+        if self.copied is not None:
+            return self.copied == _data_keys(self.weights[:3])
+        # a float plan made before the model moved to bf16 would miss the packed copies
+        return self.weights[0].dtype == self.made_in
 
 
 _PLANS: "weakref.WeakKeyDictionary[nn.Module, _LayerPlan]" = weakref.WeakKeyDictionary()
@@ -103,6 +112,29 @@ class _Lookups:
             raise LookupError(name)
         self.sources.append((entries, name, value))  # valid while .get(name) is value
         return value
+
+
+def _data_keys(ws) -> tuple:
+    """What changes when a weight's data does: its storage and its in-place write count."""
+    return tuple(None if w is None else (w.data_ptr(), w._version) for w in ws)
+
+
+def _packs_pairs(ws) -> bool:
+    """Whether a float layer's W1, W2, W3 (None: absent) get pair-packed copies: bf16 on
+    a CPU whose few-rows kernels have AVX512-BF16, inputs of even width, and
+    ``tuning().pair_packed``."""
+    ws = [w for w in ws if w is not None]
+    if not tuning().pair_packed or any(w.dtype != torch.bfloat16 or w.device.type != "cpu"
+                                       or w.dim() != 2 or w.shape[1] % 2 for w in ws):
+        return False
+    native = cpu_kernels.function("linear_rows_bf16_native")
+    return bool(native and native())
+
+
+def _pack_pairs(w: Tensor) -> Tensor:
+    """W (O, I) bf16 as csrc/matmul_few_rows.cpp's pair-packed tiles (T, I/2, 48, 2)."""
+    with torch.no_grad():
+        return cpu_kernels.function("pack_pairs_bf16")(w.detach())
 
 
 def _projection(get: "_Lookups", t: nn.Module, name: str):
@@ -144,12 +176,16 @@ def _layer_plan(layer: nn.Module) -> Optional[_LayerPlan]:
     if len({quant for _, _, quant in projections}) != 1:
         return None
     w1, w2, w3 = [p[0] for p in projections] + [None] * (3 - len(projections))
-    scales = tuple(p[1] for p in projections) + (None,) * (3 - len(projections))
+    extras = tuple(p[1] for p in projections) + (None,) * (3 - len(projections))
     quant = projections[0][2]
     weights = (w1, w2, w3, alpha, *norms, *gates)
     floats = (alpha, *norms, *gates) + (() if quant else (w1, w2, w3))
+    copied = None
+    if quant == QUANT["float"] and _packs_pairs((w1, w2, w3)):
+        extras = tuple(None if w is None else _pack_pairs(w) for w in (w1, w2, w3))
+        quant, copied = QUANT["pairs"], _data_keys((w1, w2, w3))
     plan = _PLANS[layer] = _LayerPlan(
-        weights=weights, scales=scales, quant=quant,
+        weights=weights, extras=extras, quant=quant, copied=copied, made_in=w1.dtype,
         floats=tuple(w for w in floats if w is not None),
         norm_eps=1e-5 if ln is None else ln.eps, attn_norm_eps=1e-5 if tln is None else tln.eps,
         scale_x=layer.scale_x, num_heads=t.num_heads if attention else 1,
@@ -213,7 +249,7 @@ class StepPlan:
             norm_eps=[p.norm_eps for p in plans], attn_norm_eps=[p.attn_norm_eps for p in plans],
             scale_x=[p.scale_x for p in plans], num_heads=[p.num_heads for p in plans],
             normalize_after=[int(p.normalize_after) for p in plans],
-            few_rows=few_rows(self.dtype), scales=[s for p in plans for s in p.scales],
+            few_rows=few_rows(self.dtype), extras=[e for p in plans for e in p.extras],
             quant=[p.quant for p in plans])
 
     def decode(self, logits: Tensor, done: Tensor, embedding: Tensor, output: OutputArgs, *,

@@ -112,8 +112,9 @@ def layer_step_applies(x: Tensor) -> bool:
 # tests/ops/test_layer_step.py reads csrc/ and checks all three against it.
 
 #: ``enum Quant`` of csrc/layer_step.cpp: how a layer's W1, W2, W3 hold their weights
-#: (float; int8 weights with float activations; int8 weights and activations).
-QUANT = {"float": 0, "int8": 1, "w8a8": 2}
+#: (float; int8 weights with float activations; int8 weights and activations; bf16
+#: weights with pair-packed copies for the few-rows products, ``pack_pairs_bf16``).
+QUANT = {"float": 0, "int8": 1, "w8a8": 2, "pairs": 3}
 
 #: ``enum OutputRoute`` of csrc/decode_loop.cpp: how decode_loop computes the logits
 #: (the few-rows kernel, ATen's linear, the int8 or the w8a8 few-rows kernel).
@@ -122,13 +123,13 @@ OUTPUT_ROUTES = {"rows": 0, "aten": 1, "int8": 2, "w8a8": 3}
 #: ``stack_step_cpu``'s parameters, in order.
 STACK_STEP_PARAMS = ("x", "c", "weights", "kv", "memory", "memory_pad", "kv_start",
                      "memory_start", "cached", "first", "kept", "norm_eps", "attn_norm_eps",
-                     "scale_x", "num_heads", "normalize_after", "few_rows", "scales", "quant")
+                     "scale_x", "num_heads", "normalize_after", "few_rows", "extras", "quant")
 
 #: ``decode_loop_cpu``'s parameters, in order.
 DECODE_LOOP_PARAMS = ("logits", "done", "embedding", "out_weight", "out_bias", "out_scale",
                       "out_route", "c", "weights", "kv", "memory", "memory_pad", "kv_start",
                       "memory_start", "cached", "mem_len", "norm_eps", "attn_norm_eps",
-                      "scale_x", "num_heads", "normalize_after", "few_rows", "scales", "quant",
+                      "scale_x", "num_heads", "normalize_after", "few_rows", "extras", "quant",
                       "n", "final", "temperature", "top_k", "top_p", "generator", "eos_id",
                       "first")
 
@@ -153,7 +154,8 @@ class StackArgs:
     num_heads: List[int]
     normalize_after: List[int]         # 0 / 1
     few_rows: int                      # products of up to this many rows: the few-rows kernel
-    scales: List[Optional[Tensor]]     # 3 per layer: int8 weights' scales, else None
+    extras: List[Optional[Tensor]]     # 3 per layer: int8 weights' scales, or (quant "pairs")
+    #                                    the bf16 weights' pair-packed copies; else None
     quant: List[int]                   # per layer: a QUANT value
 
 

@@ -36,6 +36,9 @@ field               default what
                             (``CausalLM.generate``); 0: the Python loop
 ``layer_step_team`` True    the C++ layer step at few rows in one parallel
                             region (False: a region per piece; tests compare)
+``pair_packed``     True    bf16 decoding steps multiply by pair-packed copies
+                            of the weights (AVX512-BF16 CPUs; False: the rows'
+                            own layout)
 ``triton_block``    None    units per Triton program (a power of two); None
                             picks by size
 ``triton_warps``    None    warps per Triton program; None follows the block
@@ -128,6 +131,7 @@ _TUNING_RULES: Dict[str, tuple] = {
     "decode_chunk": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
                      "an integer >= 0 (0: the Python loop)"),
     "layer_step_team": (lambda v: isinstance(v, bool), "True or False"),
+    "pair_packed": (lambda v: isinstance(v, bool), "True or False"),
     "triton_block": (lambda v: v is None or _power_of_two(v), "None or a power of two"),
     "triton_warps": (lambda v: v is None or _power_of_two(v), "None or a power of two"),
     "triton_stages": (lambda v: v is None or _positive(v), "None (off) or an integer >= 1"),
@@ -152,6 +156,12 @@ class Tuning(_Settings):
     #: weights in one parallel region; False: one region per piece (the path int8 weights
     #: and larger batches take). Both give the same bits; the tests compare them.
     layer_step_team: bool = True
+    #: Whether the fused decoding step (srupp/nn/stack_step.py) multiplies bf16 layers by
+    #: copies of W1, W2, W3 packed in pairs of inputs (csrc/matmul_few_rows.cpp,
+    #: pack_pairs_bf16): 1.25x the products of the rows' own layout at 8 and 32 rows, for
+    #: a second copy of the weights. A plan made under one value keeps it; a model's
+    #: streams all take the same plans, so batch invariance holds either way.
+    pair_packed: bool = True
     #: Units per Triton program (a power of two; read by srupp/ops/triton_kernel.py). None
     #: picks by size; the tests set small blocks, so that D is not a multiple of the block
     #: and blocks straddle the directions.

@@ -166,9 +166,19 @@ void linear_rows_range(const float* x, const T* w, int64_t ldw, const T* bias, T
 void linear_rows_bf16_dot_range(const BFloat16* x, const BFloat16* w, int64_t ldw,
                                 const BFloat16* bias, BFloat16* y, int64_t ldy, int64_t R,
                                 int64_t I, int64_t o0, int64_t o1);
+// Tiles t0 .. t1 - 1 (outputs 48 t0 .. min(O, 48 t1) - 1) of x (R, I; rows ldx apart)
+// against pair-packed weights wp (pack_pairs_bf16), I even.
+void linear_pairs_bf16_range(const BFloat16* x, int64_t ldx, const BFloat16* wp, int64_t I,
+                             int64_t O, const BFloat16* bias, BFloat16* y, int64_t ldy,
+                             int64_t R, int64_t t0, int64_t t1);
 #endif
 Tensor linear_rows_cpu(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias);
 bool linear_rows_bf16_native();
+Tensor pack_pairs_bf16_cpu(const Tensor& weight);
+int64_t pairs_tiles(int64_t O);     // tiles of 48 outputs
+bool check_pairs(const Tensor& wp);  // (T, I/2, 48, 2) bf16 contiguous
+Tensor linear_pairs_bf16_cpu(const Tensor& x, const Tensor& wp, int64_t O,
+                             const std::optional<Tensor>& bias);
 
 // ---------------------------------------------------------------------------------
 // attention_one_query.cpp: o = softmax(scale q K^T) V for one query per (batch, head).
@@ -250,7 +260,7 @@ stack_step_cpu(const Tensor& x, const Tensor& c, const std::vector<std::optional
                int64_t kept, const std::vector<double>& norm_eps,
                const std::vector<double>& attn_norm_eps, const std::vector<double>& scale_x,
                const std::vector<int64_t>& num_heads, const std::vector<int64_t>& normalize_after,
-               int64_t few_rows, const std::vector<std::optional<Tensor>>& scales,
+               int64_t few_rows, const std::vector<std::optional<Tensor>>& extras,
                const std::vector<int64_t>& quant);
 
 namespace layer_step_impl {
@@ -274,7 +284,7 @@ struct Stack {
   const std::vector<int64_t>& num_heads;
   const std::vector<int64_t>& normalize_after;
   int64_t few_rows;
-  const OptTensors& scales;
+  const OptTensors& extras;
   const std::vector<int64_t>& quant;
 
   // the number of layers, after checking every list has its entries for c's layers
@@ -313,7 +323,7 @@ decode_loop_cpu(const Tensor& logits, const Tensor& done, const Tensor& embeddin
                 const std::vector<double>& norm_eps, const std::vector<double>& attn_norm_eps,
                 const std::vector<double>& scale_x, const std::vector<int64_t>& num_heads,
                 const std::vector<int64_t>& normalize_after, int64_t few_rows,
-                const std::vector<std::optional<Tensor>>& scales,
+                const std::vector<std::optional<Tensor>>& extras,
                 const std::vector<int64_t>& quant, int64_t n, bool final,
                 const std::vector<double>& temperature, const std::vector<int64_t>& top_k,
                 const std::vector<double>& top_p,

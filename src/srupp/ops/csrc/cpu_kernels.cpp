@@ -49,6 +49,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "up to n tokens of an LM with an SRU++ stack: sample, embed, stack_step, output", nogil);
   m.def("attend_one_query", &attend_one_query_cpu,
         "softmax(scale q K^T) V for one query per (batch, head) (decoding)", nogil);
+  m.def("pack_pairs_bf16", &pack_pairs_bf16_cpu,
+        "bf16 weight (O, I) -> (I/2, O, 2), the layout linear_pairs_bf16 reads", nogil);
+  m.def("linear_pairs_bf16", &linear_pairs_bf16_cpu,
+        "x @ W^T (+ bias) with W pair-packed (AVX512-BF16 CPUs)", nogil);
   m.def("linear_rows_bf16_native", &linear_rows_bf16_native,
         "whether linear_rows' bf16 products use AVX512-BF16 dot products");
   m.def("linear_int8_rows", &linear_int8_rows_cpu,

@@ -105,7 +105,7 @@ decode_loop_cpu(const Tensor& logits, const Tensor& done, const Tensor& embeddin
                 const std::vector<double>& norm_eps, const std::vector<double>& attn_norm_eps,
                 const std::vector<double>& scale_x, const std::vector<int64_t>& num_heads,
                 const std::vector<int64_t>& normalize_after, int64_t few_rows,
-                const std::vector<std::optional<Tensor>>& scales,
+                const std::vector<std::optional<Tensor>>& extras,
                 const std::vector<int64_t>& quant, int64_t n, bool final,
                 const std::vector<double>& temperature, const std::vector<int64_t>& top_k,
                 const std::vector<double>& top_p,
@@ -113,7 +113,7 @@ decode_loop_cpu(const Tensor& logits, const Tensor& done, const Tensor& embeddin
                 const std::optional<Tensor>& first) {
   using layer_step_impl::Stack;
   const Stack stack{weights, kv, memory, norm_eps, attn_norm_eps, scale_x,
-                    num_heads, normalize_after, few_rows, scales, quant};
+                    num_heads, normalize_after, few_rows, extras, quant};
   const size_t L = stack.check(c, "decode_loop");
   const int64_t B = c.size(1);
   TORCH_CHECK(kv_start.size() == L && memory_start.size() == L,

@@ -30,22 +30,26 @@ namespace layer_step_impl {
   }
 
 // How a layer's projections hold their weights (srupp/nn/quant.py): float, int8 with the
-// activations as they are, or int8 with the activations rounded per row (w8a8).
-enum Quant : int64_t { kFloatWeights = 0, kInt8 = 1, kW8A8 = 2 };
+// activations as they are, int8 with the activations rounded per row (w8a8), or bf16 with
+// a pair-packed copy for the few-rows products (matmul_few_rows.cpp, pack_pairs_bf16).
+enum Quant : int64_t { kFloatWeights = 0, kInt8 = 1, kW8A8 = 2, kPairs = 3 };
 constexpr int64_t kInt8FewRows = 32;  // srupp.ops.quant.INT8_FEW_ROWS
 
-// y = x @ w^T: the few-rows kernel up to `few` rows, else ATen (oneDNN / BLAS). Quantized
-// weights (w int8 with one scale per output) go where srupp.ops.quant sends them:
-// weight-only int8 to its kernel up to 32 rows, else dequantized in fp32 and multiplied in
-// x's dtype; w8a8 to its kernel at any rows (the same integer sums as its reference).
-Tensor project(const Tensor& x, const Tensor& w, int64_t few, const Tensor* scale = nullptr,
+// y = x @ w^T: the few-rows kernel up to `few` rows (with kPairs, the pair-packed copy
+// `extra`), else ATen (oneDNN / BLAS). Quantized weights (w int8, `extra` its scale per
+// output) go where srupp.ops.quant sends them: weight-only int8 to its kernel up to 32
+// rows, else dequantized in fp32 and multiplied in x's dtype; w8a8 to its kernel at any
+// rows (the same integer sums as its reference).
+Tensor project(const Tensor& x, const Tensor& w, int64_t few, const Tensor* extra = nullptr,
                int64_t quant = kFloatWeights) {
-  if (quant == kW8A8) return linear_w8a8_rows_cpu(x, w, *scale, std::nullopt, false);
+  if (quant == kW8A8) return linear_w8a8_rows_cpu(x, w, *extra, std::nullopt, false);
   if (quant == kInt8) {
-    if (x.size(0) <= kInt8FewRows) return linear_int8_rows_cpu(x, w, *scale, std::nullopt, false);
-    return at::linear(x, (w.to(at::kFloat) * scale->to(at::kFloat).unsqueeze(1)).to(x.scalar_type()));
+    if (x.size(0) <= kInt8FewRows) return linear_int8_rows_cpu(x, w, *extra, std::nullopt, false);
+    return at::linear(x, (w.to(at::kFloat) * extra->to(at::kFloat).unsqueeze(1)).to(x.scalar_type()));
   }
-  return x.size(0) <= few ? linear_rows_cpu(x, w, std::nullopt) : at::linear(x, w);
+  if (x.size(0) > few) return at::linear(x, w);
+  if (quant == kPairs) return linear_pairs_bf16_cpu(x, *extra, w.size(0), std::nullopt);
+  return linear_rows_cpu(x, w, std::nullopt);
 }
 
 // LayerNorm of R rows of width N (row strides ldx, ldy), fp32 statistics, biased variance
@@ -200,6 +204,7 @@ struct LayerView {
   int64_t ldx, B, n_in, D, dp, kD, k, H, cached;
   const float* c;
   const T *w1, *w2, *w3;  // w3 null: no attention
+  const T *p1, *p2, *p3;  // their pair-packed copies (bf16, kPairs), else null
   float alpha;
   const T *norm_w, *norm_b, *attn_norm_w, *attn_norm_b;  // null: no such norm
   float norm_eps, attn_norm_eps, scale_x;
@@ -293,9 +298,20 @@ struct TeamStep {
       for (int64_t i = 0; i < n; ++i) wide[i] = static_cast<float>(in[i]);
   }
 
-  // this thread's share of out (B rows ldo apart) = in (B, I) @ w (O, I)^T
-  void product(int tid, int nt, const T* in, const T* w, int64_t I, int64_t O, T* out,
-               int64_t ldo) const {
+  // this thread's share of out (B rows ldo apart) = in (B, I) @ w (O, I)^T; `packed`: w
+  // pair-packed (kPairs), split over the threads by tiles of 48 outputs
+  void product(int tid, int nt, const T* in, const T* w, const T* packed, int64_t I, int64_t O,
+               T* out, int64_t ldo) const {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+    if constexpr (std::is_same<T, BFloat16>::value) {
+      if (packed != nullptr) {
+        const int64_t tiles = pairs_tiles(O), per = (tiles + nt - 1) / nt;
+        const int64_t t0 = std::min(tiles, tid * per), t1 = std::min(tiles, t0 + per);
+        if (t0 < t1) linear_pairs_bf16_range(in, I, packed, I, O, nullptr, out, ldo, L.B, t0, t1);
+        return;
+      }
+    }
+#endif
     const int64_t chunk = ((O + nt - 1) / nt + 3) / 4 * 4;
     const int64_t o0 = std::min(O, tid * chunk), o1 = std::min(O, o0 + chunk);
     if (o0 >= o1) return;
@@ -330,7 +346,7 @@ struct TeamStep {
       if (tid == 0) widen_input(q, B * dp);
       team_barrier();
     }
-    product(tid, nt, q, L.w2, dp, 2 * dp, L.kv + L.cached * L.kv_s1, L.kv_s0);  // [K | V]
+    product(tid, nt, q, L.w2, L.p2, dp, 2 * dp, L.kv + L.cached * L.kv_s1, L.kv_s0);  // [K | V]
     team_barrier();
     float* mine = att_scratch + tid * att_stride;
     for (int64_t t = tid; t < att.tasks(); t += nt) att.task(t, mine);
@@ -380,12 +396,13 @@ struct TeamStep {
       const int nt = team_size(), tid = team_rank();
       if (tid == 0) read_input();
       team_barrier();
-      product(tid, nt, xin, L.w1, L.n_in, L.dp, q, L.dp);                      // q (B, d')
+      product(tid, nt, xin, L.w1, L.p1, L.n_in, L.dp, q, L.dp);                // q (B, d')
       team_barrier();
       if (attention) attend(tid, nt);                                         // y (B, d')
       if (tid == 0) norm_gate_input();
       team_barrier();
-      product(tid, nt, gate_input(), attention ? L.w3 : L.w2, L.dp, L.kD, U, L.kD);  // U
+      product(tid, nt, gate_input(), attention ? L.w3 : L.w2, attention ? L.p3 : L.p2, L.dp,
+              L.kD, U, L.kD);                                                 // U
       team_barrier();
       recur(tid, nt);                                                         // h, c_new
     }
@@ -401,7 +418,8 @@ void layer_step_team(const LayerView<T>& L, T* h, float* c_new) {
 
 // One layer's step arguments, as layer_step_run takes them (layer_step_cpu's, with the
 // projections' weights W1, W2, W3 optionally int8: `quant` says how (enum Quant) and
-// scales[0..2] hold their scales, fp32, one per output feature). It holds references:
+// extras[0..2] hold their scales, fp32, one per output feature; with kPairs, bf16 weights
+// and extras[0..2] their pair-packed copies). It holds references:
 // build it where its arguments live, for one call.
 struct LayerArgs {
   const Tensor &x, &c, &w1, &w2;
@@ -414,7 +432,7 @@ struct LayerArgs {
   int64_t num_heads;
   bool normalize_after;
   int64_t few_rows, quant;
-  const std::optional<Tensor>* scales;
+  const std::optional<Tensor>* extras;
 };
 
 // What check_layer reads from a layer's arguments.
@@ -422,29 +440,41 @@ struct LayerShape {
   at::ScalarType dt;
   bool attention, pre, has_memory;
   int64_t B, n_in, D, dp, kD, k, H, hd;
-  const Tensor* wscale[3];  // the projections' int8 scales (null: float weights)
+  const Tensor* extra[3];  // the projections' int8 scales or pair-packed copies (else null)
   Tensor pad;               // (B, cached) bool, last dim contiguous, or undefined
 };
 
-// The projections' weights: x's dtype, or int8 with their scales.
+// The projections' weights: x's dtype (with kPairs, bf16 and their pair-packed copies),
+// or int8 with their scales.
 void check_projections(const LayerArgs& a, LayerShape& s) {
-  TORCH_CHECK(a.quant == kFloatWeights || a.quant == kInt8 || a.quant == kW8A8,
-              "srupp layer_step: quant must be 0 (float), 1 (int8) or 2 (w8a8)");
+  TORCH_CHECK(a.quant == kFloatWeights || a.quant == kInt8 || a.quant == kW8A8 ||
+                  a.quant == kPairs,
+              "srupp layer_step: quant must be 0 (float), 1 (int8), 2 (w8a8) or 3 (bf16 pairs)");
   const Tensor* proj[3] = {&a.w1, &a.w2, s.attention ? &*a.w3 : nullptr};
   for (int i = 0; i < 3; ++i) {
-    s.wscale[i] = nullptr;
+    s.extra[i] = nullptr;
     if (proj[i] == nullptr) continue;
-    if (a.quant == kFloatWeights) {
+    if (a.quant == kFloatWeights || a.quant == kPairs) {
       TORCH_CHECK(proj[i]->scalar_type() == s.dt && proj[i]->is_contiguous(),
                   "srupp layer_step: weights contiguous, of x's dtype");
+      if (a.quant == kFloatWeights) continue;
+      const Tensor* packed = a.extras != nullptr && a.extras[i].has_value() && a.extras[i]->defined()
+                                 ? &*a.extras[i] : nullptr;
+      TORCH_CHECK(linear_rows_bf16_native() && s.dt == at::kBFloat16 && proj[i]->dim() == 2 &&
+                      packed != nullptr && check_pairs(*packed) &&
+                      packed->size(0) == pairs_tiles(proj[i]->size(0)) &&
+                      2 * packed->size(1) == proj[i]->size(1),
+                  "srupp layer_step: quant 3 takes bf16 weights and their copies packed by "
+                  "pack_pairs_bf16 (on a CPU with AVX512-BF16)");
+      s.extra[i] = packed;
       continue;
     }
     TORCH_CHECK(proj[i]->scalar_type() == at::kChar && proj[i]->is_contiguous() &&
-                    a.scales != nullptr && a.scales[i].has_value() && a.scales[i]->defined() &&
-                    a.scales[i]->numel() == proj[i]->size(0),
+                    a.extras != nullptr && a.extras[i].has_value() && a.extras[i]->defined() &&
+                    a.extras[i]->numel() == proj[i]->size(0),
                 "srupp layer_step: quantized projections take contiguous int8 weights with "
                 "one scale per output feature");
-    s.wscale[i] = &*a.scales[i];
+    s.extra[i] = &*a.extras[i];
   }
 }
 
@@ -541,6 +571,8 @@ std::tuple<Tensor, Tensor> step_in_one_region(const LayerArgs& a, const LayerSha
     L.c = a.c.data_ptr<float>();
     L.w1 = a.w1.data_ptr<T>(); L.w2 = a.w2.data_ptr<T>();
     L.w3 = s.attention ? a.w3->data_ptr<T>() : nullptr;
+    auto packed = [&](int i) { return s.extra[i] != nullptr ? s.extra[i]->data_ptr<T>() : nullptr; };
+    L.p1 = packed(0); L.p2 = packed(1); L.p3 = packed(2);
     L.alpha = s.attention ? static_cast<float>(*a.alpha->data_ptr<T>()) : 0.f;
     L.norm_w = ptr_or_null<T>(a.norm_weight); L.norm_b = ptr_or_null<T>(a.norm_bias);
     L.attn_norm_w = ptr_or_null<T>(a.attn_norm_weight);
@@ -572,12 +604,12 @@ std::tuple<Tensor, Tensor> step_by_pieces(const LayerArgs& a, const LayerShape& 
   const int64_t B = s.B, dp = s.dp, few = a.few_rows;
   const Tensor xin = s.pre ? maybe_norm(x, a.norm_weight, a.norm_bias, a.norm_eps) : x;  // (B, n_in)
   if (s.has_memory) write_row(*a.memory, a.memory_start + a.cached, xin);
-  const Tensor q = project(xin, a.w1, few, s.wscale[0], a.quant);                 // (B, d')
+  const Tensor q = project(xin, a.w1, few, s.extra[0], a.quant);                 // (B, d')
   Tensor U;
   if (s.attention) {
     const Tensor& kv = *a.kv;
     write_row(kv, a.kv_start + a.cached,
-              project(q, a.w2, few, s.wscale[1], a.quant).contiguous());        // new [K | V]
+              project(q, a.w2, few, s.extra[1], a.quant).contiguous());        // new [K | V]
     Tensor o = at::empty({B, dp}, x.options());
     const int64_t sq[2] = {dp, s.hd};
     const int64_t sk[3] = {kv.stride(0), s.hd, kv.stride(1)};
@@ -594,10 +626,10 @@ std::tuple<Tensor, Tensor> step_by_pieces(const LayerArgs& a, const LayerShape& 
                          y.data_ptr<scalar_t>(), B * dp);
     });
     U = project(maybe_norm(y, a.attn_norm_weight, a.attn_norm_bias, a.attn_norm_eps), *a.w3,
-                few, s.wscale[2], a.quant);                                       // (B, k*D)
+                few, s.extra[2], a.quant);                                       // (B, k*D)
   } else {
     U = project(maybe_norm(q, a.attn_norm_weight, a.attn_norm_bias, a.attn_norm_eps), a.w2,
-                few, s.wscale[1], a.quant);
+                few, s.extra[1], a.quant);
   }
   U = U.contiguous();
   Tensor h = at::empty({B, s.D}, x.options());
@@ -618,7 +650,8 @@ std::tuple<Tensor, Tensor> layer_step_run(const LayerArgs& a) {
   // One region pays off at a handful of rows, where forks and joins weigh as much as the
   // work; from 8 rows on the pieces' own parallel loops were as fast or faster (32 rows:
   // 2.0 against 2.7 ms a step, docs/deploy.md). Both give the same bits.
-  if (a.quant == kFloatWeights && s.B <= std::min<int64_t>(a.few_rows, kTeamMaxRows) &&
+  if ((a.quant == kFloatWeights || a.quant == kPairs) &&
+      s.B <= std::min<int64_t>(a.few_rows, kTeamMaxRows) &&
       team_enabled.load(std::memory_order_relaxed))
     return step_in_one_region(a, s);
   return step_by_pieces(a, s);
@@ -652,8 +685,8 @@ size_t Stack::check(const Tensor& c, const char* op) const {
   TORCH_CHECK(weights.size() == 10 * n && kv.size() == n && memory.size() == n &&
                   norm_eps.size() == n && attn_norm_eps.size() == n && scale_x.size() == n &&
                   num_heads.size() == n && normalize_after.size() == n &&
-                  scales.size() == 3 * n && quant.size() == n,
-              "srupp ", op, ": 10 weights, 3 scales and one of each per-layer argument for "
+                  extras.size() == 3 * n && quant.size() == n,
+              "srupp ", op, ": 10 weights, 3 extras and one of each per-layer argument for "
               "each of the ", n, " layers");
   for (size_t l = 0; l < n; ++l) {
     for (int i : {0, 1, 8, 9})
@@ -676,7 +709,7 @@ Tensor Stack::run(const Tensor& x, const Tensor& c, Tensor& c_out,
         {h, c_l, *w[0], *w[1], w[2], w[3], w[4], w[5], w[6], w[7], *w[8], *w[9], kv[l],
          memory[l], memory_pad, kv_start[l], memory_start[l], cached, norm_eps[l],
          attn_norm_eps[l], scale_x[l], num_heads[l], normalize_after[l] != 0, few_rows,
-         quant[l], &scales[3 * l]});
+         quant[l], &extras[3 * l]});
     const int64_t BD = c_next.numel();
     std::memcpy(c_out.data_ptr<float>() + static_cast<int64_t>(l) * BD,
                 c_next.data_ptr<float>(), sizeof(float) * BD);
@@ -706,8 +739,9 @@ std::pair<OptTensors, OptTensors> Stack::views(const int64_t* kv_start,
 // alpha, norm_weight, norm_bias, attn_norm_weight, attn_norm_bias, weight_c, bias), its
 // buffers kv[l] and memory[l] (None: none) at row offsets kv_start[l] and
 // memory_start[l], and its own scalars; `cached` and memory_pad are the stack's. quant[l]
-// says how layer l's W1, W2, W3 are held (0 float, 1 int8, 2 w8a8: enum Quant above),
-// and scales[3l .. 3l+2] hold their scales when they are int8 (else None).
+// says how layer l's W1, W2, W3 are held (0 float, 1 int8, 2 w8a8, 3 bf16 pairs: enum Quant
+// above), and extras[3l .. 3l+2] hold their scales when they are int8, their pair-packed
+// copies with 3 (else None).
 // Returns the last layer's h (B, D), every layer's new c (layers, B, D) fp32, and for
 // each layer with a memory buffer its memory and [K | V] after the token, the views
 // rows start + first .. start + first + kept - 1 of its buffers (None for the others).
@@ -720,10 +754,10 @@ stack_step_cpu(const Tensor& x, const Tensor& c, const std::vector<std::optional
                int64_t kept, const std::vector<double>& norm_eps,
                const std::vector<double>& attn_norm_eps, const std::vector<double>& scale_x,
                const std::vector<int64_t>& num_heads, const std::vector<int64_t>& normalize_after,
-               int64_t few_rows, const std::vector<std::optional<Tensor>>& scales,
+               int64_t few_rows, const std::vector<std::optional<Tensor>>& extras,
                const std::vector<int64_t>& quant) {
   const layer_step_impl::Stack stack{weights, kv, memory, norm_eps, attn_norm_eps, scale_x,
-                                     num_heads, normalize_after, few_rows, scales, quant};
+                                     num_heads, normalize_after, few_rows, extras, quant};
   const size_t n = stack.check(c, "stack_step");
   TORCH_CHECK(kv_start.size() == n && memory_start.size() == n,
               "srupp stack_step: one kv_start and one memory_start per layer");

@@ -12,6 +12,8 @@
 
 #include "common.h"
 
+#include <ATen/ops/zeros.h>
+
 // Unrolled, the small loops over a block's rows and features index their accumulator
 // arrays with constants, so the compiler keeps the arrays in registers (without, GCC
 // kept them on the stack outside the main loop, which short rows felt).
@@ -327,7 +329,145 @@ void linear_rows_bf16_dot(const BFloat16* x, const BFloat16* w, int64_t ldw,
 }
 
 }  // namespace
+
+// ---- Pair-packed bf16 weights ------------------------------------------------------
+// W (O, I), I even, held in tiles of 48 outputs as (T, I/2, 48, 2), T = ceil(O / 48):
+// tile t, pair p holds outputs 48t .. 48t + 47's weights for inputs 2p and 2p + 1 side by
+// side (zeros past O). One vdpbf16ps takes 16 outputs' weights for a pair in one load and
+// the row's pair of x broadcast to every lane, and adds both products into the 16
+// outputs' lanes. There is no horizontal sum (dot4_rows spent a quarter of its time on
+// them at rows of 256), each load of W serves up to 8 rows, and a tile's weights are one
+// contiguous stream (the hardware prefetcher follows it when they come from memory).
+// Each output is one lane's chain over p = 0, 1, .., I/2 - 1 in order, in any block, at
+// any R and on any thread: a row's result is that of the row alone.
+namespace {
+
+constexpr int64_t kTile = 48;  // outputs per tile: 3 vectors
+
+// Rows 0 .. NR - 1 of x (ldx apart) against NT tiles from tile t (tiles of the packed W,
+// P pairs each): y[r * ldy + o] for o in [48 t, min(O, 48 (t + NT))). NR * NT * 3
+// accumulators; at few rows several tiles at once keep 12 or more chains going.
+template <int NR, int NT>
+inline void pairs_block(const BFloat16* x, int64_t ldx, const BFloat16* wp, int64_t P,
+                        int64_t O, int64_t t, const BFloat16* bias, BFloat16* y, int64_t ldy) {
+  constexpr int NV = 3 * NT;
+  __m512 acc[NR][NV];
+  SRUPP_UNROLL
+  for (int r = 0; r < NR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  const int64_t tile_elems = P * 2 * kTile;
+  const BFloat16* w0 = wp + t * tile_elems;
+  for (int64_t p = 0; p < P; ++p) {
+    __m512bh w[NV];
+    SRUPP_UNROLL
+    for (int v = 0; v < NV; ++v) w[v] = load_bf16(w0 + (v / 3) * tile_elems + p * 2 * kTile + kB * (v % 3));
+    SRUPP_UNROLL
+    for (int r = 0; r < NR; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + 2 * p, sizeof(pair));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      SRUPP_UNROLL
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], w[v], xb);
+    }
+  }
+  const int64_t o0 = t * kTile;
+  SRUPP_UNROLL
+  for (int v = 0; v < NV; ++v) {
+    const int64_t o = o0 + 16 * v;
+    if (o >= O) break;
+    const int n = static_cast<int>(std::min<int64_t>(16, O - o));
+    const __mmask16 m = static_cast<__mmask16>((1u << n) - 1);
+    const __m512 b = bias == nullptr ? _mm512_setzero_ps()
+                         : _mm512_castsi512_ps(_mm512_slli_epi32(
+                               _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, bias + o)), 16));
+    SRUPP_UNROLL
+    for (int r = 0; r < NR; ++r) {
+      const __m256i h = (__m256i)_mm512_cvtneps_pbh(bias == nullptr ? acc[r][v] : _mm512_add_ps(acc[r][v], b));
+      _mm256_mask_storeu_epi16(y + r * ldy + o, m, h);
+    }
+  }
+}
+
+// rows r0 .. R - 1 against NT tiles from t: 8 rows at a time, then 4, 2, 1
+template <int NT>
+void pairs_rows(const BFloat16* x, int64_t ldx, const BFloat16* wp, int64_t P, int64_t O,
+                int64_t t, const BFloat16* bias, BFloat16* y, int64_t ldy, int64_t r, int64_t R) {
+  for (; r + 8 <= R; r += 8)
+    pairs_block<8, NT>(x + r * ldx, ldx, wp, P, O, t, bias, y + r * ldy, ldy);
+  if (r + 4 <= R) {
+    pairs_block<4, NT>(x + r * ldx, ldx, wp, P, O, t, bias, y + r * ldy, ldy);
+    r += 4;
+  }
+  if (r + 2 <= R) {
+    pairs_block<2, NT>(x + r * ldx, ldx, wp, P, O, t, bias, y + r * ldy, ldy);
+    r += 2;
+  }
+  if (r < R) pairs_block<1, NT>(x + r * ldx, ldx, wp, P, O, t, bias, y + r * ldy, ldy);
+}
+
+}  // namespace
+
+void linear_pairs_bf16_range(const BFloat16* x, int64_t ldx, const BFloat16* wp, int64_t I,
+                             int64_t O, const BFloat16* bias, BFloat16* y, int64_t ldy,
+                             int64_t R, int64_t t0, int64_t t1) {
+  const int64_t P = I / 2;
+  int64_t t = t0;
+  if (R < 4) {  // one or a few rows: 4 tiles at once (12 chains a row), then one
+    for (; t + 4 <= t1; t += 4) pairs_rows<4>(x, ldx, wp, P, O, t, bias, y, ldy, 0, R);
+  }
+  for (; t < t1; ++t) pairs_rows<1>(x, ldx, wp, P, O, t, bias, y, ldy, 0, R);
+}
 #endif
+
+int64_t pairs_tiles(int64_t O) { return (O + 47) / 48; }
+
+// (O, I) -> (T, I/2, 48, 2), I even: the layout linear_pairs_bf16 reads.
+Tensor pack_pairs_bf16_cpu(const Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 && weight.size(1) % 2 == 0,
+              "srupp pack_pairs_bf16: a bfloat16 weight (O, I) with I even expected, got ",
+              weight.scalar_type(), " ", weight.sizes());
+  const int64_t O = weight.size(0), I = weight.size(1), T = pairs_tiles(O);
+  Tensor padded = at::zeros({T * 48, I}, weight.options());
+  padded.narrow(0, 0, O).copy_(weight);
+  return padded.view({T, 48, I / 2, 2}).transpose(1, 2).contiguous();
+}
+
+bool check_pairs(const Tensor& wp) {
+  return wp.dim() == 4 && wp.size(2) == 48 && wp.size(3) == 2 &&
+         wp.scalar_type() == at::kBFloat16 && wp.is_contiguous();
+}
+
+// y (R, O) = x (R, I) @ W^T (+ bias), W (O, I) packed by pack_pairs_bf16 (O given: the
+// tiles hold up to 47 zero outputs more).
+Tensor linear_pairs_bf16_cpu(const Tensor& x, const Tensor& wp, int64_t O,
+                             const std::optional<Tensor>& bias) {
+  TORCH_CHECK(linear_rows_bf16_native(),
+              "srupp linear_pairs_bf16: needs a CPU with AVX512-BF16 (the extension was built "
+              "without it)");
+  TORCH_CHECK(check_pairs(wp) && O > 48 * (wp.size(0) - 1) && O <= 48 * wp.size(0),
+              "srupp linear_pairs_bf16: weights packed by pack_pairs_bf16 ((T, I/2, 48, 2) "
+              "bfloat16 contiguous) for ", O, " outputs expected, got ", wp.scalar_type(), " ",
+              wp.sizes());
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() &&
+                  x.size(1) == 2 * wp.size(1),
+              "srupp linear_pairs_bf16: x (R, I) bfloat16 contiguous with I = ", 2 * wp.size(1),
+              " expected, got ", x.scalar_type(), " ", x.sizes());
+  const int64_t R = x.size(0), I = x.size(1);
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias)
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == O,
+                "srupp linear_pairs_bf16: bias (O,) bfloat16");
+  Tensor y = at::empty({R, O}, x.options());
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+  const BFloat16* b = has_bias ? bias->data_ptr<BFloat16>() : nullptr;
+  const int64_t grain = std::max<int64_t>(1, rows_grain(R, I, 2) / 48);  // in tiles
+  at::parallel_for(0, wp.size(0), grain, [&](int64_t t0, int64_t t1) {
+    linear_pairs_bf16_range(x.data_ptr<BFloat16>(), I, wp.data_ptr<BFloat16>(), I, O, b,
+                            y.data_ptr<BFloat16>(), O, R, t0, t1);
+  });
+#endif
+  return y;
+}
 
 // True when linear_rows' bf16 products use the AVX512-BF16 dot-product instruction.
 bool linear_rows_bf16_native() {
