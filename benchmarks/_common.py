@@ -259,3 +259,21 @@ def model_flops_per_token(model, mem_len: int, unroll: int) -> int:
     widths = [m.linear1.out_features for m in model.modules() if isinstance(m, SRUppAttention)]
     widths += [m.proj.out_features for m in model.modules() if isinstance(m, Block)]
     return int(6 * matmul + sum(3 * 2 * 2 * keys * w for w in widths))
+
+
+def bf16_gemm_peak(seconds: float = 2.0) -> float:
+    """GFLOP/s of a large bf16 matrix product on this CPU (the best of a few rounds): the
+    compute bound that decoding's products are measured against."""
+    import torch
+
+    n = 2048
+    a, b = torch.randn(n, n, dtype=torch.bfloat16), torch.randn(n, n, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    best, end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t) / 1e9)
+    return best

@@ -49,25 +49,10 @@ import time
 from pathlib import Path
 
 import torch
-from _common import cpu_name
+from _common import bf16_gemm_peak, cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east. "
-
-
-def bf16_gemm_peak(seconds: float = 2.0) -> float:
-    """GFLOP/s of a large bf16 matrix product on this CPU (the best of a few rounds)."""
-    n = 2048
-    a, b = torch.randn(n, n, dtype=torch.bfloat16), torch.randn(n, n, dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ b
-    best, end = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        t = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t) / 1e9)
-    return best
 
 
 def make_checkpoint(kind: str, folder: Path, tiny: bool = False) -> dict:

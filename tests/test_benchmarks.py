@@ -171,9 +171,17 @@ def test_int8_kernels():
     if "skipped" in r:
         pytest.skip(r["skipped"])
     assert list(r["shapes"]) == ["tiny R=1", "tiny R=3"] and r["w8a8_kernel"] in ("vnni", "plain")
+    assert r["bf16_gemm_peak_gflops"] > 0
+    from srupp.ops import cpu_kernels
+
+    # the pair-packed format exactly where the extension has AVX512-BF16 products
+    pairs = ("bf16_pairs",) if cpu_kernels.load().linear_rows_bf16_native() else ()
+    assert ("bf16_pairs" in r["shapes"]["tiny R=1"]) == bool(pairs)
     for res in r["shapes"].values():
-        for k in ("bf16", "int8", "w8a8", "w8a8_plain", "copy_bf16", "copy_int8"):
+        for k in ("bf16", "int8", "w8a8", "w8a8_plain", "copy_bf16", "copy_int8") + pairs:
             assert res[k]["us"] > 0 and res[k]["GBps"] > 0
+        for k in ("bf16", "int8", "w8a8", "w8a8_plain") + pairs:
+            assert res[k]["share_of_gemm_peak"] > 0
 
 
 def test_decode():
