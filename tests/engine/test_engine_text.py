@@ -98,6 +98,36 @@ def test_decoder_pieces_are_the_decoded_text_for_random_ids(name):
 
 
 @pytest.mark.parametrize("name", list(TOKS))
+def test_push_many_gives_the_text_of_pushing_one_by_one(name):
+    """Ids handed on in chunks of random sizes (the engine's chunks) give, chunk by chunk,
+    the pieces that pushing each id alone gives, joined: bytes past ASCII and invalid
+    UTF-8 split across chunks included."""
+    tok = TOKS[name]
+    rng = random.Random(99)
+    pool = interesting_ids(tok)
+    for trial in range(40):
+        ids = [rng.choice(pool) for _ in range(rng.randrange(1, 80))]
+        one, many = TextDecoder(tok), TextDecoder(tok)
+        k = 0
+        while k < len(ids):
+            n = rng.randrange(1, 12)
+            want = "".join(one.push(t) for t in ids[k:k + n])
+            assert many.push_many(ids[k:k + n]) == want, (trial, ids, k, n)
+            k += n
+        assert many.flush() == one.flush() and many.text == tok.decode(ids)
+        assert many.ids == ids
+
+
+def test_push_many_refuses_a_bad_id_and_keeps_none_of_the_chunk():
+    dec = TextDecoder(ByteTokenizer())
+    for bad in ([104, 256], [-1], [104, "a"], [True]):
+        with pytest.raises((ValueError, TypeError), match="token id"):
+            dec.push_many(bad)
+    assert dec.ids == [] and dec.text == ""
+    assert dec.push_many([104, np.int64(105)]) == "hi"
+
+
+@pytest.mark.parametrize("name", list(TOKS))
 def test_decoder_shows_encoded_text_without_delay(name):
     """Ids of real text: after each id the whole text of the ids so far is shown,
     unless it ends in an incomplete character (U+FFFD)."""
