@@ -83,11 +83,14 @@ def make_checkpoint(kind: str, folder: Path, tiny: bool = False) -> dict:
 
 
 class ServerProcess:
-    def __init__(self, ckpt: Path, *, dtype: str, max_streams: int, mem_len=None):
+    def __init__(self, ckpt: Path, *, dtype: str, max_streams: int, mem_len=None,
+                 chunk_ms=None):
         cmd = [sys.executable, "-m", "srupp", "serve", "--checkpoint", str(ckpt), "--port", "0",
                "--dtype", dtype, "--max-streams", str(max_streams), "--max-queue", "1024"]
         if mem_len is not None:
             cmd += ["--mem-len", str(mem_len)]
+        if chunk_ms is not None:
+            cmd += ["--chunk-ms", str(chunk_ms)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
                                      env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
         self.info = json.loads(self.proc.stdout.readline())
@@ -257,7 +260,8 @@ def share_of_bound(tokens_per_s: float, sizes: dict, peak_gflops: float) -> floa
 
 def run_model(kind: str, ckpt: Path, sizes: dict, args, peak_gflops: float, levels, prompt_len,
               tokens=None, mem_len=None) -> dict:
-    server = ServerProcess(ckpt, dtype=args.dtype, max_streams=max(levels), mem_len=mem_len)
+    server = ServerProcess(ckpt, dtype=args.dtype, max_streams=max(levels), mem_len=mem_len,
+                           chunk_ms=args.chunk_ms)
     try:
         prompt = (TEXT * (prompt_len // len(TEXT) + 1))[:prompt_len]
         asyncio.run(level(server.url, 1, prompt, 8, server))  # warm-up: kernels, allocator
@@ -287,13 +291,15 @@ def main():
                     help="context lengths of the SRU++/Transformer comparison ('' to skip)")
     ap.add_argument("--context-streams", type=int, default=32)
     ap.add_argument("--dtype", default="bf16" if _native_bf16() else "fp32")
+    ap.add_argument("--chunk-ms", type=float, default=None,
+                    help="the server's --chunk-ms (default: the server's own)")
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--tiny", action="store_true", help="small models (the smoke test)")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",") if x]
     peak = bf16_gemm_peak(0.2 if args.tiny else 2.0)
     out = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-           "dtype": args.dtype, "bf16_gemm_peak_gflops": round(peak, 1),
+           "dtype": args.dtype, "chunk_ms": args.chunk_ms, "bf16_gemm_peak_gflops": round(peak, 1),
            "tokens_per_stream": args.tokens, "context_tokens_per_stream": args.context_tokens,
            "load": [], "contexts": []}
     with tempfile.TemporaryDirectory() as tmp:
