@@ -40,7 +40,7 @@ CASES = {
 
 
 def make_args(dtype, B, n_in, D, dp, H, M, attention=True, pre=False, post=False, pad=False,
-              seed=0):
+              seed=0, few_rows=None):
     g = torch.Generator().manual_seed(seed)
 
     def r(*shape, scale=0.3):
@@ -60,7 +60,7 @@ def make_args(dtype, B, n_in, D, dp, H, M, attention=True, pre=False, post=False
         memory=r(B, M + 1, n_in, scale=1.0) if attention else None,
         memory_pad=(torch.rand(B, M, generator=g) < 0.4) if pad and attention else None,
         kv_start=0, memory_start=0, cached=M, norm_eps=1e-5, attn_norm_eps=1e-6, scale_x=1.3, num_heads=H, normalize_after=post,
-        few_rows=FEW_ROWS[dtype])
+        few_rows=FEW_ROWS[dtype] if few_rows is None else few_rows)
 
 
 def clone(args):
@@ -150,7 +150,8 @@ def test_keys_split_over_threads(threads, dtype):
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", [c for c in CASES if c != "gemm_rows"]
-                         + ["long_memory", "long_padded", "two_rows_heads_padded", "no_rows"])
+                         + ["long_memory", "long_padded", "two_rows_heads_padded", "no_rows",
+                            "rows_split_pre", "rows_split_post"])
 def test_one_region_path_is_the_other_path_bit_for_bit(case, dtype, threads):
     """At few rows with float weights the op runs the layer in one parallel region; it
     must give what the op's other path (a parallel region per piece) gives, to the bit,
@@ -159,7 +160,13 @@ def test_one_region_path_is_the_other_path_bit_for_bit(case, dtype, threads):
                   long_padded=dict(B=2, n_in=64, D=64, dp=32, H=1, M=90, pad=True),
                   # within bf16's few-rows limit (2), unlike heads_padded
                   two_rows_heads_padded=dict(B=2, n_in=64, D=64, dp=16, H=4, M=7, pad=True),
-                  no_rows=dict(B=0, n_in=64, D=64, dp=16, H=2, M=3))[case]
+                  no_rows=dict(B=0, n_in=64, D=64, dp=16, H=2, M=3),
+                  # more rows than threads, split unevenly over them (the norms, the memory's
+                  # row and the residual go row by row), with the few-rows kernels at 16
+                  rows_split_pre=dict(B=13, n_in=64, D=64, dp=32, H=2, M=9, pad=True, pre=True,
+                                      few_rows=16),
+                  rows_split_post=dict(B=7, n_in=48, D=64, dp=16, H=1, M=4, post=True,
+                                       few_rows=16))[case]
     args = make_args(dtype, **shapes, seed=7)
     before = torch.get_num_threads()
     outs = []

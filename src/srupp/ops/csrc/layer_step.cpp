@@ -179,11 +179,11 @@ void recurrence_step(const T* U, int64_t k, const T* x, int64_t ldx, const float
 // norms and the recurrence. As separate at::parallel_for regions each costs a fork and a
 // join, and between them the second thread idles while the first allocates and runs the
 // serial pieces. Here the team enters once per layer; the products, the attention's keys
-// and the recurrence's units are split over its threads, barriers stand between dependent
-// pieces, the serial pieces run on thread 0, and the intermediates live in a reused
-// workspace. The arithmetic is the other path's, piece for piece: the same kernels on the
-// same rows, so the results are bit for bit the same (tests/ops/test_layer_step.py checks
-// it).
+// and the recurrence's units are split over its threads, and so are the rows of the
+// pieces that go row by row (norms, copies, the residual); barriers stand between
+// dependent pieces, and the intermediates live in a reused workspace. The arithmetic is
+// the other path's, piece for piece: the same kernels on the same rows, so the results are
+// bit for bit the same (tests/ops/test_layer_step.py checks it).
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 constexpr bool kBf16Dot = true;
@@ -218,9 +218,6 @@ inline void team_barrier() {
 // Set from Python only (srupp.ops.settings.tuning().layer_step_team, common.h); atomic, so
 // that a change while another thread steps is not a data race (that step takes either path).
 std::atomic<bool> team_enabled{true};
-// the most rows the one-region path takes (see layer_step_run)
-constexpr int64_t kTeamMaxRows = 4;
-
 template <typename T>
 const T* ptr_or_null(const std::optional<Tensor>& t) {
   return t.has_value() && t->defined() ? t->data_ptr<T>() : nullptr;
@@ -308,7 +305,7 @@ struct TeamStep {
     yn = ws.take<T>(B * dp);
     U = ws.take<T>(B * L.kD);
     wide = widen ? ws.take<float>(B * std::max(L.n_in, dp)) : nullptr;
-    att_scratch = ws.take<float>(threads * att_stride + att.hd_pad);
+    att_scratch = ws.take<float>(threads * att_stride);
     att.q = q;
     att.o = o;
   }
@@ -318,7 +315,7 @@ struct TeamStep {
     return Workspace::floats(B * L.n_in * sizeof(T)) + 4 * Workspace::floats(B * dp * sizeof(T)) +
            Workspace::floats(B * L.kD * sizeof(T)) +
            Workspace::floats(B * std::max(L.n_in, dp) * 4) +
-           Workspace::floats((threads * att_stride + att.hd_pad) * 4);
+           Workspace::floats(threads * att_stride * 4);
   }
 
   // widen: `wide` = the next product's input in fp32 (thread 0, before a barrier)
@@ -355,20 +352,32 @@ struct TeamStep {
     }
   }
 
-  // thread 0: the pre-norm into xin, the memory's new row, xin widened for W1
-  void read_input() const {
-    const int64_t B = L.B;
-    if (L.pre)
-      layer_norm_rows<T>(L.x, L.ldx, L.norm_w, L.norm_b, L.norm_eps, xin, L.n_in, B, L.n_in);
-    if (L.memory != nullptr)
-      for (int64_t r = 0; r < B; ++r)
-        std::memcpy(L.memory + r * L.mem_s0, xin + r * (L.pre ? L.n_in : L.ldx),
-                    sizeof(T) * L.n_in);
-    widen_input(xin, B * L.n_in);
+  // this thread's rows of the pieces that go row by row (norms, copies, the residual)
+  std::pair<int64_t, int64_t> rows_of(int tid, int nt) const {
+    const int64_t per = (L.B + nt - 1) / nt;
+    const int64_t r0 = std::min(L.B, tid * per);
+    return {r0, std::min(L.B, r0 + per)};
   }
 
-  // every thread: the token's [K | V] row from q, the attention over the keys, then (thread
-  // 0) the blocks merged and y = q + alpha * o
+  // every thread, its rows: the pre-norm into xin, the memory's new row; then (thread 0)
+  // xin widened for W1
+  void read_input(int tid, int nt) const {
+    const auto [r0, r1] = rows_of(tid, nt);
+    if (L.pre && r0 < r1)
+      layer_norm_rows<T>(L.x + r0 * L.ldx, L.ldx, L.norm_w, L.norm_b, L.norm_eps,
+                         xin + r0 * L.n_in, L.n_in, r1 - r0, L.n_in);
+    if (L.memory != nullptr)
+      for (int64_t r = r0; r < r1; ++r)
+        std::memcpy(L.memory + r * L.mem_s0, xin + r * (L.pre ? L.n_in : L.ldx),
+                    sizeof(T) * L.n_in);
+    if (widen) {
+      team_barrier();
+      if (tid == 0) widen_input(xin, L.B * L.n_in);
+    }
+  }
+
+  // every thread: the token's [K | V] row from q, the attention over the keys, the blocks
+  // merged, then its rows of y = q + alpha * o
   void attend(int tid, int nt) {
     const int64_t B = L.B, dp = L.dp;
     if (widen) {
@@ -380,10 +389,12 @@ struct TeamStep {
     float* mine = att_scratch + tid * att_stride;
     for (int64_t t = tid; t < att.tasks(); t += nt) att.task(t, mine);
     team_barrier();
-    if (tid == 0) {
-      for (int64_t n = 0; n < att.NH; ++n) att.finish(n, att_scratch + threads * att_stride);
-      residual<T>(q, o, L.alpha, y, B * dp);
+    if (att.blocks > 1) {  // (one block: each task merged its own)
+      for (int64_t n = tid; n < att.NH; n += nt) att.finish(n, mine);
+      team_barrier();
     }
+    const auto [r0, r1] = rows_of(tid, nt);
+    if (r0 < r1) residual<T>(q + r0 * dp, o + r0 * dp, L.alpha, y + r0 * dp, (r1 - r0) * dp);
   }
 
   // W3's (W2's without attention) input: the attention's output or q, after the
@@ -392,15 +403,21 @@ struct TeamStep {
     return L.attn_norm_w != nullptr ? yn : (attention ? y : q);
   }
 
-  // thread 0: the attention's norm into yn, and W3's input widened
-  void norm_gate_input() const {
+  // every thread, its rows (those of its residual): the attention's norm into yn; then
+  // (thread 0) W3's input widened
+  void norm_gate_input(int tid, int nt) const {
     const T* u_in = attention ? y : q;
+    const auto [r0, r1] = rows_of(tid, nt);
     if (L.attn_norm_w != nullptr) {
-      layer_norm_rows<T>(u_in, L.dp, L.attn_norm_w, L.attn_norm_b, L.attn_norm_eps, yn, L.dp,
-                         L.B, L.dp);
+      if (r0 < r1)
+        layer_norm_rows<T>(u_in + r0 * L.dp, L.dp, L.attn_norm_w, L.attn_norm_b,
+                           L.attn_norm_eps, yn + r0 * L.dp, L.dp, r1 - r0, L.dp);
       u_in = yn;
     }
-    widen_input(u_in, L.B * L.dp);
+    if (widen) {
+      team_barrier();
+      if (tid == 0) widen_input(u_in, L.B * L.dp);
+    }
   }
 
   // every thread: its units of the recurrence, then (thread 0) the post-norm of h
@@ -413,7 +430,10 @@ struct TeamStep {
                          j0, j1);
     if (L.post) {
       team_barrier();
-      if (tid == 0) layer_norm_rows<T>(h, D, L.norm_w, L.norm_b, L.norm_eps, h, D, L.B, D);
+      const auto [r0, r1] = rows_of(tid, nt);
+      if (r0 < r1)
+        layer_norm_rows<T>(h + r0 * D, D, L.norm_w, L.norm_b, L.norm_eps, h + r0 * D, D,
+                           r1 - r0, D);
     }
   }
 
@@ -423,12 +443,12 @@ struct TeamStep {
 #endif
     {
       const int nt = team_size(), tid = team_rank();
-      if (tid == 0) read_input();
+      read_input(tid, nt);
       team_barrier();
       product(tid, nt, xin, L.w1, L.p1, L.n_in, L.dp, q, L.dp);                // q (B, d')
       team_barrier();
       if (attention) attend(tid, nt);                                         // y (B, d')
-      if (tid == 0) norm_gate_input();
+      norm_gate_input(tid, nt);
       team_barrier();
       product(tid, nt, gate_input(), attention ? L.w3 : L.w2, attention ? L.p3 : L.p2, L.dp,
               L.kD, U, L.kD);                                                 // U
@@ -688,11 +708,10 @@ std::tuple<Tensor, Tensor> step_by_pieces(const LayerArgs& a, const LayerShape& 
 // One layer's step (layer_step_cpu's, with W1, W2, W3 optionally int8: LayerArgs).
 std::tuple<Tensor, Tensor> layer_step_run(const LayerArgs& a) {
   const LayerShape s = check_layer(a);
-  // One region pays off at a handful of rows, where forks and joins weigh as much as the
-  // work; from 8 rows on the pieces' own parallel loops were as fast or faster (32 rows:
-  // 2.0 against 2.7 ms a step, docs/deploy.md). Both give the same bits.
-  if ((a.quant == kFloatWeights || a.quant == kPairs) &&
-      s.B <= std::min<int64_t>(a.few_rows, kTeamMaxRows) &&
+  // One region, wherever the few-rows kernels run: with the pieces that go row by row split
+  // over the threads too, it was as fast as a region per piece or faster at 1 to 128 rows
+  // (3.5% at 32, 6-7% at 8 and 16; docs/deploy.md). Both give the same bits.
+  if ((a.quant == kFloatWeights || a.quant == kPairs) && s.B <= a.few_rows &&
       team_enabled.load(std::memory_order_relaxed))
     return step_in_one_region(a, s);
   return step_by_pieces(a, s);
