@@ -305,7 +305,7 @@ def _pairs(x, w, b=None):
 @pytest.mark.parametrize("bias", [False, True])
 def test_pair_packed_kernel_matches_reference(rows, K, N, bias):
     # tiles of 48 outputs with the last one partial (17, 70, 100, 129, 257), 1 to 40 rows
-    # (blocks of 8, 4, 2 and 1, and 4 tiles at once under 4 rows)
+    # (blocks of 8, 4, 2 and 1 rows; 3, 2 or 1 vectors of 16, 12 at once under 4 rows)
     g = torch.Generator().manual_seed(rows * 1000 + K + N)
     x = (torch.randn(rows, K, generator=g) / K ** 0.5).bfloat16()
     w = torch.randn(N, K, generator=g).bfloat16()

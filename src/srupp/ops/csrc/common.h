@@ -166,11 +166,11 @@ void linear_rows_range(const float* x, const T* w, int64_t ldw, const T* bias, T
 void linear_rows_bf16_dot_range(const BFloat16* x, const BFloat16* w, int64_t ldw,
                                 const BFloat16* bias, BFloat16* y, int64_t ldy, int64_t R,
                                 int64_t I, int64_t o0, int64_t o1);
-// Tiles t0 .. t1 - 1 (outputs 48 t0 .. min(O, 48 t1) - 1) of x (R, I; rows ldx apart)
-// against pair-packed weights wp (pack_pairs_bf16), I even.
+// Vectors v0 .. v1 - 1 of 16 outputs (outputs 16 v0 .. min(O, 16 v1) - 1) of x (R, I; rows
+// ldx apart) against pair-packed weights wp (pack_pairs_bf16), I even.
 void linear_pairs_bf16_range(const BFloat16* x, int64_t ldx, const BFloat16* wp, int64_t I,
                              int64_t O, const BFloat16* bias, BFloat16* y, int64_t ldy,
-                             int64_t R, int64_t t0, int64_t t1);
+                             int64_t R, int64_t v0, int64_t v1);
 #endif
 Tensor linear_rows_cpu(const Tensor& x, const Tensor& weight, const std::optional<Tensor>& bias);
 bool linear_rows_bf16_native();

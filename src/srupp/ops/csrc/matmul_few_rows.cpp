@@ -344,36 +344,37 @@ namespace {
 
 constexpr int64_t kTile = 48;  // outputs per tile: 3 vectors
 
-// Rows 0 .. NR - 1 of x (ldx apart) against NT tiles from tile t (tiles of the packed W,
-// P pairs each): y[r * ldy + o] for o in [48 t, min(O, 48 (t + NT))). NR * NT * 3
-// accumulators; at few rows several tiles at once keep 12 or more chains going.
-template <int NR, int NT>
+// Rows 0 .. NR - 1 of x (ldx apart) against NV vectors of 16 outputs from vector v
+// (outputs 16 v .. 16 (v + NV) - 1, those under O), which may span tiles of the packed W
+// (P pairs each): y[r * ldy + o]. NR * NV accumulators; at few rows many vectors at once
+// keep 12 or more chains going.
+template <int NR, int NV>
 inline void pairs_block(const BFloat16* x, int64_t ldx, const BFloat16* wp, int64_t P,
-                        int64_t O, int64_t t, const BFloat16* bias, BFloat16* y, int64_t ldy) {
-  constexpr int NV = 3 * NT;
+                        int64_t O, int64_t v, const BFloat16* bias, BFloat16* y, int64_t ldy) {
   __m512 acc[NR][NV];
   SRUPP_UNROLL
   for (int r = 0; r < NR; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_setzero_ps();
   const int64_t tile_elems = P * 2 * kTile;
-  const BFloat16* w0 = wp + t * tile_elems;
+  const BFloat16* w0[NV];  // vector i's weights for pair 0; pair p is 2 kTile further
+  SRUPP_UNROLL
+  for (int i = 0; i < NV; ++i) w0[i] = wp + (v + i) / 3 * tile_elems + kB * ((v + i) % 3);
   for (int64_t p = 0; p < P; ++p) {
     __m512bh w[NV];
     SRUPP_UNROLL
-    for (int v = 0; v < NV; ++v) w[v] = load_bf16(w0 + (v / 3) * tile_elems + p * 2 * kTile + kB * (v % 3));
+    for (int i = 0; i < NV; ++i) w[i] = load_bf16(w0[i] + p * 2 * kTile);
     SRUPP_UNROLL
     for (int r = 0; r < NR; ++r) {
       int32_t pair;
       std::memcpy(&pair, x + r * ldx + 2 * p, sizeof(pair));
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
       SRUPP_UNROLL
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], w[v], xb);
+      for (int i = 0; i < NV; ++i) acc[r][i] = _mm512_dpbf16_ps(acc[r][i], w[i], xb);
     }
   }
-  const int64_t o0 = t * kTile;
   SRUPP_UNROLL
-  for (int v = 0; v < NV; ++v) {
-    const int64_t o = o0 + 16 * v;
+  for (int i = 0; i < NV; ++i) {
+    const int64_t o = 16 * (v + i);
     if (o >= O) break;
     const int n = static_cast<int>(std::min<int64_t>(16, O - o));
     const __mmask16 m = static_cast<__mmask16>((1u << n) - 1);
@@ -382,40 +383,44 @@ inline void pairs_block(const BFloat16* x, int64_t ldx, const BFloat16* wp, int6
                                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, bias + o)), 16));
     SRUPP_UNROLL
     for (int r = 0; r < NR; ++r) {
-      const __m256i h = (__m256i)_mm512_cvtneps_pbh(bias == nullptr ? acc[r][v] : _mm512_add_ps(acc[r][v], b));
+      const __m256i h = (__m256i)_mm512_cvtneps_pbh(bias == nullptr ? acc[r][i] : _mm512_add_ps(acc[r][i], b));
       _mm256_mask_storeu_epi16(y + r * ldy + o, m, h);
     }
   }
 }
 
-// rows r0 .. R - 1 against NT tiles from t: 8 rows at a time, then 4, 2, 1
-template <int NT>
+// every row against NV vectors from v: 8 rows at a time, then 4, 2, 1
+template <int NV>
 void pairs_rows(const BFloat16* x, int64_t ldx, const BFloat16* wp, int64_t P, int64_t O,
-                int64_t t, const BFloat16* bias, BFloat16* y, int64_t ldy, int64_t r, int64_t R) {
+                int64_t v, const BFloat16* bias, BFloat16* y, int64_t ldy, int64_t R) {
+  int64_t r = 0;
   for (; r + 8 <= R; r += 8)
-    pairs_block<8, NT>(x + r * ldx, ldx, wp, P, O, t, bias, y + r * ldy, ldy);
+    pairs_block<8, NV>(x + r * ldx, ldx, wp, P, O, v, bias, y + r * ldy, ldy);
   if (r + 4 <= R) {
-    pairs_block<4, NT>(x + r * ldx, ldx, wp, P, O, t, bias, y + r * ldy, ldy);
+    pairs_block<4, NV>(x + r * ldx, ldx, wp, P, O, v, bias, y + r * ldy, ldy);
     r += 4;
   }
   if (r + 2 <= R) {
-    pairs_block<2, NT>(x + r * ldx, ldx, wp, P, O, t, bias, y + r * ldy, ldy);
+    pairs_block<2, NV>(x + r * ldx, ldx, wp, P, O, v, bias, y + r * ldy, ldy);
     r += 2;
   }
-  if (r < R) pairs_block<1, NT>(x + r * ldx, ldx, wp, P, O, t, bias, y + r * ldy, ldy);
+  if (r < R) pairs_block<1, NV>(x + r * ldx, ldx, wp, P, O, v, bias, y + r * ldy, ldy);
 }
 
 }  // namespace
 
 void linear_pairs_bf16_range(const BFloat16* x, int64_t ldx, const BFloat16* wp, int64_t I,
                              int64_t O, const BFloat16* bias, BFloat16* y, int64_t ldy,
-                             int64_t R, int64_t t0, int64_t t1) {
+                             int64_t R, int64_t v0, int64_t v1) {
   const int64_t P = I / 2;
-  int64_t t = t0;
-  if (R < 4) {  // one or a few rows: 4 tiles at once (12 chains a row), then one
-    for (; t + 4 <= t1; t += 4) pairs_rows<4>(x, ldx, wp, P, O, t, bias, y, ldy, 0, R);
-  }
-  for (; t < t1; ++t) pairs_rows<1>(x, ldx, wp, P, O, t, bias, y, ldy, 0, R);
+  int64_t v = v0;
+  if (R < 4)  // one or a few rows: 12 vectors at once (12 chains a row)
+    for (; v + 12 <= v1; v += 12) pairs_rows<12>(x, ldx, wp, P, O, v, bias, y, ldy, R);
+  // 3 vectors at a time: 24 accumulators at 8 rows, and their weights (48 KiB at
+  // I = 1,024) stay in L1/L2 while every row block goes by
+  for (; v + 3 <= v1; v += 3) pairs_rows<3>(x, ldx, wp, P, O, v, bias, y, ldy, R);
+  if (v + 2 <= v1) pairs_rows<2>(x, ldx, wp, P, O, v, bias, y, ldy, R);
+  else if (v < v1) pairs_rows<1>(x, ldx, wp, P, O, v, bias, y, ldy, R);
 }
 #endif
 
@@ -460,10 +465,10 @@ Tensor linear_pairs_bf16_cpu(const Tensor& x, const Tensor& wp, int64_t O,
   Tensor y = at::empty({R, O}, x.options());
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
   const BFloat16* b = has_bias ? bias->data_ptr<BFloat16>() : nullptr;
-  const int64_t grain = std::max<int64_t>(1, rows_grain(R, I, 2) / 48);  // in tiles
-  at::parallel_for(0, wp.size(0), grain, [&](int64_t t0, int64_t t1) {
+  const int64_t grain = std::max<int64_t>(1, rows_grain(R, I, 2) / 16);  // in vectors
+  at::parallel_for(0, (O + 15) / 16, grain, [&](int64_t v0, int64_t v1) {
     linear_pairs_bf16_range(x.data_ptr<BFloat16>(), I, wp.data_ptr<BFloat16>(), I, O, b,
-                            y.data_ptr<BFloat16>(), O, R, t0, t1);
+                            y.data_ptr<BFloat16>(), O, R, v0, v1);
   });
 #endif
   return y;
