@@ -302,3 +302,34 @@ def test_a_final_chunk_gives_back_the_row_it_did_not_feed():
     storage = [mem.untyped_storage().data_ptr() for mem in after.memory if mem is not None]
     _, later = m.step(tokens[:, -1], after)
     assert [mem.untyped_storage().data_ptr() for mem in later.memory if mem is not None] == storage
+
+
+@torch.no_grad()
+@DTYPES
+def test_greedy_picks_what_torch_argmax_picks(dtype):
+    """The loop's greedy pick (a plain loop over each row, not ATen's reduction) is
+    torch.argmax's: the first index of a row's maximum (ties included), the first NaN of a
+    row that has one, and logits given at any row stride. One sample, from logits given."""
+    m = make(dtype)
+    rows = torch.tensor([[0.5, 2.0, 2.0, -1.0, 2.0, 0.0],         # ties: the first
+                         [-3.0, -1.0, -2.0, -1.0, -5.0, -4.0],    # all negative, a tie
+                         [1.0, float("nan"), 3.0, float("nan"), 0.0, 9.0],  # the first NaN
+                         [float("nan")] * 6,
+                         [float("-inf")] * 6,
+                         [7.0, 1.0, 1.0, 1.0, 1.0, 7.0]])
+    V = m.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(rows) + 20, 2 * V, generator=g)
+    logits[:len(rows), :6] = rows
+    logits[:len(rows), 6:] = -10.0
+    logits[4] = float("-inf")                                           # a row of -inf only
+    logits = logits.to(dtype)[:, :V]                                  # rows 2V apart
+    B = logits.shape[0]
+    like = m.embedding.weight.new_empty(B, 8)
+    plan = m.backbone.decode_plan(m.generation_state(B), 1, like)
+    tokens, *_ = decode_loop(
+        logits, torch.zeros(B, dtype=torch.bool), m.embedding.weight, output_args(m.output, like),
+        plan.stack_args(), mem_len=plan.mem_len, n=1, final=True, temperature=0.0, top_k=None,
+        top_p=None, generator=None, eos_id=None)
+    assert torch.equal(tokens[:, 0], logits.argmax(-1))
+    assert tokens[:6, 0].tolist() == [1, 1, 1, 0, 0, 0]

@@ -17,11 +17,44 @@ namespace srupp_cpu {
 
 namespace {
 
+// logits.argmax(-1) of (B, V) fp32 or bf16 logits with contiguous rows, in a plain loop:
+// ATen's reduction took 30 us for 32 rows of 256 (4% of a 32-stream step, on one
+// thread). As torch.argmax: the first index of the row's maximum, or of its first NaN.
+template <typename T>
+void argmax_rows(const T* l, int64_t ld, int64_t B, int64_t V, int64_t* out) {
+  for (int64_t b = 0; b < B; ++b) {
+    const T* row = l + b * ld;
+    int64_t best = 0;
+    float top = static_cast<float>(row[0]);
+    for (int64_t v = 1; v < V && !std::isnan(top); ++v) {
+      const float x = static_cast<float>(row[v]);
+      if (x > top || std::isnan(x)) {
+        top = x;
+        best = v;
+      }
+    }
+    out[b] = best;
+  }
+}
+
+Tensor greedy(const Tensor& logits) {
+  const bool plain = logits.dim() == 2 && logits.size(1) > 0 && logits.stride(1) == 1 &&
+                     (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16);
+  if (!plain) return logits.argmax(-1);
+  const int64_t B = logits.size(0), V = logits.size(1);
+  Tensor out = at::empty({B}, logits.options().dtype(at::kLong));
+  if (logits.scalar_type() == at::kFloat)
+    argmax_rows(logits.data_ptr<float>(), logits.stride(0), B, V, out.data_ptr<int64_t>());
+  else
+    argmax_rows(logits.data_ptr<BFloat16>(), logits.stride(0), B, V, out.data_ptr<int64_t>());
+  return out;
+}
+
 // srupp.models.lm.sample, ATen op for ATen op, so that a seeded generator draws the
 // very tokens the Python loop draws. top_k <= 0 and top_p outside (0, 1) are off.
 Tensor sample(const Tensor& logits, double temperature, int64_t top_k, double top_p,
               const std::optional<at::Generator>& generator) {
-  if (temperature == 0) return logits.argmax(-1);
+  if (temperature == 0) return greedy(logits);
   const double inf = std::numeric_limits<double>::infinity();
   Tensor l = logits.to(at::kFloat) / temperature;
   if (top_k > 0 && top_k < l.size(-1)) {
@@ -47,7 +80,7 @@ Tensor sample_rows(const Tensor& logits, const std::vector<double>& temperature,
                    const std::vector<std::optional<at::Generator>>& generator) {
   if (temperature.size() == 1)
     return sample(logits, temperature[0], top_k[0], top_p[0], generator[0]);
-  Tensor token = logits.argmax(-1);
+  Tensor token = greedy(logits);
   for (int64_t i = 0; i < logits.size(0); ++i)
     if (temperature[i] != 0)
       token.narrow(0, i, 1).copy_(
