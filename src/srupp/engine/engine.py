@@ -498,27 +498,24 @@ class Engine:
         now = time.perf_counter()
         ended: List[Stream] = []
         for s, ids in produced:
+            # the stream takes its ids up to its max_tokens, its end token, its stop string
+            used = min(len(ids), s.sampling.max_tokens - len(s.generated))
+            if self.eos_id is not None and self.eos_id in ids[:used]:
+                used = ids.index(self.eos_id) + 1
             if s.stopper.stops:  # token by token: a stop string may end it at any one
-                text, used = [], 0
-                for t in ids:
-                    used += 1
-                    s.generated.append(t)
-                    s.pending = t
-                    piece, stopped = s.stopper.feed(s.decoder.push(t))
-                    text.append(piece)
-                    if stopped or t == self.eos_id or len(s.generated) >= s.sampling.max_tokens:
-                        ended.append(s)
+                text = []
+                for k, t in enumerate(ids[:used]):
+                    text.append(s.stopper.feed(s.decoder.push(t))[0])
+                    if s.stopper.stopped:
+                        used = k + 1
                         break
-            else:  # only the end token or max_tokens end it: the chunk's ids at once
-                used = min(len(ids), s.sampling.max_tokens - len(s.generated))
-                if self.eos_id is not None and self.eos_id in ids[:used]:
-                    used = ids.index(self.eos_id) + 1
-                s.generated += ids[:used]
-                s.pending = ids[used - 1]
+            else:  # the chunk's text at once
                 text = [s.decoder.push_many(ids[:used])]
-                if used < len(ids) or ids[used - 1] == self.eos_id \
-                        or len(s.generated) >= s.sampling.max_tokens:
-                    ended.append(s)
+            s.generated += ids[:used]
+            s.pending = ids[used - 1]
+            if used < len(ids) or s.stopper.stopped or ids[used - 1] == self.eos_id \
+                    or len(s.generated) >= s.sampling.max_tokens:
+                ended.append(s)
             if s.chunk_start is not None:
                 start, s.chunk_start = s.chunk_start, None
                 if used < len(ids):  # it ended inside the chunk; its row decoded on
