@@ -277,7 +277,32 @@ def test_metrics_count_what_a_request_did(server):
             - before["srupp_inter_token_latency_seconds_count"]) == n - 1
     assert after['srupp_time_to_first_token_seconds_bucket{le="+Inf"}'] == \
         after["srupp_time_to_first_token_seconds_count"]
+    assert after['srupp_inter_token_latency_seconds_bucket{le="+Inf"}'] == \
+        after["srupp_inter_token_latency_seconds_count"]
     assert after["srupp_active_streams"] == after["srupp_queue_depth"] == 0
+
+
+def test_repeated_histogram_exposes_what_one_observation_at_a_time_would():
+    """The inter-token histogram takes a chunk's n equal gaps in one call; its text must be
+    prometheus_client.Histogram's after n observations each (values exact in binary, so
+    that the sums agree to the bit; the library's extra _created series aside)."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from srupp.serve import _RepeatedHistogram
+
+    buckets = (0.125, 0.25, 0.5, 1.0)
+    one, many = CollectorRegistry(), CollectorRegistry()
+    plain = Histogram("gap_seconds", "gaps", registry=one, buckets=buckets)
+    repeated = _RepeatedHistogram("gap_seconds", "gaps", buckets, many)
+    for value, n in [(0.0625, 3), (0.125, 1), (0.25, 2), (0.375, 5), (1.0, 1), (4.0, 2),
+                     (0.5, 0)]:
+        for _ in range(n):
+            plain.observe(value)
+        repeated.observe(value, n)
+    text = [line for line in generate_latest(one).decode().splitlines()
+            if "_created" not in line]
+    assert generate_latest(many).decode().splitlines() == text
+    assert 'gap_seconds_bucket{le="0.125"} 4.0' in text  # le: value <= bound counts
 
 
 # --------------------------------------------------------------------------- bad requests

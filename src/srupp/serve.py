@@ -20,7 +20,9 @@ is saved; the process exits 0.
 
 
 import asyncio
+import bisect
 import gc
+import itertools
 import contextlib
 import json
 import math
@@ -161,6 +163,38 @@ class _Relay:
             queue.put_nowait(event)
 
 
+class _RepeatedHistogram:
+    """A Prometheus histogram that takes n equal observations in one call: a chunk brings
+    each stream its tokens at once, and one ``Histogram.observe`` per token (640 a chunk at
+    32 streams) took 2-3% of the engine's thread. A custom collector, so that its series
+    are those of ``prometheus_client.Histogram`` (``_bucket``, ``_count``, ``_sum``)."""
+
+    def __init__(self, name: str, documentation: str, buckets, registry):
+        self.name, self.documentation = name, documentation
+        self.bounds = [float(b) for b in buckets] + [float("inf")]
+        self.counts = [0] * len(self.bounds)
+        self.total = 0.0
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe(self, value: float, n: int = 1) -> None:
+        i = bisect.bisect_left(self.bounds, value)  # the first bucket with value <= le
+        with self._lock:
+            self.counts[i] += n
+            self.total += value * n
+
+    def collect(self):
+        from prometheus_client.core import HistogramMetricFamily
+        from prometheus_client.utils import floatToGoString
+
+        with self._lock:
+            counts, total = list(self.counts), self.total
+        cumulative = list(itertools.accumulate(counts))
+        yield HistogramMetricFamily(
+            self.name, self.documentation, sum_value=total,
+            buckets=[(floatToGoString(b), c) for b, c in zip(self.bounds, cumulative)])
+
+
 class Server:
     """The engine, its thread, its metrics and the HTTP app around them."""
 
@@ -241,8 +275,8 @@ class Server:
         ttft = Histogram("srupp_time_to_first_token_seconds",
                          "From a request's arrival to its first token", registry=reg,
                          buckets=buckets)
-        itl = Histogram("srupp_inter_token_latency_seconds",
-                        "Between a stream's consecutive tokens", registry=reg, buckets=buckets)
+        itl = _RepeatedHistogram("srupp_inter_token_latency_seconds",
+                                 "Between a stream's consecutive tokens", buckets, reg)
         self.requests = Counter("srupp_requests", "Completion requests by outcome",
                                 ["status"], registry=reg)
         e.on_first_token = ttft.observe

@@ -220,9 +220,10 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         self.closed = False
         self.tokens_generated = 0
-        # observers (the server's metrics): seconds to a stream's first token, between tokens
+        # observers (the server's metrics): seconds to a stream's first token; and between
+        # tokens, as (gap, n): n gaps of that length (a chunk's tokens, spread evenly)
         self.on_first_token: Optional[Callable[[float], None]] = None
-        self.on_inter_token: Optional[Callable[[float], None]] = None
+        self.on_inter_token: Optional[Callable[[float, int], None]] = None
         self._lock = threading.Condition()
         self._queue: Deque[Stream] = collections.deque()
         self._reading: Deque[Stream] = collections.deque()   # reading their prompts
@@ -603,9 +604,8 @@ class Engine:
             gaps -= 1
             if self.on_first_token is not None:
                 self.on_first_token(now - s.submitted)
-        if self.on_inter_token is not None:
-            for _ in range(gaps):
-                self.on_inter_token((now - since) / gaps)
+        if self.on_inter_token is not None and gaps > 0:
+            self.on_inter_token((now - since) / gaps, gaps)
         s.last_token_at = now
 
     def _leave(self, streams: List[Stream], reason: Optional[str]) -> None:
