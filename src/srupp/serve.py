@@ -21,9 +21,9 @@ is saved; the process exits 0.
 
 import asyncio
 import bisect
+import contextlib
 import gc
 import itertools
-import contextlib
 import json
 import math
 import signal
