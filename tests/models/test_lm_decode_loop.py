@@ -333,3 +333,91 @@ def test_greedy_picks_what_torch_argmax_picks(dtype):
         top_p=None, generator=None, eos_id=None)
     assert torch.equal(tokens[:, 0], logits.argmax(-1))
     assert tokens[:6, 0].tolist() == [1, 1, 1, 0, 0, 0]
+
+
+def row_groups(B, temperature=(0.0,), generator=(None,), *, few_rows=64, route="rows",
+               eos_id=-1):
+    """The (first row, rows) groups decode_loop runs a batch of B rows in."""
+    from srupp.ops.layer_step import OUTPUT_ROUTES
+    return cpu_kernels.function("decode_row_groups")(
+        B, few_rows, OUTPUT_ROUTES[route], eos_id, list(temperature), list(generator))
+
+
+def test_row_groups_only_where_no_row_can_depend_on_another():
+    """tuning().decode_row_group rows at a time (a remainder under half a group joins the
+    last); all rows at once wherever grouping could change a row's tokens."""
+    read = cpu_kernels.function("decode_row_group")   # the C++ global the setting sets
+    with tuning().use(decode_row_group=16):
+        assert read() == 16 and row_groups(32) == [(0, 16), (16, 16)]
+        assert row_groups(40) == [(0, 16), (16, 16), (32, 8)]
+        assert row_groups(33) == [(0, 16), (16, 17)]          # one row alone: it joins
+        assert row_groups(23) == [(0, 23)]                    # under a group and a half
+        g = [torch.Generator() for _ in range(32)]
+        per_row = [0.0, 0.7] * 16
+        assert row_groups(32, per_row, g) == [(0, 16), (16, 16)]      # each its own generator
+        assert row_groups(32, per_row, [g[0]] * 32) == [(0, 32)]      # one shared: draw order
+        assert row_groups(32, per_row, [None] * 32) == [(0, 32)]      # the global generator
+        assert row_groups(32, [0.0] * 32, [None] * 32) == [(0, 16), (16, 16)]  # all greedy
+        assert row_groups(32, (0.7,), (g[0],)) == [(0, 32)]   # the batch drawn in one call
+        assert row_groups(32, few_rows=16) == [(0, 32)]       # BLAS's blocking depends on B
+        assert row_groups(32, route="aten") == [(0, 32)]      # so does ATen's output GEMM
+        assert row_groups(32, eos_id=3) == [(0, 32)]          # rows may stop apart
+    with tuning().use(decode_row_group=0):
+        assert read() == 0 and row_groups(128) == [(0, 128)]
+    with tuning().use(decode_row_group=2):
+        assert row_groups(7) == [(0, 2), (2, 2), (4, 2), (6, 1)]
+    with tuning().use(decode_row_group=3):
+        assert row_groups(7) == [(0, 3), (3, 4)]
+
+
+@torch.no_grad()
+@DTYPES
+@pytest.mark.parametrize("case", ["plain", "attention_every_2", "window_slides", "no_memory"])
+@pytest.mark.parametrize("group", [2, 3])
+def test_row_groups_give_what_all_rows_at_once_give(case, dtype, group):
+    """decode_loop with the batch in row groups (each running every token of the call in
+    turn) against all rows at once: the same tokens, logits, state (c, memory, keys and
+    values) and generator states, bit for bit; greedy from given logits after a
+    left-padded prefill, and per-row sampling after ``first`` tokens."""
+    from srupp.ops.matmul import batch_invariant
+
+    m = make(dtype, **CASES[case])
+    B, n = 7, 5
+    prompts = torch.tensor([[3, 1, 4, 1, 5], [0, 0, 9, 2, 6], [2, 7, 1, 8, 2], [0, 5, 3, 5, 8],
+                            [9, 7, 9, 3, 2], [0, 0, 0, 3, 8], [4, 6, 2, 6, 4]])
+    pad = prompts == 0
+    settings = [dict(temperature=0.8 * (i % 3 != 0), top_k=[None, 6][i % 2],
+                     top_p=[None, 0.9][i % 2 == 0]) for i in range(B)]
+
+    def run(rows_at_once: int, per_row: bool):
+        with tuning().use(decode_row_group=rows_at_once), batch_invariant(B):
+            out = m(prompts, m.generation_state(B), mask_pad=pad)
+            state = out.state
+            like = m.embedding.weight.new_empty(B, 8)
+            plan = m.backbone.decode_plan(state, n, like)
+            g = [torch.Generator().manual_seed(10 + i) for i in range(B)]
+            sampling = dict(temperature=0.0, top_k=None, top_p=None, generator=None)
+            first = None
+            if per_row:
+                sampling = {k: [s[k] for s in settings] for k in ("temperature", "top_k", "top_p")}
+                sampling["generator"] = g
+                first = torch.arange(B) % 5
+            got = decode_loop(out.logits[:, -1], torch.zeros(B, dtype=torch.bool),
+                              m.embedding.weight, output_args(m.output, like),
+                              plan.stack_args(), mem_len=plan.mem_len, n=n, final=per_row,
+                              eos_id=None, first=first, **sampling)
+            return got, [x.get_state() for x in g]
+
+    for per_row in (False, True):
+        (tokens, c, logits, memory, kvs, shift), gens = run(group, per_row)
+        (tokens0, c0, logits0, memory0, kvs0, shift0), gens0 = run(0, per_row)
+        assert torch.equal(tokens, tokens0) and tokens.shape == (B, n) and shift == shift0
+        assert torch.equal(c, c0) and torch.equal(logits, logits0)
+        for a, b in zip(memory + kvs, memory0 + kvs0):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+        assert all(torch.equal(a, b) for a, b in zip(gens, gens0))
+    with tuning().use(decode_row_group=group):   # both runs above did split the batch
+        assert len(row_groups(B, few_rows=B)) > 1
+        temperatures = [s["temperature"] for s in settings]
+        own = [torch.Generator() for _ in range(B)]
+        assert len(row_groups(B, temperatures, own, few_rows=B)) > 1

@@ -39,8 +39,9 @@ def test_one_typed_settings_object(monkeypatch):
 def test_tuning_fields_are_checked_and_restored(monkeypatch):
     monkeypatch.setattr(settings, "_tuning", None)  # a fresh object: the defaults
     t = ops.tuning()
-    assert t == settings.Tuning(decode_chunk=64, layer_step_team=True, triton_block=None,
-                                triton_warps=None, triton_stages=None, triton_steps=None)
+    assert t == settings.Tuning(decode_chunk=64, decode_row_group=16, layer_step_team=True,
+                                triton_block=None, triton_warps=None, triton_stages=None,
+                                triton_steps=None)
     assert ops.tuning() is t
     with t.use(decode_chunk=0, triton_block=8, triton_steps=4):
         assert (t.decode_chunk, t.triton_block, t.triton_steps) == (0, 8, 4)
@@ -53,6 +54,8 @@ def test_tuning_fields_are_checked_and_restored(monkeypatch):
     for field, bad, words in [("decode_chunk", -1, "decode_chunk must be an integer >= 0"),
                               ("decode_chunk", True, "decode_chunk must be"),
                               ("layer_step_team", 1, "True or False"),
+                              ("decode_row_group", -2, "decode_row_group must be an integer >= 0"),
+                              ("decode_row_group", 1.0, "decode_row_group must be"),
                               ("triton_block", 48, "triton_block must be None or a power of two"),
                               ("triton_warps", 0, "power of two"),
                               ("triton_stages", 0, "triton_stages must be None .off. or"),

@@ -29,26 +29,28 @@ benchmark script); they are read when a dispatcher first asks, unless a
 :func:`tuning` holds the numbers the kernels and the decoding loop run by (no
 environment variable sets them):
 
-=================== ======= ==================================================
-field               default what
-=================== ======= ==================================================
-``decode_chunk``    64      tokens per call of the C++ token loop
-                            (``CausalLM.generate``); 0: the Python loop
-``layer_step_team`` True    the C++ layer step at few rows in one parallel
-                            region (False: a region per piece; tests compare)
-``pair_packed``     True    bf16 decoding steps multiply by pair-packed copies
-                            of the weights (AVX512-BF16 CPUs; False: the rows'
-                            own layout)
-``triton_block``    None    units per Triton program (a power of two); None
-                            picks by size
-``triton_warps``    None    warps per Triton program; None follows the block
-``triton_stages``   None    software-pipeline depth of the Triton time loop
-``triton_steps``    None    time steps per explicit block in the Triton loop
-=================== ======= ==================================================
+==================== ======= ==================================================
+field                default what
+==================== ======= ==================================================
+``decode_chunk``     64      tokens per call of the C++ token loop
+                             (``CausalLM.generate``); 0: the Python loop
+``decode_row_group`` 16      rows the C++ token loop runs at once where it
+                             may split the batch; 0: all rows together
+``layer_step_team``  True    the C++ layer step at few rows in one parallel
+                             region (False: a region per piece; tests compare)
+``pair_packed``      True    bf16 decoding steps multiply by pair-packed copies
+                             of the weights (AVX512-BF16 CPUs; False: the rows'
+                             own layout)
+``triton_block``     None    units per Triton program (a power of two); None
+                             picks by size
+``triton_warps``     None    warps per Triton program; None follows the block
+``triton_stages``    None    software-pipeline depth of the Triton time loop
+``triton_steps``     None    time steps per explicit block in the Triton loop
+==================== ======= ==================================================
 
-``layer_step_team`` lives in the C++ extension too: :mod:`srupp.ops.cpu_kernels`
-hands the extension over when it loads it (:func:`attach_extension`), and from then
-on every change of the field reaches it.
+``layer_step_team`` and ``decode_row_group`` live in the C++ extension too:
+:mod:`srupp.ops.cpu_kernels` hands the extension over when it loads it
+(:func:`attach_extension`), and from then on every change of a field reaches it.
 """
 
 from __future__ import annotations
@@ -130,6 +132,8 @@ def _positive(v) -> bool:
 _TUNING_RULES: Dict[str, tuple] = {
     "decode_chunk": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
                      "an integer >= 0 (0: the Python loop)"),
+    "decode_row_group": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                         "an integer >= 0 (0: all rows together)"),
     "layer_step_team": (lambda v: isinstance(v, bool), "True or False"),
     "pair_packed": (lambda v: isinstance(v, bool), "True or False"),
     "triton_block": (lambda v: v is None or _power_of_two(v), "None or a power of two"),
@@ -139,7 +143,8 @@ _TUNING_RULES: Dict[str, tuple] = {
 }
 
 # The tuning fields the C++ extension keeps a copy of, and its function that sets it.
-_CPP_SETTERS = {"layer_step_team": "set_layer_step_team"}
+_CPP_SETTERS = {"layer_step_team": "set_layer_step_team",
+                "decode_row_group": "set_decode_row_group"}
 
 
 @dataclasses.dataclass
@@ -152,6 +157,12 @@ class Tuning(_Settings):
     #: reserved for it, few enough that streaming keeps up. 0: the Python loop, one
     #: ``model.step`` per token.
     decode_chunk: int = 64
+    #: Rows the C++ token loop runs at once where it may split the batch (no row's tokens
+    #: depend on the others': csrc/decode_loop.cpp, rows_at_once): each group runs all the
+    #: call's tokens before the next, so its keys and values stay in the cache between
+    #: tokens. 16 rows of the 5M shakespeare-cpu model: 1.09x the tokens/s of 32 rows at
+    #: once (docs/deploy.md). 0: all rows together. The same tokens either way.
+    decode_row_group: int = 16
     #: Whether the C++ layer step (csrc/layer_step.cpp) runs a layer at few rows with float
     #: weights in one parallel region; False: one region per piece (the path int8 weights
     #: and larger batches take). Both give the same bits; the tests compare them.

@@ -310,6 +310,17 @@ struct Stack {
 // ---------------------------------------------------------------------------------
 // decode_loop.cpp: up to n tokens of a causal LM with an SRU++ stack, in C++.
 
+// Rows the token loop runs at once when it may split the batch (decode_loop.cpp,
+// rows_at_once; 0: all); set from Python only (srupp.ops.settings.tuning().decode_row_group).
+extern std::atomic<int64_t> row_group_rows;
+
+// The row groups decode_loop runs, as (first row, rows): all B rows, or groups of
+// row_group_rows where no row's tokens can depend on the others' (decode_loop.cpp).
+std::vector<std::pair<int64_t, int64_t>> decode_row_groups(
+    int64_t B, int64_t few_rows, int64_t out_route, int64_t eos_id,
+    const std::vector<double>& temperature,
+    const std::vector<std::optional<at::Generator>>& generator);
+
 std::tuple<Tensor, Tensor, Tensor, std::vector<std::optional<Tensor>>,
            std::vector<std::optional<Tensor>>, int64_t>
 decode_loop_cpu(const Tensor& logits, const Tensor& done, const Tensor& embedding,

@@ -77,5 +77,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether a layer's step at few rows runs in one parallel region (default on)");
   m.def("layer_step_team", []() { return layer_step_impl::team_enabled.load(); },
         "whether a layer's step at few rows runs in one parallel region");
+  // srupp.ops.settings.tuning().decode_row_group sets it (and reads it back in its tests)
+  m.def("set_decode_row_group", [](int64_t rows) { row_group_rows.store(rows); },
+        "rows the token loop runs at once where it may split the batch (0: all)");
+  m.def("decode_row_group", []() { return row_group_rows.load(); },
+        "rows the token loop runs at once where it may split the batch (0: all)");
+  m.def("decode_row_groups", &decode_row_groups,
+        "the (first row, rows) groups decode_loop runs a batch in (tests read the rule)");
   m.def("vector_width", []() { return static_cast<int64_t>(kW); }, "floats per vector");
 }

@@ -5,6 +5,7 @@
 #include "common.h"
 
 #include <ATen/TensorOperators.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/embedding.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/full_like.h>
@@ -105,6 +106,122 @@ Tensor output(const Tensor& h, const Tensor& w, const std::optional<Tensor>& bia
 
 }  // namespace
 
+// Set from Python only (srupp.ops.settings.tuning().decode_row_group, common.h).
+std::atomic<int64_t> row_group_rows{16};
+
+namespace {
+
+// What one run of the token loop over some rows leaves: the tokens (rows, t), c, the next
+// logits, where each layer's rows start now, the memory length M and the window's shift.
+struct LoopRows {
+  Tensor tokens, c, logits;
+  std::vector<int64_t> ks, ms;
+  int64_t M, shift, t;
+};
+
+// The token loop (decode_loop_cpu below documents it) over the rows of `stack`, c and the
+// other per-row arguments: each of them holds the same rows.
+LoopRows run_loop(const layer_step_impl::Stack& stack, const Tensor& logits, const Tensor& done,
+                  const Tensor& embedding, const Tensor& out_weight,
+                  const std::optional<Tensor>& out_bias, const std::optional<Tensor>& out_scale,
+                  int64_t out_route, const Tensor& c, const std::optional<Tensor>& memory_pad,
+                  const std::vector<int64_t>& kv_start, const std::vector<int64_t>& memory_start,
+                  int64_t cached, int64_t mem_len, int64_t n, bool final, bool keep,
+                  const std::vector<double>& temperature, const std::vector<int64_t>& top_k,
+                  const std::vector<double>& top_p,
+                  const std::vector<std::optional<at::Generator>>& generator, int64_t eos_id,
+                  const std::optional<Tensor>& first) {
+  using layer_step_impl::Stack;
+  const size_t L = kv_start.size();
+  const int64_t B = c.size(1);
+  const bool has_pad = memory_pad.has_value() && memory_pad->defined();
+  std::vector<int64_t> ks(kv_start), ms(memory_start);  // where each layer's rows start now
+  Tensor tokens = at::empty({B, n}, c.options().dtype(at::kLong));
+  Tensor next_logits = logits, c_cur = c;
+  int64_t M = cached, shift = 0, t = 0;
+  bool unfed_first = first.has_value() && first->defined();
+  while (unfed_first || t < n) {
+    Tensor token;
+    if (unfed_first) {  // fed as it is: not sampled, not among the tokens returned
+      token = *first;
+      unfed_first = false;
+    } else {
+      token = sample_rows(next_logits, temperature, top_k, top_p, generator);
+      tokens.select(1, t).copy_(token);
+      ++t;
+      if (eos_id >= 0) {
+        done.logical_or_(token == eos_id);
+        if (done.all().item<bool>()) break;
+      }
+      if (final && t == n) break;
+    }
+    const Tensor x = at::embedding(embedding, token);                       // (B, n_in)
+    std::optional<Tensor> pad;
+    if (has_pad && M > 0) pad = memory_pad->narrow(1, shift, M);
+    Tensor c_next = at::empty_like(c_cur);
+    const Tensor h = stack.run(x, c_cur, c_next, pad, ks.data(), ms.data(), M);
+    c_cur = std::move(c_next);
+    next_logits = output(h, out_weight, out_bias, out_scale, out_route);
+    if (keep) {  // the memory window after the token: its last `kept` rows
+      const int64_t kept = mem_len < 0 ? M + 1 : std::min(M + 1, mem_len);
+      const int64_t dropped = M + 1 - kept;
+      for (size_t l = 0; l < L; ++l)
+        if (Stack::has(stack.memory[l])) { ks[l] += dropped; ms[l] += dropped; }
+      shift += dropped;
+      M = kept;
+    }
+  }
+  return {tokens.narrow(1, 0, t), c_cur, next_logits, ks, ms, M, shift, t};
+}
+
+template <typename V>
+V slice(const V& v, int64_t r0, int64_t g) {  // a per-row list's rows r0 .. r0+g-1 (or its one)
+  if (v.size() == 1) return v;
+  return V(v.begin() + r0, v.begin() + r0 + g);
+}
+
+}  // namespace
+
+// The row groups the loop runs, as (first row, rows): all B at once, or groups of
+// tuning().decode_row_group rows (a remainder under half a group joins the last one),
+// each running every token of the call before the next starts. A group's keys and values
+// then stay in the cache from one token to the next, where all B rows' overflow it (32
+// rows of the 5M shakespeare-cpu model: 17 MB with the weights' 10, on a 32 MB L3;
+// docs/deploy.md). Only where no row's tokens can depend on the others' or on the order
+// rows are drawn in: every product on the few-rows kernels (B <= few_rows: a row's
+// result the same in any batch), the logits by a per-row kernel (not ATen's GEMM), no
+// end token (every row runs the same steps), and each row greedy or drawn by a generator
+// of its own.
+std::vector<std::pair<int64_t, int64_t>> decode_row_groups(
+    int64_t B, int64_t few_rows, int64_t out_route, int64_t eos_id,
+    const std::vector<double>& temperature,
+    const std::vector<std::optional<at::Generator>>& generator) {
+  const int64_t G = row_group_rows.load(std::memory_order_relaxed);
+  const std::vector<std::pair<int64_t, int64_t>> all{{0, B}};
+  if (G <= 0 || B < G + (G + 1) / 2 || B > few_rows || out_route == kAten || eos_id >= 0)
+    return all;
+  if (temperature.size() == 1) {
+    if (temperature[0] != 0) return all;  // the batch is drawn in one call
+  } else {
+    std::vector<const void*> own;
+    for (size_t i = 0; i < temperature.size(); ++i) {
+      if (temperature[i] == 0) continue;
+      if (!generator[i].has_value() || !generator[i]->defined()) return all;  // the global one
+      own.push_back(generator[i]->unsafeGetGeneratorImpl());
+    }
+    std::sort(own.begin(), own.end());
+    if (std::adjacent_find(own.begin(), own.end()) != own.end()) return all;  // one shared
+  }
+  std::vector<std::pair<int64_t, int64_t>> groups;
+  for (int64_t r0 = 0; r0 < B; r0 += G) groups.push_back({r0, std::min(G, B - r0)});
+  if (groups.back().second < (G + 1) / 2) {  // too few rows alone: they join the last group
+    const int64_t rest = groups.back().second;
+    groups.pop_back();
+    groups.back().second += rest;
+  }
+  return groups;
+}
+
 // Up to n tokens of a causal LM with an SRU++ stack, all in C++ (srupp/models/lm.py,
 // CausalLM.generate): per token, sample from `logits` (B, V), then embed the token, run
 // the stack (as stack_step) and the output layer for the next logits. The Python loop
@@ -125,6 +242,7 @@ Tensor output(const Tensor& h, const Tensor& w, const std::optional<Tensor>& bia
 // Returns the tokens (B, t <= n) long, the new c, the next logits, and as stack_step
 // each layer's memory and [K | V] views after the last step, and `shift`, how far the
 // window moved every layer's first row (their views start at start[l] + shift).
+// The rows may run in groups (decode_row_groups): the same tokens, state and logits.
 std::tuple<Tensor, Tensor, Tensor, std::vector<std::optional<Tensor>>,
            std::vector<std::optional<Tensor>>, int64_t>
 decode_loop_cpu(const Tensor& logits, const Tensor& done, const Tensor& embedding,
@@ -173,44 +291,47 @@ decode_loop_cpu(const Tensor& logits, const Tensor& done, const Tensor& embeddin
   TORCH_CHECK(!has_pad || (memory_pad->dim() == 2 && memory_pad->size(0) == B &&
                            memory_pad->size(1) >= cached + most_fed),
               "srupp decode_loop: memory_pad (B, >= cached + n - 1, + 1 with first) bool");
-  std::vector<int64_t> ks(kv_start), ms(memory_start);  // where each layer's rows start now
-  Tensor tokens = at::empty({B, n}, c.options().dtype(at::kLong));
-  Tensor next_logits = logits, c_cur = c;
-  int64_t M = cached, shift = 0, t = 0;
-  bool unfed_first = feed_first;
-  while (unfed_first || t < n) {
-    Tensor token;
-    if (unfed_first) {  // fed as it is: not sampled, not among the tokens returned
-      token = *first;
-      unfed_first = false;
-    } else {
-      token = sample_rows(next_logits, temperature, top_k, top_p, generator);
-      tokens.select(1, t).copy_(token);
-      ++t;
-      if (eos_id >= 0) {
-        done.logical_or_(token == eos_id);
-        if (done.all().item<bool>()) break;
-      }
-      if (final && t == n) break;
+  const auto groups = decode_row_groups(B, few_rows, out_route, eos_id, temperature, generator);
+  std::vector<LoopRows> parts;
+  for (const auto& [r0, g] : groups) {
+    if (g == B) {
+      parts.push_back(run_loop(stack, logits, done, embedding, out_weight, out_bias, out_scale,
+                               out_route, c, memory_pad, kv_start, memory_start, cached,
+                               mem_len, n, final, keep, temperature, top_k, top_p, generator,
+                               eos_id, first));
+      break;
     }
-    const Tensor x = at::embedding(embedding, token);                       // (B, n_in)
-    std::optional<Tensor> pad;
-    if (has_pad && M > 0) pad = memory_pad->narrow(1, shift, M);
-    Tensor c_next = at::empty_like(c_cur);
-    const Tensor h = stack.run(x, c_cur, c_next, pad, ks.data(), ms.data(), M);
-    c_cur = std::move(c_next);
-    next_logits = output(h, out_weight, out_bias, out_scale, out_route);
-    if (keep) {  // the memory window after the token: its last `kept` rows
-      const int64_t kept = mem_len < 0 ? M + 1 : std::min(M + 1, mem_len);
-      const int64_t dropped = M + 1 - kept;
-      for (size_t l = 0; l < L; ++l)
-        if (Stack::has(memory[l])) { ks[l] += dropped; ms[l] += dropped; }
-      shift += dropped;
-      M = kept;
-    }
+    auto rows = [&](const std::optional<Tensor>& t) -> std::optional<Tensor> {
+      if (!t.has_value() || !t->defined()) return t;
+      return t->narrow(0, r0, g);
+    };
+    layer_step_impl::OptTensors kv_g(L), memory_g(L);
+    for (size_t l = 0; l < L; ++l) { kv_g[l] = rows(kv[l]); memory_g[l] = rows(memory[l]); }
+    const Stack group{weights, kv_g, memory_g, norm_eps, attn_norm_eps, scale_x,
+                      num_heads, normalize_after, few_rows, extras, quant};
+    parts.push_back(run_loop(
+        group, feed_first ? logits : logits.narrow(0, r0, g), done.narrow(0, r0, g), embedding,
+        out_weight, out_bias, out_scale, out_route, c.narrow(1, r0, g).contiguous(),
+        rows(memory_pad), kv_start, memory_start, cached, mem_len, n, final, keep,
+        slice(temperature, r0, g), slice(top_k, r0, g), slice(top_p, r0, g),
+        slice(generator, r0, g), eos_id, rows(first)));
+    TORCH_CHECK(parts.back().t == parts.front().t,
+                "srupp decode_loop: row groups ran different numbers of tokens");  // a bug
   }
-  auto [mem_views, kv_views] = stack.views(ks.data(), ms.data(), 0, M);
-  return {tokens.narrow(1, 0, t), c_cur, next_logits, mem_views, kv_views, shift};
+  LoopRows& r = parts.front();
+  if (parts.size() > 1) {
+    std::vector<Tensor> tokens, cs, logits_out;
+    for (const LoopRows& p : parts) {
+      tokens.push_back(p.tokens);
+      cs.push_back(p.c);
+      logits_out.push_back(p.logits);
+    }
+    r.tokens = at::cat(tokens, 0);
+    r.c = at::cat(cs, 1);
+    r.logits = at::cat(logits_out, 0);
+  }
+  auto [mem_views, kv_views] = stack.views(r.ks.data(), r.ms.data(), 0, r.M);
+  return {r.tokens, r.c, r.logits, mem_views, kv_views, r.shift};
 }
 
 }  // namespace srupp_cpu
