@@ -295,9 +295,10 @@ def test_causal_mask_over_memory_promises_its_offset():
 @pytest.mark.parametrize("B,H,S", [(1, 1, 1), (1, 1, 129), (3, 2, 9), (2, 4, 6)])
 @pytest.mark.parametrize("kind", ["none", "bool", "additive"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_one_query_path_matches_sdpa(B, H, S, kind, dtype):
+@pytest.mark.parametrize("hd", [16, 64])  # 64: bf16 takes the AVX512-BF16 walk where it can
+def test_one_query_path_matches_sdpa(B, H, S, kind, dtype, hd):
     mask, _ = _masks(B, 1, S)[kind]
-    q, k, v, _ = _qkv(B, H, 1, S, 16)
+    q, k, v, _ = _qkv(B, H, 1, S, hd)
     ref = ops.attention_reference(q, k, v, mask)
     with torch.no_grad():
         got = attn_mod.attention_one_query(*(t.to(dtype) for t in (q, k, v)), mask)
@@ -318,10 +319,14 @@ def test_one_query_reads_keys_of_a_cache_in_place():
 @pytest.mark.skipif(not ops.cpu_kernels.is_available(),
                     reason="the C++ CPU extension could not be built")
 # hd 256 and 500: the weighted rows' register blocks of every size (16, 8, 4, 2 and 1
-# vectors, then a part-vector)
+# vectors, then a part-vector). bf16 heads a multiple of 32 wide up to 512 take the
+# AVX512-BF16 walk where the CPU has it (32 to 512: its blocks of 8, 4, 2 and 1 pairs of
+# vectors; 300 keys: two blocks); 544 does not.
 @pytest.mark.parametrize("B,H,S,hd", [(1, 1, 1, 1), (1, 1, 200, 156), (2, 3, 5, 7),
                                       (1, 2, 33, 40), (3, 1, 17, 16), (0, 2, 70, 8),
-                                      (2, 1, 129, 256), (1, 1, 45, 500)])
+                                      (2, 1, 129, 256), (1, 1, 45, 500), (1, 1, 20, 32),
+                                      (2, 2, 40, 96), (1, 1, 300, 64), (1, 1, 10, 480),
+                                      (1, 1, 10, 512), (1, 1, 10, 544)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_one_query_kernel_against_fp64(B, H, S, hd, dtype):
     # keys and values as views of one [K | V] cache (B, H, S, 2 hd), read in place;
@@ -342,16 +347,17 @@ def test_one_query_kernel_against_fp64(B, H, S, hd, dtype):
                     reason="the C++ CPU extension could not be built")
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_one_query_kernel_splits_keys_over_threads(threads, dtype):
+@pytest.mark.parametrize("hd", [40, 64])
+def test_one_query_kernel_splits_keys_over_threads(threads, dtype, hd):
     # 300 keys are two blocks (44 and 256 keys), run on the threads and merged;
     # the result is the fp64 softmax's at any count
     g = torch.Generator().manual_seed(threads)
-    q = (torch.randn(1, 1, 1, 40, generator=g) * 2).to(dtype)
-    k, v = (torch.randn(1, 1, 300, 40, generator=g).to(dtype) for _ in range(2))
+    q = (torch.randn(1, 1, 1, hd, generator=g) * 2).to(dtype)
+    k, v = (torch.randn(1, 1, 300, hd, generator=g).to(dtype) for _ in range(2))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = ops.cpu_kernels.function("attend_one_query")(q, k, v, 40 ** -0.5)
+        got = ops.cpu_kernels.function("attend_one_query")(q, k, v, hd ** -0.5)
     finally:
         torch.set_num_threads(before)
     exact = ops.attention_reference(q.double(), k.double(), v.double())
@@ -384,42 +390,44 @@ _needs_kernel = pytest.mark.skipif(not ops.cpu_kernels.is_available(),
 @_needs_kernel
 @pytest.mark.parametrize("S", [7, 100, 300, 700])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_one_query_kernel_row_alone_is_the_row_in_a_batch(S, dtype):
+@pytest.mark.parametrize("hd", [40, 64])
+def test_one_query_kernel_row_alone_is_the_row_in_a_batch(S, dtype, hd):
     """A served stream's output may not depend on who shares its step: each row alone
     (one pair, fewer than the threads) is the same bits as inside a batch of 5."""
     kernel = ops.cpu_kernels.function("attend_one_query")
-    q, k, v = _one_query_inputs(5, S, dtype)
+    q, k, v = _one_query_inputs(5, S, dtype, hd)
     with _threads(2):
-        batched = kernel(q, k, v, 40 ** -0.5)
+        batched = kernel(q, k, v, hd ** -0.5)
         for b in range(5):
-            alone = kernel(q[b:b + 1], k[b:b + 1], v[b:b + 1], 40 ** -0.5)
+            alone = kernel(q[b:b + 1], k[b:b + 1], v[b:b + 1], hd ** -0.5)
             assert torch.equal(alone, batched[b:b + 1]), b
 
 
 @_needs_kernel
 @pytest.mark.parametrize("S", [7, 100, 300, 700])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_one_query_kernel_is_the_same_at_any_thread_count(S, dtype):
+@pytest.mark.parametrize("hd", [40, 64])
+def test_one_query_kernel_is_the_same_at_any_thread_count(S, dtype, hd):
     kernel = ops.cpu_kernels.function("attend_one_query")
-    q, k, v = _one_query_inputs(5, S, dtype, seed=1)
+    q, k, v = _one_query_inputs(5, S, dtype, hd, seed=1)
     outs = []
     for n in (1, 2, 3):
         with _threads(n):
-            outs.append((kernel(q[:1], k[:1], v[:1], 40 ** -0.5), kernel(q, k, v, 40 ** -0.5)))
+            outs.append((kernel(q[:1], k[:1], v[:1], hd ** -0.5), kernel(q, k, v, hd ** -0.5)))
     for one, five in outs[1:]:
         assert torch.equal(one, outs[0][0]) and torch.equal(five, outs[0][1])
 
 
-def _step_args(dtype, B, M, seed):
+def _step_args(dtype, B, M, seed, dp=40):
     """One SRU++ layer's decoding step (srupp::layer_step, the op that reads a padded
-    memory) with one head of 40 dims over M cached keys plus the token's own."""
+    memory) with one head of dp dims over M cached keys plus the token's own."""
     g = torch.Generator().manual_seed(seed)
 
     def r(*shape, scale=0.3):
         return (torch.randn(*shape, generator=g) * scale).to(dtype)
 
     from srupp.ops.matmul import FEW_ROWS
-    d, dp = 32, 40
+    d = 32
     return dict(x=r(B, d, scale=1.0), c=torch.randn(B, d, generator=g), w1=r(dp, d),
                 w2=r(2 * dp, dp), w3=r(3 * d, dp), alpha=r(1, scale=1.0), norm_weight=None,
                 norm_bias=None, attn_norm_weight=None, attn_norm_bias=None,
@@ -446,18 +454,39 @@ def _left_pad(args, P, seed):
 @pytest.mark.parametrize("P", [1, 50, 200, 300])
 @pytest.mark.parametrize("M", [6, 99, 299])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_one_query_left_padding_changes_no_bit(M, P, dtype):
+@pytest.mark.parametrize("dp", [40, 64])
+def test_one_query_left_padding_changes_no_bit(M, P, dtype, dp):
     """A stream batched with longer ones has its memory left-padded: P masked keys
     before its M + 1 real ones (through layer_step, whose attention is this kernel)
     must give the same bits as none, whether the extra keys fill the first block or
     add blocks before it."""
     from srupp.ops.layer_step import layer_step
-    args = _step_args(dtype, 1, M, seed=M)
+    args = _step_args(dtype, 1, M, seed=M, dp=dp)
     with _threads(2):
         h, c = layer_step(**{k: t.clone() if torch.is_tensor(t) else t
                              for k, t in args.items()})
         h_pad, c_pad = layer_step(**_left_pad(args, P, seed=P))
     assert torch.equal(h_pad, h) and torch.equal(c_pad, c)
+
+
+@_needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dp", [40, 64])
+def test_one_query_padded_keys_may_hold_anything(dtype, dp):
+    """A batched memory's padded rows are never written (a new buffer is empty, not
+    zeroed): NaN keys and infinite values there change no bit of the step."""
+    from srupp.ops.layer_step import layer_step
+    padded = _left_pad(_step_args(dtype, 2, 20, seed=5, dp=dp), 30, seed=6)
+    garbage = dict(padded, kv=padded["kv"].clone())
+    garbage["kv"][:, :30, :dp] = float("nan")
+    garbage["kv"][:, :30, dp:] = float("inf")
+
+    def step(args):
+        return layer_step(**{k: t.clone() if torch.is_tensor(t) else t for k, t in args.items()})
+
+    with _threads(2):
+        (h, c), (h_bad, c_bad) = step(padded), step(garbage)
+    assert torch.isfinite(h).all() and torch.equal(h_bad, h) and torch.equal(c_bad, c)
 
 
 @_needs_kernel
