@@ -40,6 +40,37 @@ inline float hsum(const Vec& v) {
 #endif
 }
 
+// p[0 .. n) = exp(p - mx), returning their sum (all 0 when mx is -inf: every key padded).
+// In vectors aligned to the block's end, so that keys added before the first (a left-
+// padded memory: their weights are exact zeros) move no key to another lane and change
+// no sum's order. Sleef's vector exp (1 ulp), not std::exp key by key: the attention
+// 15 to 18% faster (docs/deploy.md).
+inline float softmax_weights(float* p, int64_t n, float mx) {
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  if (mx == kNone) {
+    std::fill(p, p + n, 0.f);
+    return 0.f;
+  }
+  const Vec m(mx);
+  Vec acc(0.f);
+  int64_t t = n;
+  for (; t >= kW; t -= kW) {
+    const Vec e = (Vec::loadu(p + t - kW) - m).exp();
+    e.store(p + t - kW);
+    acc = acc + e;
+  }
+  if (t > 0) {  // the first t weights, in the last t lanes (the others exp(-inf) = 0)
+    alignas(64) float lanes[kW];
+    std::fill(lanes, lanes + kW - t, kNone);
+    std::copy(p, p + t, lanes + kW - t);
+    const Vec e = (Vec::loadu(lanes) - m).exp();
+    e.store(lanes);
+    std::copy(lanes + kW - t, lanes + kW, p);
+    acc = acc + e;
+  }
+  return hsum(acc);
+}
+
 // Keys per block. Each block costs one more task and merge, paid at every batch size (the
 // cut may not depend on it); its scores (1 KiB) stay in L1. A window of w keys decodes over
 // w + 1 (the token's own): at 128 a 128-key window made blocks of 1 and 128 keys, and the
@@ -149,13 +180,7 @@ float attend_keys_pairs(const BFloat16* q, const BFloat16* kb, int64_t skr, cons
     pj = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) * scale;
     mx = std::max(mx, pj);
   }
-  const bool none = mx == -std::numeric_limits<float>::infinity();  // every key padded
-  float sum = 0.f;
-  for (int64_t j = j0; j < j1; ++j) {
-    float& pj = p[j - j0];
-    pj = none ? 0.f : std::exp(pj - mx);
-    sum += pj;
-  }
+  const float sum = softmax_weights(p, j1 - j0, mx);
   // the weighted rows, 8 pairs of vectors at a time in registers (then 4, 2, 1)
   int64_t i = 0;
   for (; i + 8 * kPairVec <= hd; i += 8 * kPairVec)
@@ -232,13 +257,7 @@ float attend_keys(const float* qf, const T* kb, int64_t skr, const T* vb, int64_
     pj = hsum(a0 + a1) * scale;
     mx = std::max(mx, pj);
   }
-  const bool none = mx == -std::numeric_limits<float>::infinity();  // every key padded
-  float sum = 0.f;
-  for (int64_t j = j0; j < j1; ++j) {
-    float& pj = p[j - j0];
-    pj = none ? 0.f : std::exp(pj - mx);
-    sum += pj;
-  }
+  const float sum = softmax_weights(p, j1 - j0, mx);
   // the weighted rows, kAccVecs vectors at a time in registers (then 8, 4, 2, 1)
   int64_t i = 0;
   for (; i + kAccVecs * kW <= full; i += kAccVecs * kW)
