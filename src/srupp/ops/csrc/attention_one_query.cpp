@@ -78,19 +78,9 @@ inline float softmax_weights(float* p, int64_t n, float mx) {
 // (1,024 keys: 5 blocks) over the threads.
 constexpr int64_t kKeysPerBlock = 256;
 
-// Prefetching. A 32-stream step reads 17 MB of keys and values (4 layers, 128-key
-// windows), which come from DRAM; walking them without help reached a quarter of this
-// CPU's read bandwidth (the next key's lines were asked for only when needed). So the
-// score pass asks for key j + kNearKeys into L1 and for the key and value rows of
-// j + kFarKeys into L2, so that the value pass finds its rows there (docs/deploy.md, load).
-constexpr int64_t kNearKeys = 8;
-constexpr int64_t kFarKeys = 32;
-
-template <typename T, int Locality>
-inline void prefetch_row(const T* row, int64_t n) {
-  const char* b = reinterpret_cast<const char*>(row);
-  for (int64_t c = 0; c < n * int64_t(sizeof(T)); c += 64) __builtin_prefetch(b + c, 0, Locality);
-}
+// No software prefetching: the hardware's own keeps up with these walks, from L3 and
+// from DRAM alike. Asking for keys 8 ahead into L1 and rows 32 ahead into L2 (which once
+// helped a slower walk) made them 5 to 40% slower (docs/deploy.md, load).
 
 // acc[0 .. NV*kW) = sum over unpadded j of p[j - j0] * v_j[0 .. NV*kW), in registers: the
 // same fmadd per element in the same key order as a loop through memory, so the same bits.
@@ -156,14 +146,7 @@ float attend_keys_pairs(const BFloat16* q, const BFloat16* kb, int64_t skr, cons
   __m512bh qv[kMaxPairVecs];
   for (int64_t m = 0; m < nq; ++m) qv[m] = (__m512bh)_mm512_loadu_si512(q + m * kPairVec);
   float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t j = j0; j < std::min(j1, j0 + kNearKeys); ++j) prefetch_row<BFloat16, 3>(kb + j * skr, hd);
-  for (int64_t j = j0; j < std::min(j1, j0 + kFarKeys); ++j) prefetch_row<BFloat16, 2>(vb + j * svr, hd);
   for (int64_t j = j0; j < j1; ++j) {
-    if (j + kNearKeys < j1) prefetch_row<BFloat16, 3>(kb + (j + kNearKeys) * skr, hd);
-    if (j + kFarKeys < j1) {
-      prefetch_row<BFloat16, 2>(kb + (j + kFarKeys) * skr, hd);
-      prefetch_row<BFloat16, 2>(vb + (j + kFarKeys) * svr, hd);
-    }
     float& pj = p[j - j0];
     if (padded(j)) {
       pj = -std::numeric_limits<float>::infinity();
@@ -232,14 +215,7 @@ float attend_keys(const float* qf, const T* kb, int64_t skr, const T* vb, int64_
   const int tail = static_cast<int>(hd - full);
   auto padded = [&](int64_t j) { return pad != nullptr && j < pad_len && pad[j]; };
   float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t j = j0; j < std::min(j1, j0 + kNearKeys); ++j) prefetch_row<T, 3>(kb + j * skr, hd);
-  for (int64_t j = j0; j < std::min(j1, j0 + kFarKeys); ++j) prefetch_row<T, 2>(vb + j * svr, hd);
   for (int64_t j = j0; j < j1; ++j) {
-    if (j + kNearKeys < j1) prefetch_row<T, 3>(kb + (j + kNearKeys) * skr, hd);
-    if (j + kFarKeys < j1) {
-      prefetch_row<T, 2>(kb + (j + kFarKeys) * skr, hd);
-      prefetch_row<T, 2>(vb + (j + kFarKeys) * svr, hd);
-    }
     float& pj = p[j - j0];
     if (padded(j)) {
       pj = -std::numeric_limits<float>::infinity();
