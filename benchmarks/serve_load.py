@@ -23,12 +23,13 @@ Models: the 5M ``shakespeare-cpu`` SRU++ (the recipe's shape, random weights: sp
 does not depend on the values) and the project's Transformer at about the same size
 with its KV cache, both with an output bias that keeps generation to ASCII (so that
 every token is one character, which the client counts). Each stream
-reads ``--prompt`` tokens and generates ``--tokens`` (512: long enough that the rate
-while every stream decodes is measured past the arrivals); ``--contexts`` adds runs
+reads ``--prompt`` tokens and generates ``--tokens`` (2,048: long enough that the rate
+while every stream decodes is timed over most of the tokens, not a few chunks between
+the staggered arrivals and the first stream's end); ``--contexts`` adds runs
 where the prompt and ``--context-tokens`` generated fill the context (256 and 2,048
 tokens) for both models, compared by their rates over the whole run.
 
-    .venv/bin/python benchmarks/serve_load.py [--levels 1,8,32,128] [--tokens 512]
+    .venv/bin/python benchmarks/serve_load.py [--levels 1,8,32,128] [--tokens 2048]
         [--contexts 256,2048] [--context-tokens 128] [--dtype bf16]
         [--out docs/serve_load.json] [--tiny]
 
@@ -283,7 +284,7 @@ def run_model(kind: str, ckpt: Path, sizes: dict, args, peak_gflops: float, leve
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--levels", default="1,8,32,128")
-    ap.add_argument("--tokens", type=int, default=512, help="tokens generated per stream")
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens generated per stream")
     ap.add_argument("--context-tokens", type=int, default=128,
                     help="tokens generated per stream in the context comparison")
     ap.add_argument("--prompt", type=int, default=64, help="prompt tokens per stream")

@@ -488,10 +488,11 @@ def _serve_parser(sub) -> None:
                     help="attention window each stream keeps (default: the model's)")
     sv.add_argument("--grace", type=_number(">= 0"), default=30.0,
                     help="seconds streams in flight may run on after SIGTERM (default 30)")
-    sv.add_argument("--chunk-ms", type=_number(">= 0"), default=20.0,
+    sv.add_argument("--chunk-ms", type=_number(">= 0"), default=40.0,
                     help="the batch decodes tokens in chunks of about this many ms, and "
-                         "streams each stream's chunk as one event (default 20; 0: every "
-                         "token as it comes, at a lower rate)")
+                         "streams each stream's chunk as one event (default 40; less: "
+                         "earlier first tokens and smaller events, at a lower rate; 0: every "
+                         "token as it comes)")
     sv.add_argument("--threads", type=_AT_LEAST_1, help="torch threads")
     sv.set_defaults(func=cmd_serve)
 

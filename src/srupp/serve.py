@@ -444,7 +444,7 @@ class Server:
 def serve(run, *, host: str = "127.0.0.1", port: int = 8000,
           max_streams: int = 32, max_queue: int = 256, sessions: Optional[str] = None,
           dtype: str = "fp32", mem_len: Optional[int] = None, grace: float = 30.0,
-          threads: Optional[int] = None, chunk_ms: float = 20.0,
+          threads: Optional[int] = None, chunk_ms: float = 40.0,
           log_level: str = "warning") -> int:
     """Serve a loaded run (:func:`srupp.inference.load_run` of a language model) until
     SIGTERM or Ctrl-C (see the module's docstring); returns the exit status: 0, or 1 when

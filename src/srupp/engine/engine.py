@@ -198,7 +198,7 @@ class Engine:
     def __init__(self, model, tokenizer, *, max_streams: int = 32, max_queue: int = 256,
                  window: Optional[int] = None, prefill_chunk: int = 256,
                  max_prompt_tokens: int = 65536, sessions: Optional[SessionStore] = None,
-                 eos_id: Optional[int] = None, chunk_seconds: float = 0.02):
+                 eos_id: Optional[int] = None, chunk_seconds: float = 0.04):
         for name, value in (("max_streams", max_streams), ("prefill_chunk", prefill_chunk),
                             ("max_prompt_tokens", max_prompt_tokens)):
             check(name, value, ">= 1", integer=True)
