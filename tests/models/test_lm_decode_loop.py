@@ -335,12 +335,13 @@ def test_greedy_picks_what_torch_argmax_picks(dtype):
     assert tokens[:6, 0].tolist() == [1, 1, 1, 0, 0, 0]
 
 
-def row_groups(B, temperature=(0.0,), generator=(None,), *, few_rows=64, route="rows",
-               eos_id=-1):
-    """The (first row, rows) groups decode_loop runs a batch of B rows in."""
-    from srupp.ops.layer_step import OUTPUT_ROUTES
+def row_groups(B, temperature=(0.0,), generator=(None,), *, few_rows=64, quant="pairs",
+               route="rows", eos_id=-1):
+    """The (first row, rows) groups decode_loop runs a batch of B rows in (4 layers)."""
+    from srupp.ops.layer_step import OUTPUT_ROUTES, QUANT
     return cpu_kernels.function("decode_row_groups")(
-        B, few_rows, OUTPUT_ROUTES[route], eos_id, list(temperature), list(generator))
+        B, few_rows, [QUANT[quant]] * 4, OUTPUT_ROUTES[route], eos_id, list(temperature),
+        list(generator))
 
 
 def test_row_groups_only_where_no_row_can_depend_on_another():
@@ -361,6 +362,10 @@ def test_row_groups_only_where_no_row_can_depend_on_another():
         assert row_groups(32, (0.7,), (g[0],)) == [(0, 32)]   # the batch drawn in one call
         assert row_groups(32, few_rows=16) == [(0, 32)]       # BLAS's blocking depends on B
         assert row_groups(32, route="aten") == [(0, 32)]      # so does ATen's output GEMM
+        assert row_groups(32, quant="int8") == [(0, 32)]      # and int8 rows' bits
+        assert row_groups(32, route="int8") == [(0, 32)]
+        assert row_groups(32, quant="w8a8", route="w8a8") == [(0, 16), (16, 16)]  # rows alone
+        assert row_groups(32, quant="float") == [(0, 16), (16, 16)]
         assert row_groups(32, eos_id=3) == [(0, 32)]          # rows may stop apart
     with tuning().use(decode_row_group=0):
         assert read() == 0 and row_groups(128) == [(0, 128)]

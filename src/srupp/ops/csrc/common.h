@@ -317,8 +317,8 @@ extern std::atomic<int64_t> row_group_rows;
 // The row groups decode_loop runs, as (first row, rows): all B rows, or groups of
 // row_group_rows where no row's tokens can depend on the others' (decode_loop.cpp).
 std::vector<std::pair<int64_t, int64_t>> decode_row_groups(
-    int64_t B, int64_t few_rows, int64_t out_route, int64_t eos_id,
-    const std::vector<double>& temperature,
+    int64_t B, int64_t few_rows, const std::vector<int64_t>& quant, int64_t out_route,
+    int64_t eos_id, const std::vector<double>& temperature,
     const std::vector<std::optional<at::Generator>>& generator);
 
 std::tuple<Tensor, Tensor, Tensor, std::vector<std::optional<Tensor>>,

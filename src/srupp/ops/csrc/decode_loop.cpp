@@ -189,17 +189,21 @@ V slice(const V& v, int64_t r0, int64_t g) {  // a per-row list's rows r0 .. r0+
 // rows of the 5M shakespeare-cpu model: 17 MB with the weights' 10, on a 32 MB L3;
 // docs/deploy.md). Only where no row's tokens can depend on the others' or on the order
 // rows are drawn in: every product on the few-rows kernels (B <= few_rows: a row's
-// result the same in any batch), the logits by a per-row kernel (not ATen's GEMM), no
-// end token (every row runs the same steps), and each row greedy or drawn by a generator
-// of its own.
+// result the same in any batch) and none with int8 weights (whose rows' bits depend on
+// how many rows share a call: tests/engine/test_engine.py), the logits by a per-row
+// float or w8a8 kernel (not ATen's GEMM), no end token (every row runs the same steps),
+// and each row greedy or drawn by a generator of its own.
 std::vector<std::pair<int64_t, int64_t>> decode_row_groups(
-    int64_t B, int64_t few_rows, int64_t out_route, int64_t eos_id,
-    const std::vector<double>& temperature,
+    int64_t B, int64_t few_rows, const std::vector<int64_t>& quant, int64_t out_route,
+    int64_t eos_id, const std::vector<double>& temperature,
     const std::vector<std::optional<at::Generator>>& generator) {
   const int64_t G = row_group_rows.load(std::memory_order_relaxed);
   const std::vector<std::pair<int64_t, int64_t>> all{{0, B}};
-  if (G <= 0 || B < G + (G + 1) / 2 || B > few_rows || out_route == kAten || eos_id >= 0)
+  if (G <= 0 || B < G + (G + 1) / 2 || B > few_rows || out_route == kAten ||
+      out_route == kInt8Rows || eos_id >= 0)
     return all;
+  for (int64_t q : quant)
+    if (q == 1) return all;  // int8 weights (layer_step.cpp's kInt8)
   if (temperature.size() == 1) {
     if (temperature[0] != 0) return all;  // the batch is drawn in one call
   } else {
@@ -291,7 +295,8 @@ decode_loop_cpu(const Tensor& logits, const Tensor& done, const Tensor& embeddin
   TORCH_CHECK(!has_pad || (memory_pad->dim() == 2 && memory_pad->size(0) == B &&
                            memory_pad->size(1) >= cached + most_fed),
               "srupp decode_loop: memory_pad (B, >= cached + n - 1, + 1 with first) bool");
-  const auto groups = decode_row_groups(B, few_rows, out_route, eos_id, temperature, generator);
+  const auto groups =
+      decode_row_groups(B, few_rows, quant, out_route, eos_id, temperature, generator);
   std::vector<LoopRows> parts;
   for (const auto& [r0, g] : groups) {
     if (g == B) {
