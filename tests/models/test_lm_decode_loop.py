@@ -373,6 +373,8 @@ def test_row_groups_only_where_no_row_can_depend_on_another():
         assert row_groups(7) == [(0, 2), (2, 2), (4, 2), (6, 1)]
     with tuning().use(decode_row_group=3):
         assert row_groups(7) == [(0, 3), (3, 4)]
+    with pytest.raises(RuntimeError, match="one each, or one per row"):
+        row_groups(32, [0.0] * 32, [None] * 31)
 
 
 @torch.no_grad()

@@ -311,7 +311,8 @@ struct Stack {
 // decode_loop.cpp: up to n tokens of a causal LM with an SRU++ stack, in C++.
 
 // Rows the token loop runs at once when it may split the batch (decode_loop.cpp,
-// rows_at_once; 0: all); set from Python only (srupp.ops.settings.tuning().decode_row_group).
+// decode_row_groups; 0: all); set from Python only
+// (srupp.ops.settings.tuning().decode_row_group).
 extern std::atomic<int64_t> row_group_rows;
 
 // The row groups decode_loop runs, as (first row, rows): all B rows, or groups of

@@ -197,6 +197,9 @@ std::vector<std::pair<int64_t, int64_t>> decode_row_groups(
     int64_t B, int64_t few_rows, const std::vector<int64_t>& quant, int64_t out_route,
     int64_t eos_id, const std::vector<double>& temperature,
     const std::vector<std::optional<at::Generator>>& generator) {
+  TORCH_CHECK(generator.size() == temperature.size() &&
+                  (temperature.size() == 1 || temperature.size() == static_cast<size_t>(B)),
+              "srupp decode_row_groups: temperature and generator: one each, or one per row");
   const int64_t G = row_group_rows.load(std::memory_order_relaxed);
   const std::vector<std::pair<int64_t, int64_t>> all{{0, B}};
   if (G <= 0 || B < G + (G + 1) / 2 || B > few_rows || out_route == kAten ||
@@ -298,7 +301,8 @@ decode_loop_cpu(const Tensor& logits, const Tensor& done, const Tensor& embeddin
   const auto groups =
       decode_row_groups(B, few_rows, quant, out_route, eos_id, temperature, generator);
   std::vector<LoopRows> parts;
-  for (const auto& [r0, g] : groups) {
+  for (const auto& rows_g : groups) {
+    const int64_t r0 = rows_g.first, g = rows_g.second;
     if (g == B) {
       parts.push_back(run_loop(stack, logits, done, embedding, out_weight, out_bias, out_scale,
                                out_route, c, memory_pad, kv_start, memory_start, cached,
