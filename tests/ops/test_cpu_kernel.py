@@ -459,3 +459,14 @@ def test_forced_backend_wrong_device(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # (with the interpreter, triton runs CPU tensors)
     with ops.use_backend("triton"), pytest.raises(RuntimeError, match="runs cuda tensors"):
         sru_recurrence(*make_inputs(1, 2, 4)[:5])
+
+
+def test_the_extension_builds_where_a_compiler_is():
+    """Every kernel test skips, with the reason, where the extension cannot build (no C++
+    compiler): a build that breaks where one is present must fail the suite instead of
+    turning it into skips."""
+    import shutil
+
+    if not (shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")):
+        pytest.skip("no C++ compiler here: the kernels' tests skip, each with its reason")
+    assert cpu_kernels.is_available(), cpu_kernels.build_error()
