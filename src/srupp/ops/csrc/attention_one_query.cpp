@@ -71,6 +71,24 @@ inline float softmax_weights(float* p, int64_t n, float mx) {
   return hsum(acc);
 }
 
+// p[j - j0] = score(j) for keys j0 .. j1 - 1 (-inf for padded keys); returns their max
+// (-inf when every one is padded).
+template <typename Padded, typename Score>
+inline float score_keys(int64_t j0, int64_t j1, const Padded& padded, float* p,
+                        const Score& score) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t j = j0; j < j1; ++j) {
+    float& pj = p[j - j0];
+    if (padded(j)) {
+      pj = -std::numeric_limits<float>::infinity();
+      continue;
+    }
+    pj = score(j);
+    mx = std::max(mx, pj);
+  }
+  return mx;
+}
+
 // Keys per block. Each block costs one more task and merge, paid at every batch size (the
 // cut may not depend on it); its scores (1 KiB) stay in L1. A window of w keys decodes over
 // w + 1 (the token's own): at 128 a 128-key window made blocks of 1 and 128 keys, and the
@@ -111,6 +129,8 @@ inline void weigh_values(const T* vb, int64_t svr, int64_t j0, int64_t j1, const
 constexpr int64_t kPairVec = 32;     // bf16 in a 512-bit vector
 constexpr int64_t kMaxPairVecs = 16; // hd up to 512
 
+inline bool pairs_path(int64_t hd) { return hd % kPairVec == 0 && hd <= kPairVec * kMaxPairVecs; }
+
 
 // acc[0 .. NP*32) = sum over unpadded j of p[j - j0] * v_j[0 .. NP*32), as weigh_values
 template <int NP, typename Padded>
@@ -137,7 +157,7 @@ inline void weigh_values_pairs(const BFloat16* vb, int64_t svr, int64_t j0, int6
   }
 }
 
-// attend_keys (below) for bf16 with bf16_pairs_path(hd): q is the bf16 query.
+// attend_keys (below) for bf16 where pairs_path(hd): q is the bf16 query.
 float attend_keys_pairs(const BFloat16* q, const BFloat16* kb, int64_t skr, const BFloat16* vb,
                         int64_t svr, int64_t j0, int64_t j1, int64_t hd, float scale,
                         const bool* pad, int64_t pad_len, float* p, float* acc, float* l) {
@@ -145,13 +165,7 @@ float attend_keys_pairs(const BFloat16* q, const BFloat16* kb, int64_t skr, cons
   auto padded = [&](int64_t j) { return pad != nullptr && j < pad_len && pad[j]; };
   __m512bh qv[kMaxPairVecs];
   for (int64_t m = 0; m < nq; ++m) qv[m] = (__m512bh)_mm512_loadu_si512(q + m * kPairVec);
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t j = j0; j < j1; ++j) {
-    float& pj = p[j - j0];
-    if (padded(j)) {
-      pj = -std::numeric_limits<float>::infinity();
-      continue;
-    }
+  const float mx = score_keys(j0, j1, padded, p, [&](int64_t j) {
     const BFloat16* kr = kb + j * skr;
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     int64_t m = 0;
@@ -160,9 +174,8 @@ float attend_keys_pairs(const BFloat16* q, const BFloat16* kb, int64_t skr, cons
       a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(kr + (m + 1) * kPairVec), qv[m + 1]);
     }
     if (m < nq) a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(kr + m * kPairVec), qv[m]);
-    pj = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) * scale;
-    mx = std::max(mx, pj);
-  }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) * scale;
+  });
   const float sum = softmax_weights(p, j1 - j0, mx);
   // the weighted rows, 8 pairs of vectors at a time in registers (then 4, 2, 1)
   int64_t i = 0;
@@ -182,24 +195,6 @@ float attend_keys_pairs(const BFloat16* q, const BFloat16* kb, int64_t skr, cons
 }
 #endif
 
-// Whether a head of T, hd wide, takes attend_keys_pairs.
-template <typename T>
-constexpr bool pairs_path(int64_t hd) {
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-  return std::is_same<T, BFloat16>::value && hd % kPairVec == 0 && hd <= kPairVec * kMaxPairVecs;
-#else
-  return false;
-#endif
-}
-
-#if !(defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__))
-template <typename T>  // never called: pairs_path is false
-float attend_keys_pairs(const T*, const T*, int64_t, const T*, int64_t, int64_t, int64_t,
-                        int64_t, float, const bool*, int64_t, float*, float*, float*) {
-  return 0.f;
-}
-#endif
-
 // Vectors held at once: half the vector registers (AVX-512 has 32, AVX2 16).
 constexpr int kAccVecs = kW >= 16 ? 16 : 8;
 
@@ -214,13 +209,7 @@ float attend_keys(const float* qf, const T* kb, int64_t skr, const T* vb, int64_
   const int64_t full = hd / kW * kW;
   const int tail = static_cast<int>(hd - full);
   auto padded = [&](int64_t j) { return pad != nullptr && j < pad_len && pad[j]; };
-  float mx = -std::numeric_limits<float>::infinity();
-  for (int64_t j = j0; j < j1; ++j) {
-    float& pj = p[j - j0];
-    if (padded(j)) {
-      pj = -std::numeric_limits<float>::infinity();
-      continue;
-    }
+  const float mx = score_keys(j0, j1, padded, p, [&](int64_t j) {
     const T* kr = kb + j * skr;
     Vec a0(0.f), a1(0.f);
     int64_t i = 0;
@@ -230,9 +219,8 @@ float attend_keys(const float* qf, const T* kb, int64_t skr, const T* vb, int64_
     }
     for (; i < full; i += kW) a0 = at::vec::fmadd(IO<T>::load(kr + i), Vec::loadu(qf + i), a0);
     if (tail) a1 = at::vec::fmadd(IO<T>::load(kr + i, tail), Vec::loadu(qf + i), a1);
-    pj = hsum(a0 + a1) * scale;
-    mx = std::max(mx, pj);
-  }
+    return hsum(a0 + a1) * scale;
+  });
   const float sum = softmax_weights(p, j1 - j0, mx);
   // the weighted rows, kAccVecs vectors at a time in registers (then 8, 4, 2, 1)
   int64_t i = 0;
@@ -331,13 +319,15 @@ void OneQuery<T>::task(int64_t t, float* scratch_) {
   float l = 0.f;
   float m = 0.f;
   bool walked = false;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
   if constexpr (std::is_same<T, BFloat16>::value) {
-    if (pairs_path<T>(hd)) {
+    if (pairs_path(hd)) {
       m = attend_keys_pairs(qp, k + b * sk[0] + h * sk[1], sk[2], v + b * sv[0] + h * sv[1],
                             sv[2], j0, j1, hd, scale, pad, pad_len, p, acc_t, &l);
       walked = true;
     }
   }
+#endif
   if (!walked) {
     for (int64_t i = 0; i < hd; ++i) qf[i] = static_cast<float>(qp[i]);
     std::fill(qf + hd, qf + hd_pad, 0.f);
